@@ -1,0 +1,25 @@
+"""The `paratrain` command. Each subcommand lives with the layer it drives; this file only
+wires them together."""
+
+from __future__ import annotations
+
+import click
+
+from paratrain import __version__
+from paratrain.bench.cli import bench
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="paratrain")
+def main() -> None:
+    """paratrain: distributed training you can read.
+
+    Collectives written from point-to-point beside the backend's own, on threads (an
+    in-process fabric) or processes (torch.distributed: gloo on CPU, NCCL on GPU).
+    """
+
+
+main.add_command(bench)
+
+if __name__ == "__main__":
+    main()

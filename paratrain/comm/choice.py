@@ -1,0 +1,104 @@
+"""How `algo="auto"` picks an algorithm: from a table measured on this machine, else defaults.
+
+`paratrain bench collectives --tune` measures every algorithm and records, per (transport,
+world size, op, message size), the fastest one. Lookups use the nearest measured size (in
+log scale) for the nearest measured world size. Without a table the defaults below apply;
+each says why it is what it is, and `--explain` prints those reasons.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True)
+class Choice:
+    algo: str
+    reason: str
+
+
+def default_table_path() -> Path:
+    """$PARATRAIN_ALGO_TABLE, else the user's cache directory."""
+    override = os.environ.get("PARATRAIN_ALGO_TABLE")
+    if override:
+        return Path(override).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "paratrain" / "algorithms.json"
+
+
+def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Choice:
+    """The choice when nothing was measured."""
+    if world_size == 1:
+        return Choice("native", "one rank: nothing to communicate")
+    if transport == "nccl":
+        return Choice("native", "NCCL's own kernels pick ring or tree on the GPU itself")
+    if transport == "gloo":
+        if op == "reduce_scatter" and nbytes >= 256 * KIB:
+            return Choice(
+                "ring",
+                "gloo's reduce_scatter is a full all-reduce plus a copy; the ring moves half the bytes",
+            )
+        return Choice("native", "gloo's own C++ collective has less per-message overhead than ours")
+    # The fabric: its native collectives are shared-memory reads, one pass over the inputs.
+    if op in ("broadcast", "reduce", "all_to_all", "barrier") or nbytes < 64 * KIB:
+        return Choice("native", "shared memory: every rank reads the inputs directly, no messages")
+    return Choice("ring", "large message: the ring spreads the reduction over all ranks' threads")
+
+
+class AlgorithmTable:
+    def __init__(self, measured: dict | None = None, path: Path | None = None):
+        # measured[transport][world_size][op] = {bytes: algo}; keys are strings in the file.
+        self.measured: dict[str, dict[str, dict[str, dict[str, str]]]] = measured or {}
+        self.path = path
+
+    @classmethod
+    def load(cls, path: Path | str | None = None) -> AlgorithmTable:
+        path = Path(path) if path is not None else default_table_path()
+        if not path.exists():
+            return cls({}, path)
+        try:
+            data = json.loads(path.read_text())
+            measured = data["measured"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"algorithm table {path} is unreadable ({error}); delete it or re-run "
+                "`paratrain bench collectives --tune`"
+            ) from None
+        return cls(measured, path)
+
+    def save(self, path: Path | str | None = None) -> Path:
+        target = Path(path) if path is not None else (self.path or default_table_path())
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": 1, "measured": self.measured}, indent=1, sort_keys=True))
+        tmp.replace(target)  # never leave a half-written table behind
+        return target
+
+    def record(self, transport: str, world_size: int, op: str, nbytes: int, algo: str) -> None:
+        sizes = self.measured.setdefault(transport, {}).setdefault(str(world_size), {})
+        sizes.setdefault(op, {})[str(nbytes)] = algo
+
+    def choose(self, op: str, nbytes: int, world_size: int, transport: str) -> Choice:
+        by_world = self.measured.get(transport, {})
+        candidates = [int(w) for w, ops in by_world.items() if op in ops]
+        if not candidates or world_size == 1:
+            return default_choice(op, nbytes, world_size, transport)
+        world = min(candidates, key=lambda w: (abs(w - world_size), w))
+        sizes = by_world[str(world)][op]
+        nearest = min(sizes, key=lambda s: abs(math.log2(max(int(s), 1)) - math.log2(max(nbytes, 1))))
+        algo = sizes[nearest]
+        where = f"{transport} x{world}" + ("" if world == world_size else f" (nearest to x{world_size})")
+        return Choice(algo, f"fastest when measured at {_human(int(nearest))} on {where}")
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"

@@ -1,0 +1,300 @@
+"""`Group`: what a rank talks through. Point-to-point, and the collectives with a choice of
+algorithm, over any transport.
+
+Every collective call gets a sequence number (the same on every rank, since all ranks make
+the same calls in the same order); its messages carry a tag made from it, so they never match
+another call's, and a timeout names it. With `debug=True` every collective first checks that
+all ranks are making the same call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from paratrain.comm import checks
+from paratrain.comm.algorithms import ALGORITHMS, algorithms_for
+from paratrain.comm.choice import AlgorithmTable
+from paratrain.comm.errors import CommTimeoutError, TransportTimeout
+from paratrain.comm.link import Link
+from paratrain.comm.ops import check_reduce_op, divide_, part_sizes
+from paratrain.comm.transport.base import P2POp
+
+DEFAULT_TIMEOUT_S = 300.0  # generous: a first NCCL call or a slow rank on a busy host is normal
+DEFAULT_SEGMENT_BYTES = 1 << 20
+_USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def timeout_from_env() -> float:
+    raw = os.environ.get("PARATRAIN_TIMEOUT")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"PARATRAIN_TIMEOUT must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"PARATRAIN_TIMEOUT must be positive, got {raw!r}")
+    return value
+
+
+class P2PHandle:
+    """The result of isend/irecv: `wait()` blocks until the transfer is done."""
+
+    def __init__(self, link: Link, work, tensor: torch.Tensor, staging: torch.Tensor):
+        self._link, self._work, self._tensor, self._staging = link, work, tensor, staging
+        self.completed = False
+
+    def wait(self) -> None:
+        if self.completed:
+            return
+        self._link.wait([self._work])
+        if self._staging is not self._tensor:  # a non-contiguous receive: copy into place
+            self._tensor.copy_(self._staging.view(self._tensor.shape))
+        self.completed = True
+
+
+class Group:
+    def __init__(
+        self,
+        transport,
+        *,
+        timeout: float | None = None,
+        debug: bool | None = None,
+        table: AlgorithmTable | None = None,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ):
+        self.transport = transport
+        self.rank, self.size, self.kind = transport.rank, transport.size, transport.kind
+        self.timeout = float(timeout) if timeout is not None else timeout_from_env()
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.debug = debug if debug is not None else _env_flag("PARATRAIN_DEBUG")
+        self.table = table if table is not None else AlgorithmTable.load()
+        self.segment_bytes = segment_bytes
+        self._collective_seq = 0
+        self._p2p_seq = 0
+
+    def __repr__(self) -> str:
+        return f"Group(rank={self.rank}, size={self.size}, transport={self.kind})"
+
+    # ---- point-to-point ------------------------------------------------------------------
+
+    def _p2p_link(self, op_name: str, tag: int) -> Link:
+        if not isinstance(tag, int) or not 0 <= tag < _USER_TAGS:
+            raise ValueError(f"{op_name}: tag must be an int in [0, {_USER_TAGS}), got {tag!r}")
+        self._p2p_seq += 1
+        return Link(self.transport, op_name, self._p2p_seq, tag, self.timeout, self.segment_bytes)
+
+    def _check_peer(self, op_name: str, peer: int) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.size:
+            raise ValueError(f"{op_name}: peer rank {peer!r} out of range [0, {self.size})")
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PHandle:
+        checks.tensor_arg("isend", "tensor", tensor)
+        self._check_peer("isend", dst)
+        link = self._p2p_link("send", tag)
+        payload = tensor.contiguous()
+        (work,) = link.start([P2POp("send", payload, dst, tag)])
+        return P2PHandle(link, work, payload, payload)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PHandle:
+        checks.tensor_arg("irecv", "tensor", tensor)
+        self._check_peer("irecv", src)
+        link = self._p2p_link("recv", tag)
+        staging = tensor if tensor.is_contiguous() else torch.empty_like(tensor).contiguous()
+        (work,) = link.start([P2POp("recv", staging, src, tag)])
+        return P2PHandle(link, work, tensor, staging)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self.irecv(tensor, src, tag).wait()
+        return tensor
+
+    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0):
+        """Send to `dst` and receive from `src` at once (the step of every ring)."""
+        receiving = self.irecv(recv, src, tag)
+        sending = self.isend(send, dst, tag)
+        receiving.wait()
+        sending.wait()
+        return recv
+
+    # ---- collectives ---------------------------------------------------------------------
+
+    def _run(self, op_name: str, algo: str, nbytes: int, signature: checks.CallSignature, body):
+        """Resolve the algorithm, number the call, check it in debug mode, run `body`."""
+        chosen = self.resolve(op_name, algo, nbytes)
+        self._collective_seq += 1
+        seq = self._collective_seq
+        link = Link(
+            self.transport, op_name, seq, _USER_TAGS + seq % _USER_TAGS, self.timeout,
+            self.segment_bytes,
+        )
+        if self.debug:
+            checks.same_call_everywhere(link, signature.with_algo(chosen))
+        try:
+            body(chosen, link)
+        except TransportTimeout as error:  # a native collective timing out
+            raise CommTimeoutError(self.rank, op_name, seq, error.peer, self.timeout) from error
+
+    def resolve(self, op_name: str, algo: str, nbytes: int) -> str:
+        """The algorithm that will run: `algo` itself, or the table's pick for `auto`."""
+        valid = algorithms_for(op_name)
+        if algo not in valid:
+            raise ValueError(f"{op_name}: unknown algorithm {algo!r}; valid: {', '.join(valid)}")
+        if algo != "auto":
+            return algo
+        return self.table.choose(op_name, nbytes, self.size, self.kind).algo
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algo: str = "auto") -> torch.Tensor:
+        """Reduce `tensor` over all ranks, in place; every rank gets the result."""
+        checks.tensor_arg("all_reduce", "tensor", tensor)
+        check_reduce_op(op)
+        buf = checks.flat_buffer(tensor)
+        base = "sum" if op == "avg" else op
+
+        def body(chosen, link):
+            if buf.numel():
+                if chosen == "native":
+                    self.transport.native_all_reduce(buf, base, self.timeout)
+                else:
+                    ALGORITHMS["all_reduce"][chosen](link, buf, base)
+            if op == "avg":
+                divide_(buf, self.size)
+
+        self._run("all_reduce", algo, _nbytes(tensor), checks.CallSignature.of("all_reduce", tensor, reduce_op=op), body)
+        return checks.write_back(tensor, buf)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", algo: str = "auto"
+    ) -> torch.Tensor:
+        """Reduce `input` over all ranks; rank r gets part r (torch.tensor_split's parts)."""
+        checks.tensor_arg("reduce_scatter", "output", output)
+        checks.tensor_arg("reduce_scatter", "input", input)
+        check_reduce_op(op)
+        checks.same_dtype("reduce_scatter", output, input)
+        expected = part_sizes(input.numel(), self.size)[self.rank]
+        checks.numel("reduce_scatter", "output", output, expected, f"part {self.rank} of {input.numel()}")
+        flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
+        base = "sum" if op == "avg" else op
+
+        def body(chosen, link):
+            if flat_in.numel():
+                if chosen == "native":
+                    self.transport.native_reduce_scatter(flat_out, flat_in, base, self.timeout)
+                else:
+                    ALGORITHMS["reduce_scatter"][chosen](link, flat_in, flat_out, base)
+            if op == "avg":
+                divide_(flat_out, self.size)
+
+        signature = checks.CallSignature.of("reduce_scatter", input, reduce_op=op)
+        self._run("reduce_scatter", algo, _nbytes(input), signature, body)
+        return checks.write_back(output, flat_out)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto") -> torch.Tensor:
+        """Concatenate every rank's `input` into `output` (rank r's input is part r)."""
+        checks.tensor_arg("all_gather", "output", output)
+        checks.tensor_arg("all_gather", "input", input)
+        checks.same_dtype("all_gather", output, input)
+        expected = part_sizes(output.numel(), self.size)[self.rank]
+        checks.numel("all_gather", "input", input, expected, f"part {self.rank} of the output's {output.numel()}")
+        flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
+
+        def body(chosen, link):
+            if not flat_out.numel():
+                return
+            if chosen == "native":
+                self.transport.native_all_gather(flat_out, flat_in, self.timeout)
+            else:
+                ALGORITHMS["all_gather"][chosen](link, flat_in, flat_out)
+
+        signature = checks.CallSignature.of("all_gather", output)
+        self._run("all_gather", algo, _nbytes(output), signature, body)
+        return checks.write_back(output, flat_out)
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, algo: str = "auto") -> torch.Tensor:
+        """Copy root's `tensor` into every rank's `tensor`."""
+        checks.tensor_arg("broadcast", "tensor", tensor)
+        checks.root("broadcast", root, self.size)
+        buf = checks.flat_buffer(tensor)
+
+        def body(chosen, link):
+            if not buf.numel():
+                return
+            if chosen == "native":
+                self.transport.native_broadcast(buf, root, self.timeout)
+            else:
+                ALGORITHMS["broadcast"][chosen](link, buf, root)
+
+        signature = checks.CallSignature.of("broadcast", tensor, root=root)
+        self._run("broadcast", algo, _nbytes(tensor), signature, body)
+        return checks.write_back(tensor, buf)
+
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", algo: str = "auto") -> torch.Tensor:
+        """Reduce `tensor` over all ranks into root's `tensor`; the others' are left unchanged."""
+        checks.tensor_arg("reduce", "tensor", tensor)
+        checks.root("reduce", root, self.size)
+        check_reduce_op(op)
+        buf = checks.flat_buffer(tensor)
+        base = "sum" if op == "avg" else op
+
+        def body(chosen, link):
+            if buf.numel():
+                if chosen == "native":
+                    self.transport.native_reduce(buf, root, base, self.timeout)
+                else:
+                    ALGORITHMS["reduce"][chosen](link, buf, root, base)
+            if op == "avg" and self.rank == root:
+                divide_(buf, self.size)
+
+        signature = checks.CallSignature.of("reduce", tensor, reduce_op=op, root=root)
+        self._run("reduce", algo, _nbytes(tensor), signature, body)
+        return checks.write_back(tensor, buf)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto") -> torch.Tensor:
+        """Part j of rank i's `input` becomes part i of rank j's `output`.
+
+        Parts follow torch.tensor_split, so rank r receives `size` pieces of
+        part_sizes(input.numel(), size)[r] elements each.
+        """
+        checks.tensor_arg("all_to_all", "output", output)
+        checks.tensor_arg("all_to_all", "input", input)
+        checks.same_dtype("all_to_all", output, input)
+        expected = self.size * part_sizes(input.numel(), self.size)[self.rank]
+        checks.numel("all_to_all", "output", output, expected, f"{self.size} pieces of rank {self.rank}'s part")
+        flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
+
+        def body(chosen, link):
+            if not flat_in.numel():
+                return
+            if chosen == "native":
+                self.transport.native_all_to_all(flat_out, flat_in, self.timeout)
+            else:
+                ALGORITHMS["all_to_all"][chosen](link, flat_in, flat_out)
+
+        signature = checks.CallSignature.of("all_to_all", input)
+        self._run("all_to_all", algo, _nbytes(input), signature, body)
+        return checks.write_back(output, flat_out)
+
+    def barrier(self, algo: str = "auto") -> None:
+        """Return only when every rank has entered the barrier."""
+        token = torch.zeros(1, device=getattr(self.transport, "device", None) or "cpu")
+
+        def body(chosen, link):
+            if chosen == "native":
+                self.transport.native_barrier(self.timeout)
+            else:
+                ALGORITHMS["barrier"][chosen](link, token, "sum")
+
+        self._run("barrier", algo, 0, checks.CallSignature.of("barrier", None), body)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,56 @@
+"""Reduction operators and the rule that splits a buffer into per-rank parts.
+
+Every algorithm and transport shares these two things, so that a ring reduce-scatter on
+threads and gloo's own collective agree on which rank owns which elements.
+"""
+
+from __future__ import annotations
+
+import torch
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+def check_reduce_op(op: str) -> str:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; valid ops: {', '.join(REDUCE_OPS)}")
+    return op
+
+
+def combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+    """acc <- acc (op) other, in place. `avg` is reduced as a sum and divided once at the end."""
+    if op in ("sum", "avg"):
+        return acc.add_(other)
+    if op == "max":
+        return torch.maximum(acc, other, out=acc)
+    if op == "min":
+        return torch.minimum(acc, other, out=acc)
+    raise ValueError(f"unknown reduce op {op!r}")
+
+
+def divide_(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Finish an `avg`: divide by the world size (integers truncate, as NCCL's AVG does)."""
+    if world_size == 1:
+        return tensor
+    if tensor.is_floating_point():
+        return tensor.div_(world_size)
+    return tensor.copy_(torch.div(tensor, world_size, rounding_mode="trunc"))
+
+
+def part_sizes(count: int, parts: int) -> list[int]:
+    """Sizes of `parts` contiguous pieces of `count` elements; the first `count % parts` get one more.
+
+    This is torch.tensor_split's rule; every collective uses it, so counts that do not divide
+    by the world size are handled the same way everywhere.
+    """
+    base, extra = divmod(count, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def part_bounds(count: int, parts: int) -> list[tuple[int, int]]:
+    """(start, end) element offsets of each part of `part_sizes(count, parts)`."""
+    bounds, start = [], 0
+    for size in part_sizes(count, parts):
+        bounds.append((start, start + size))
+        start += size
+    return bounds

@@ -1,0 +1,53 @@
+"""What every transport offers: batched point-to-point ops and the backend's own collectives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+
+@dataclass
+class P2POp:
+    """One send or receive. A receive with `reduce` set combines into `tensor` instead of
+    overwriting it, which lets a transport reduce straight out of the peer's buffer."""
+
+    kind: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
+    reduce: str | None = None
+
+
+class Work(Protocol):
+    peer: int
+    kind: str  # "send" or "recv"
+
+    def wait(self, timeout: float) -> None:
+        """Block until done; raise TransportTimeout after `timeout` seconds."""
+
+
+class Transport(Protocol):
+    rank: int
+    size: int
+    kind: str  # "fabric", "gloo" or "nccl": the key the algorithm table is indexed by
+
+    def start(self, ops: list[P2POp]) -> list[Work]:
+        """Start all `ops` together (NCCL needs paired sends/receives posted as one batch)."""
+
+    def native_all_reduce(self, tensor: torch.Tensor, op: str, timeout: float) -> None: ...
+
+    def native_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: str, timeout: float
+    ) -> None: ...
+
+    def native_all_gather(self, output: torch.Tensor, input: torch.Tensor, timeout: float) -> None: ...
+
+    def native_broadcast(self, tensor: torch.Tensor, root: int, timeout: float) -> None: ...
+
+    def native_reduce(self, tensor: torch.Tensor, root: int, op: str, timeout: float) -> None: ...
+
+    def native_all_to_all(self, output: torch.Tensor, input: torch.Tensor, timeout: float) -> None: ...
+
+    def native_barrier(self, timeout: float) -> None: ...

@@ -1,0 +1,235 @@
+"""The in-process fabric: N ranks as N threads of one process.
+
+A send posts a reference to the sender's tensor; the receiver copies (or reduces) straight
+out of it into its own buffer, then releases the sender. So a message costs one copy, device
+to device when the two ranks hold tensors on different devices, and torch's copy and add
+kernels release the GIL, so ranks really run in parallel.
+
+Messages are matched by (source, tag, n-th message on that pair and tag): the k-th receive a
+rank posts from a peer with a tag takes the k-th message that peer sent it with that tag,
+whatever order the waits happen in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from paratrain.comm.errors import FabricAborted, TransportTimeout
+from paratrain.comm.ops import combine_, part_bounds, part_sizes
+from paratrain.comm.transport.base import P2POp
+
+
+@dataclass
+class _Message:
+    tensor: torch.Tensor
+    delivered: threading.Event = field(default_factory=threading.Event)
+
+
+class Fabric:
+    """The shared state of one in-process world: mailboxes, a rendezvous, an abort flag."""
+
+    def __init__(self, world_size: int, devices: list[torch.device | str] | None = None):
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        self.size = world_size
+        self.devices = [torch.device(d) for d in (devices or ["cpu"] * world_size)]
+        if len(self.devices) != world_size:
+            raise ValueError(f"{len(self.devices)} devices given for {world_size} ranks")
+        self._cond = threading.Condition()
+        self._mail: dict[tuple[int, int, int, int], _Message] = {}  # (src, dst, tag, k)
+        self._aborted: str | None = None
+        self._slots: list[object] = [None] * world_size
+        self._arrived = 0
+        self._generation = 0
+        self._results: dict[int, list[object]] = {}
+
+    def endpoint(self, rank: int) -> FabricTransport:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} out of range for a fabric of {self.size}")
+        return FabricTransport(self, rank)
+
+    def abort(self, reason: str) -> None:
+        """Wake every waiting rank with an error: used when one rank's function raised."""
+        with self._cond:
+            self._aborted = reason
+            self._cond.notify_all()
+
+    def _wait_for(self, ready, deadline: float, peer: int | None, seconds: float):
+        """Wait on the fabric's condition (held by the caller) until ready() is truthy."""
+        while True:
+            if self._aborted is not None:
+                raise FabricAborted(self._aborted)
+            value = ready()
+            if value:
+                return value
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportTimeout(peer, seconds)
+            self._cond.wait(remaining)
+
+    def post(self, key: tuple[int, int, int, int], message: _Message) -> None:
+        with self._cond:
+            self._mail[key] = message
+            self._cond.notify_all()
+
+    def take(self, key: tuple[int, int, int, int], timeout: float) -> _Message:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._wait_for(lambda: key in self._mail, deadline, key[0], timeout)
+            return self._mail.pop(key)
+
+    def exchange(self, rank: int, value: object, timeout: float) -> list[object]:
+        """Every rank hands in one object and gets back the list of all of them (a barrier)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            generation = self._generation
+            self._slots[rank] = value
+            self._arrived += 1
+            if self._arrived == self.size:
+                self._results[generation] = [list(self._slots), self.size]
+                self._slots = [None] * self.size
+                self._arrived = 0
+                self._generation += 1
+                self._cond.notify_all()
+            entry = self._wait_for(lambda: self._results.get(generation), deadline, None, timeout)
+            entry[1] -= 1
+            if entry[1] == 0:  # the last reader of a generation drops it
+                del self._results[generation]
+            return entry[0]
+
+
+class _SendWork:
+    kind = "send"
+
+    def __init__(self, fabric: Fabric, message: _Message, peer: int):
+        self.fabric, self.message, self.peer = fabric, message, peer
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.message.delivered.wait(min(0.05, max(deadline - time.monotonic(), 0))):
+            if self.fabric._aborted is not None:
+                raise FabricAborted(self.fabric._aborted)
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(self.peer, timeout)
+
+
+class _RecvWork:
+    kind = "recv"
+
+    def __init__(self, fabric: Fabric, key: tuple[int, int, int, int], op: P2POp):
+        self.fabric, self.key, self.op, self.peer = fabric, key, op, op.peer
+        self.done = False
+
+    def wait(self, timeout: float) -> None:
+        if self.done:
+            return
+        message = self.fabric.take(self.key, timeout)
+        source, target = message.tensor, self.op.tensor
+        if source.numel() != target.numel():
+            message.delivered.set()
+            raise ValueError(
+                f"rank {self.key[1]}: message from rank {self.peer} has {source.numel()} elements,"
+                f" the receive buffer {target.numel()}"
+            )
+        source = source.view(target.shape)
+        if self.op.reduce is None:
+            target.copy_(source)
+        else:
+            combine_(target, source.to(target.device), self.op.reduce)
+        message.delivered.set()
+        self.done = True
+
+
+class FabricTransport:
+    """One rank's view of a Fabric."""
+
+    def __init__(self, fabric: Fabric, rank: int):
+        self.fabric, self.rank, self.size = fabric, rank, fabric.size
+        self.device = fabric.devices[rank]
+        self.kind = "fabric"
+        self._counter_lock = threading.Lock()
+        self._sent: dict[tuple[int, int], int] = {}
+        self._received: dict[tuple[int, int], int] = {}
+
+    def _next(self, counters: dict[tuple[int, int], int], peer: int, tag: int) -> int:
+        with self._counter_lock:
+            k = counters.get((peer, tag), 0)
+            counters[(peer, tag)] = k + 1
+            return k
+
+    def start(self, ops: list[P2POp]) -> list:
+        works = []
+        for op in ops:
+            if not 0 <= op.peer < self.size:
+                raise ValueError(f"peer rank {op.peer} out of range for world size {self.size}")
+            if op.kind == "send":
+                key = (self.rank, op.peer, op.tag, self._next(self._sent, op.peer, op.tag))
+                message = _Message(op.tensor)
+                self.fabric.post(key, message)
+                works.append(_SendWork(self.fabric, message, op.peer))
+            else:
+                key = (op.peer, self.rank, op.tag, self._next(self._received, op.peer, op.tag))
+                works.append(_RecvWork(self.fabric, key, op))
+        return works
+
+    # The fabric's own collectives: shared memory, every rank reads every input directly.
+    # They are the reference our p2p algorithms are tested against on threads.
+
+    def _everyone(self, value: object, timeout: float) -> list:
+        return self.fabric.exchange(self.rank, value, timeout)
+
+    def _reduce_range(self, inputs: list[torch.Tensor], start: int, end: int, op: str):
+        acc = inputs[0][start:end].to(self.device, copy=True)
+        for other in inputs[1:]:
+            combine_(acc, other[start:end].to(self.device), op)
+        return acc
+
+    def native_all_reduce(self, tensor, op, timeout):
+        inputs = self._everyone(tensor, timeout)
+        start, end = part_bounds(tensor.numel(), self.size)[self.rank]
+        mine = self._reduce_range(inputs, start, end, op)
+        reduced_parts = self._everyone(mine, timeout)
+        torch.cat([p.to(self.device) for p in reduced_parts], out=tensor)
+
+    def native_reduce_scatter(self, output, input, op, timeout):
+        inputs = self._everyone(input, timeout)
+        start, end = part_bounds(input.numel(), self.size)[self.rank]
+        output.copy_(self._reduce_range(inputs, start, end, op))
+        self._everyone(None, timeout)  # nobody may overwrite an input another rank still reads
+
+    def native_all_gather(self, output, input, timeout):
+        inputs = self._everyone(input, timeout)
+        torch.cat([p.to(self.device) for p in inputs], out=output)
+        self._everyone(None, timeout)
+
+    def native_broadcast(self, tensor, root, timeout):
+        inputs = self._everyone(tensor if self.rank == root else None, timeout)
+        if self.rank != root:
+            tensor.copy_(inputs[root])
+        self._everyone(None, timeout)
+
+    def native_reduce(self, tensor, root, op, timeout):
+        inputs = self._everyone(tensor, timeout)
+        result = self._reduce_range(inputs, 0, tensor.numel(), op) if self.rank == root else None
+        self._everyone(None, timeout)
+        if result is not None:
+            tensor.copy_(result)
+
+    def native_all_to_all(self, output, input, timeout):
+        inputs = self._everyone(input, timeout)
+        pieces = []
+        for source in inputs:
+            start, end = part_bounds(source.numel(), self.size)[self.rank]
+            pieces.append(source[start:end].to(self.device))
+        expected = self.size * part_sizes(input.numel(), self.size)[self.rank]
+        if output.numel() != expected:
+            raise ValueError(f"all_to_all output needs {expected} elements, got {output.numel()}")
+        torch.cat(pieces, out=output)
+        self._everyone(None, timeout)
+
+    def native_barrier(self, timeout):
+        self._everyone(None, timeout)

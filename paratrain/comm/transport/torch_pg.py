@@ -1,0 +1,171 @@
+"""The torch.distributed transport: gloo for CPU tensors, NCCL for CUDA tensors.
+
+Ranks are group-local everywhere in paratrain; this module is the one place that maps them
+to the global ranks torch.distributed's p2p calls want.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from paratrain.comm.errors import TransportTimeout
+from paratrain.comm.ops import combine_, part_sizes
+from paratrain.comm.transport.base import P2POp
+
+# torch 2.13 renamed the tensor collectives; keep working on releases before the rename.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _wait(work, timeout: float, peer: int | None) -> None:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as error:
+        # gloo: "Timed out waiting ...ms for recv operation"; NCCL's watchdog: "...timed out".
+        if "timed out" in str(error).lower():
+            raise TransportTimeout(peer, timeout, str(error)) from error
+        raise
+
+
+class _TorchWork:
+    """One op's handle. With NCCL a batch completes as a whole, so each op of a batch holds
+    every work of the batch."""
+
+    def __init__(self, works: list, op: P2POp, staging: torch.Tensor | None):
+        self.works, self.op, self.staging, self.peer = works, op, staging, op.peer
+        self.kind = op.kind
+        self.done = False
+
+    def wait(self, timeout: float) -> None:
+        if self.done:
+            return
+        for work in self.works:
+            _wait(work, timeout, self.peer)
+        if self.staging is not None:  # a receive that reduces: combine what arrived
+            combine_(self.op.tensor, self.staging, self.op.reduce)
+        self.done = True
+
+
+class TorchTransport:
+    """A torch.distributed process group seen as a transport."""
+
+    def __init__(self, process_group=None):
+        self.pg = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.pg)
+        self.size = dist.get_world_size(self.pg)
+        self._global = [dist.get_global_rank(self.pg, r) for r in range(self.size)]
+        backend = str(dist.get_backend(self.pg)).lower()
+        self.kind = "nccl" if "nccl" in backend and _cuda_available() else "gloo"
+        # Where tensors the transport makes for itself (a barrier's token) should live.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")
+
+    def _staging(self, op: P2POp) -> torch.Tensor | None:
+        return torch.empty_like(op.tensor) if op.kind == "recv" and op.reduce else None
+
+    def start(self, ops: list[P2POp]) -> list:
+        for op in ops:
+            if not 0 <= op.peer < self.size:
+                raise ValueError(f"peer rank {op.peer} out of range for world size {self.size}")
+        stagings = [self._staging(op) for op in ops]
+        if ops and ops[0].tensor.is_cuda:
+            # NCCL deadlocks on paired blocking sends; batch_isend_irecv posts them as a group.
+            p2p = [
+                dist.P2POp(
+                    dist.isend if op.kind == "send" else dist.irecv,
+                    op.tensor if staging is None else staging,
+                    self._global[op.peer],
+                    self.pg,
+                    op.tag,
+                )
+                for op, staging in zip(ops, stagings)
+            ]
+            works = dist.batch_isend_irecv(p2p) if p2p else []
+            return [_TorchWork(works, op, s) for op, s in zip(ops, stagings)]
+        handles = []
+        for op, staging in zip(ops, stagings):
+            peer = self._global[op.peer]
+            if op.kind == "send":
+                work = dist.isend(op.tensor, peer, group=self.pg, tag=op.tag)
+            else:
+                buffer = op.tensor if staging is None else staging
+                work = dist.irecv(buffer, peer, group=self.pg, tag=op.tag)
+            handles.append(_TorchWork([work], op, staging))
+        return handles
+
+    # The backend's own collectives. Parts may be uneven (see ops.part_sizes): torch's
+    # tensor collectives want equal parts, so uneven ones are padded to the largest part.
+
+    def _run(self, work, timeout: float) -> None:
+        _wait(work, timeout, None)
+
+    def native_all_reduce(self, tensor, op, timeout):
+        self._run(dist.all_reduce(tensor, _TORCH_OPS[op], group=self.pg, async_op=True), timeout)
+
+    def native_reduce_scatter(self, output, input, op, timeout):
+        sizes = part_sizes(input.numel(), self.size)
+        width = sizes[0]
+        padded = input if len(set(sizes)) == 1 else _pad_parts(input, sizes, width)
+        result = output if len(set(sizes)) == 1 else output.new_empty(width)
+        work = _reduce_scatter(
+            result, padded, _TORCH_OPS[op], group=self.pg, async_op=True
+        )
+        self._run(work, timeout)
+        if result is not output:
+            output.copy_(result[: output.numel()])
+
+    def native_all_gather(self, output, input, timeout):
+        sizes = part_sizes(output.numel(), self.size)
+        if len(set(sizes)) == 1:
+            work = _all_gather(output, input, group=self.pg, async_op=True)
+            self._run(work, timeout)
+            return
+        width = sizes[0]
+        padded_in = input.new_zeros(width)
+        padded_in[: input.numel()] = input
+        gathered = input.new_empty(width * self.size)
+        self._run(_all_gather(gathered, padded_in, group=self.pg, async_op=True), timeout)
+        output.copy_(torch.cat([gathered[r * width : r * width + s] for r, s in enumerate(sizes)]))
+
+    def native_broadcast(self, tensor, root, timeout):
+        work = dist.broadcast(tensor, self._global[root], group=self.pg, async_op=True)
+        self._run(work, timeout)
+
+    def native_reduce(self, tensor, root, op, timeout):
+        # torch may overwrite non-root buffers with partial sums; ours leaves them as they were.
+        buffer = tensor if self.rank == root else tensor.clone()
+        work = dist.reduce(buffer, self._global[root], _TORCH_OPS[op], group=self.pg, async_op=True)
+        self._run(work, timeout)
+
+    def native_all_to_all(self, output, input, timeout):
+        send_sizes = part_sizes(input.numel(), self.size)
+        receive_size = send_sizes[self.rank]
+        work = dist.all_to_all_single(
+            output,
+            input,
+            output_split_sizes=[receive_size] * self.size,
+            input_split_sizes=send_sizes,
+            group=self.pg,
+            async_op=True,
+        )
+        self._run(work, timeout)
+
+    def native_barrier(self, timeout):
+        self._run(dist.barrier(group=self.pg, async_op=True), timeout)
+
+
+def _pad_parts(flat: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor:
+    padded = flat.new_zeros(width * len(sizes))
+    start = 0
+    for i, size in enumerate(sizes):
+        padded[i * width : i * width + size] = flat[start : start + size]
+        start += size
+    return padded
+
+
+def _cuda_available() -> bool:
+    return hasattr(torch, "cuda") and torch.cuda.is_available()

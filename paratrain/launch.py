@@ -1,0 +1,127 @@
+"""Start a world of ranks and run `fn(group, *args)` on each.
+
+- `launcher="threads"`: an in-process Fabric, one thread per rank.
+- `launcher="processes"`: PyTorch's elastic launcher (what `torchrun` runs), one process per
+  rank, a gloo (CPU) or NCCL (CUDA) process group each.
+- Under `torchrun` (its environment is set), `run` runs this process's own rank only, so the
+  same script works unchanged on many machines.
+
+`run` returns {rank: fn's return value} for the ranks this process launched.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from datetime import timedelta
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from paratrain.comm import Fabric, Group, TorchTransport
+from paratrain.comm.errors import FabricAborted
+from paratrain.comm.group import timeout_from_env
+
+LAUNCHERS = ("threads", "processes")
+
+
+def in_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(
+        name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    )
+
+
+def run(fn, nproc: int, *, launcher: str = "threads", args: tuple = (), devices=None,
+        timeout: float | None = None, debug: bool | None = None) -> dict[int, object]:
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
+    options = {"timeout": timeout, "debug": debug}
+    if in_torchrun():
+        return _run_here(fn, args, options)
+    if launcher == "threads":
+        return _run_threads(fn, nproc, args, devices, options)
+    return _run_processes(fn, nproc, args, options)
+
+
+def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
+    fabric = Fabric(nproc, devices)
+    results: dict[int, object] = {}
+    errors: dict[int, BaseException] = {}
+
+    def rank_main(rank: int) -> None:
+        try:
+            results[rank] = fn(Group(fabric.endpoint(rank), **options), *args)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller below
+            errors[rank] = error
+            fabric.abort(f"rank {rank} failed: {type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(nproc)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        # The rank that failed first raised something other than FabricAborted; the rest
+        # stopped because of it.
+        first = min(errors, key=lambda r: (isinstance(errors[r], FabricAborted), r))
+        error = errors[first]
+        error.add_note(f"(raised on rank {first} of {nproc}, launcher=threads)")
+        raise error
+    return dict(sorted(results.items()))
+
+
+def _run_processes(fn, nproc, args, options) -> dict[int, object]:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default; also silences its warning
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        run_id=f"paratrain-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+    )
+    try:
+        return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
+    except ChildFailedError as failed:
+        rank, failure = failed.get_first_failure()
+        raise RuntimeError(f"rank {rank} of {nproc} failed (launcher=processes): {failure.message}") from None
+
+
+@record  # writes the rank's traceback where the elastic agent reports it
+def _process_main(fn, args, options):
+    """One rank of a process world: join the process group, run, leave."""
+    import torch.distributed as dist
+
+    group = init_process_group_from_env(**options)
+    try:
+        return fn(group, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_here(fn, args, options) -> dict[int, object]:
+    rank = int(os.environ["RANK"])
+    return {rank: _process_main(fn, args, options)}
+
+
+def init_process_group_from_env(timeout: float | None = None, debug: bool | None = None) -> Group:
+    """Join the world torchrun (or our launcher) describes in the environment."""
+    import torch.distributed as dist
+
+    if _cuda_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "cpu:gloo,cuda:nccl"  # CPU tensors still go through gloo
+    else:
+        backend = "gloo"
+    group_timeout = timeout if timeout is not None else timeout_from_env()
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=group_timeout))
+    return Group(TorchTransport(), timeout=group_timeout, debug=debug)
+
+
+def _cuda_available() -> bool:
+    return hasattr(torch, "cuda") and torch.cuda.is_available()
