@@ -22,7 +22,6 @@ from paratrain.comm.ops import check_reduce_op, divide_, part_sizes
 from paratrain.comm.transport.base import P2POp
 
 DEFAULT_TIMEOUT_S = 300.0  # generous: a first NCCL call or a slow rank on a busy host is normal
-DEFAULT_SEGMENT_BYTES = 1 << 20
 _USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
 
 
@@ -67,7 +66,7 @@ class Group:
         timeout: float | None = None,
         debug: bool | None = None,
         table: AlgorithmTable | None = None,
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        segment_bytes: int | None = None,
     ):
         self.transport = transport
         self.rank, self.size, self.kind = transport.rank, transport.size, transport.kind
@@ -76,7 +75,8 @@ class Group:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.debug = debug if debug is not None else _env_flag("PARATRAIN_DEBUG")
         self.table = table if table is not None else AlgorithmTable.load()
-        self.segment_bytes = segment_bytes
+        # Ring steps are cut into segments of this size; each transport knows what suits it.
+        self.segment_bytes = segment_bytes or transport.segment_bytes
         self._collective_seq = 0
         self._p2p_seq = 0
 

@@ -151,6 +151,9 @@ class FabricTransport:
         self.fabric, self.rank, self.size = fabric, rank, fabric.size
         self.device = fabric.devices[rank]
         self.kind = "fabric"
+        # A fabric message is one copy done by the receiver: nothing overlaps it, so cutting
+        # it into segments would only add hand-shakes. Split only very large messages.
+        self.segment_bytes = 64 << 20
         self._counter_lock = threading.Lock()
         self._sent: dict[tuple[int, int], int] = {}
         self._received: dict[tuple[int, int], int] = {}
@@ -182,24 +185,32 @@ class FabricTransport:
     def _everyone(self, value: object, timeout: float) -> list:
         return self.fabric.exchange(self.rank, value, timeout)
 
-    def _reduce_range(self, inputs: list[torch.Tensor], start: int, end: int, op: str):
-        acc = inputs[0][start:end].to(self.device, copy=True)
-        for other in inputs[1:]:
-            combine_(acc, other[start:end].to(self.device), op)
-        return acc
+    def _fold_into(self, out: torch.Tensor, inputs: list, start: int, end: int, op: str, skip=None):
+        """out <- out (op) inputs[i][start:end] for every rank i but `skip`, in rank order."""
+        for rank, source in enumerate(inputs):
+            if rank != skip:
+                combine_(out, source[start:end].to(self.device), op)
 
     def native_all_reduce(self, tensor, op, timeout):
+        # Each rank reduces its own part in place, reading the others' buffers directly; then
+        # each copies the other parts from their owners. No intermediate buffers: two passes
+        # over memory, like the ring, but with no messages.
         inputs = self._everyone(tensor, timeout)
-        start, end = part_bounds(tensor.numel(), self.size)[self.rank]
-        mine = self._reduce_range(inputs, start, end, op)
-        reduced_parts = self._everyone(mine, timeout)
-        torch.cat([p.to(self.device) for p in reduced_parts], out=tensor)
+        bounds = part_bounds(tensor.numel(), self.size)
+        start, end = bounds[self.rank]
+        self._fold_into(tensor[start:end], inputs, start, end, op, skip=self.rank)
+        self._everyone(None, timeout)
+        for rank, (start, end) in enumerate(bounds):
+            if rank != self.rank:
+                tensor[start:end].copy_(inputs[rank][start:end])
+        self._everyone(None, timeout)  # nobody may change a buffer another rank still reads
 
     def native_reduce_scatter(self, output, input, op, timeout):
         inputs = self._everyone(input, timeout)
         start, end = part_bounds(input.numel(), self.size)[self.rank]
-        output.copy_(self._reduce_range(inputs, start, end, op))
-        self._everyone(None, timeout)  # nobody may overwrite an input another rank still reads
+        output.copy_(inputs[0][start:end])
+        self._fold_into(output, inputs, start, end, op, skip=0)
+        self._everyone(None, timeout)
 
     def native_all_gather(self, output, input, timeout):
         inputs = self._everyone(input, timeout)
@@ -214,10 +225,9 @@ class FabricTransport:
 
     def native_reduce(self, tensor, root, op, timeout):
         inputs = self._everyone(tensor, timeout)
-        result = self._reduce_range(inputs, 0, tensor.numel(), op) if self.rank == root else None
+        if self.rank == root:
+            self._fold_into(tensor, inputs, 0, tensor.numel(), op, skip=root)
         self._everyone(None, timeout)
-        if result is not None:
-            tensor.copy_(result)
 
     def native_all_to_all(self, output, input, timeout):
         inputs = self._everyone(input, timeout)

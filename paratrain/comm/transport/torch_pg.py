@@ -61,6 +61,8 @@ class TorchTransport:
         self._global = [dist.get_global_rank(self.pg, r) for r in range(self.size)]
         backend = str(dist.get_backend(self.pg)).lower()
         self.kind = "nccl" if "nccl" in backend and _cuda_available() else "gloo"
+        # gloo moves bytes on its own threads: while one segment is reduced the next arrives.
+        self.segment_bytes = 1 << 20
         # Where tensors the transport makes for itself (a barrier's token) should live.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")
 
