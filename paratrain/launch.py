@@ -52,11 +52,14 @@ def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
     errors: dict[int, BaseException] = {}
 
     def rank_main(rank: int) -> None:
+        group = Group(fabric.endpoint(rank), **options)
         try:
-            results[rank] = fn(Group(fabric.endpoint(rank), **options), *args)
+            results[rank] = fn(group, *args)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller below
             errors[rank] = error
             fabric.abort(f"rank {rank} failed: {type(error).__name__}: {error}")
+        finally:
+            group.close()
 
     threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(nproc)]
     for thread in threads:
@@ -100,6 +103,7 @@ def _process_main(fn, args, options):
     try:
         return fn(group, *args)
     finally:
+        group.close()
         dist.destroy_process_group()
 
 

@@ -10,6 +10,8 @@ all ranks are making the same call.
 from __future__ import annotations
 
 import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -58,6 +60,28 @@ class P2PHandle:
         self.completed = True
 
 
+def _timed(execute):
+    started = time.perf_counter()
+    result = execute()
+    return result, started, time.perf_counter()
+
+
+class CollectiveHandle:
+    """An async collective in flight. `wait()` returns its result (or raises its error);
+    `started`/`finished` (perf_counter seconds) say when the communication thread ran it."""
+
+    def __init__(self, future: Future, op: str, seq: int):
+        self._future, self.op, self.seq = future, op, seq
+        self.started = self.finished = None
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self):
+        result, self.started, self.finished = self._future.result()
+        return result
+
+
 class Group:
     def __init__(
         self,
@@ -79,6 +103,7 @@ class Group:
         self.segment_bytes = segment_bytes or transport.segment_bytes
         self._collective_seq = 0
         self._p2p_seq = 0
+        self._executor: ThreadPoolExecutor | None = None
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, transport={self.kind})"
@@ -128,8 +153,10 @@ class Group:
 
     # ---- collectives ---------------------------------------------------------------------
 
-    def _run(self, op_name: str, algo: str, nbytes: int, signature: checks.CallSignature, body):
-        """Resolve the algorithm, number the call, check it in debug mode, run `body`."""
+    def _run(self, op_name: str, algo: str, nbytes: int, signature: checks.CallSignature, body,
+             async_op: bool = False):
+        """Resolve the algorithm, number the call, then (check it in debug mode and) run `body`,
+        here or, with `async_op`, on this group's communication thread."""
         chosen = self.resolve(op_name, algo, nbytes)
         self._collective_seq += 1
         seq = self._collective_seq
@@ -137,12 +164,33 @@ class Group:
             self.transport, op_name, seq, _USER_TAGS + seq % _USER_TAGS, self.timeout,
             self.segment_bytes,
         )
-        if self.debug:
-            checks.same_call_everywhere(link, signature.with_algo(chosen))
-        try:
-            body(chosen, link)
-        except TransportTimeout as error:  # a native collective timing out
-            raise CommTimeoutError(self.rank, op_name, seq, error.peer, self.timeout) from error
+
+        def execute():
+            if self.debug:
+                checks.same_call_everywhere(link, signature.with_algo(chosen))
+            try:
+                return body(chosen, link)
+            except TransportTimeout as error:  # a native collective timing out
+                raise CommTimeoutError(self.rank, op_name, seq, error.peer, self.timeout) from error
+
+        if async_op:
+            return CollectiveHandle(self._comm_thread().submit(_timed, execute), op_name, seq)
+        if self._executor is not None:
+            # Calls run in the order they were made on every rank, or ranks would wait on each
+            # other's different calls: a blocking call queues behind the pending async ones.
+            return self._executor.submit(execute).result()
+        return execute()
+
+    def _comm_thread(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"comm-rank{self.rank}")
+        return self._executor
+
+    def close(self) -> None:
+        """Stop the communication thread (if async calls started one)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     def resolve(self, op_name: str, algo: str, nbytes: int) -> str:
         """The algorithm that will run: `algo` itself, or the table's pick for `auto`."""
@@ -153,7 +201,7 @@ class Group:
             return algo
         return self.table.choose(op_name, nbytes, self.size, self.kind).algo
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algo: str = "auto") -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algo: str = "auto", async_op: bool = False):
         """Reduce `tensor` over all ranks, in place; every rank gets the result."""
         checks.tensor_arg("all_reduce", "tensor", tensor)
         check_reduce_op(op)
@@ -168,13 +216,15 @@ class Group:
                     ALGORITHMS["all_reduce"][chosen](link, buf, base)
             if op == "avg":
                 divide_(buf, self.size)
+            return checks.write_back(tensor, buf)
 
-        self._run("all_reduce", algo, _nbytes(tensor), checks.CallSignature.of("all_reduce", tensor, reduce_op=op), body)
-        return checks.write_back(tensor, buf)
+        signature = checks.CallSignature.of("all_reduce", tensor, reduce_op=op)
+        return self._run("all_reduce", algo, _nbytes(tensor), signature, body, async_op)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", algo: str = "auto"
-    ) -> torch.Tensor:
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", algo: str = "auto",
+        async_op: bool = False,
+    ):
         """Reduce `input` over all ranks; rank r gets part r (torch.tensor_split's parts)."""
         checks.tensor_arg("reduce_scatter", "output", output)
         checks.tensor_arg("reduce_scatter", "input", input)
@@ -193,12 +243,12 @@ class Group:
                     ALGORITHMS["reduce_scatter"][chosen](link, flat_in, flat_out, base)
             if op == "avg":
                 divide_(flat_out, self.size)
+            return checks.write_back(output, flat_out)
 
         signature = checks.CallSignature.of("reduce_scatter", input, reduce_op=op)
-        self._run("reduce_scatter", algo, _nbytes(input), signature, body)
-        return checks.write_back(output, flat_out)
+        return self._run("reduce_scatter", algo, _nbytes(input), signature, body, async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto") -> torch.Tensor:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto", async_op: bool = False):
         """Concatenate every rank's `input` into `output` (rank r's input is part r)."""
         checks.tensor_arg("all_gather", "output", output)
         checks.tensor_arg("all_gather", "input", input)
@@ -209,17 +259,17 @@ class Group:
 
         def body(chosen, link):
             if not flat_out.numel():
-                return
+                return output
             if chosen == "native":
                 self.transport.native_all_gather(flat_out, flat_in, self.timeout)
             else:
                 ALGORITHMS["all_gather"][chosen](link, flat_in, flat_out)
+            return checks.write_back(output, flat_out)
 
         signature = checks.CallSignature.of("all_gather", output)
-        self._run("all_gather", algo, _nbytes(output), signature, body)
-        return checks.write_back(output, flat_out)
+        return self._run("all_gather", algo, _nbytes(output), signature, body, async_op)
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0, algo: str = "auto") -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, algo: str = "auto", async_op: bool = False):
         """Copy root's `tensor` into every rank's `tensor`."""
         checks.tensor_arg("broadcast", "tensor", tensor)
         checks.root("broadcast", root, self.size)
@@ -227,17 +277,17 @@ class Group:
 
         def body(chosen, link):
             if not buf.numel():
-                return
+                return tensor
             if chosen == "native":
                 self.transport.native_broadcast(buf, root, self.timeout)
             else:
                 ALGORITHMS["broadcast"][chosen](link, buf, root)
+            return checks.write_back(tensor, buf)
 
         signature = checks.CallSignature.of("broadcast", tensor, root=root)
-        self._run("broadcast", algo, _nbytes(tensor), signature, body)
-        return checks.write_back(tensor, buf)
+        return self._run("broadcast", algo, _nbytes(tensor), signature, body, async_op)
 
-    def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", algo: str = "auto") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", algo: str = "auto", async_op: bool = False):
         """Reduce `tensor` over all ranks into root's `tensor`; the others' are left unchanged."""
         checks.tensor_arg("reduce", "tensor", tensor)
         checks.root("reduce", root, self.size)
@@ -253,12 +303,12 @@ class Group:
                     ALGORITHMS["reduce"][chosen](link, buf, root, base)
             if op == "avg" and self.rank == root:
                 divide_(buf, self.size)
+            return checks.write_back(tensor, buf)
 
         signature = checks.CallSignature.of("reduce", tensor, reduce_op=op, root=root)
-        self._run("reduce", algo, _nbytes(tensor), signature, body)
-        return checks.write_back(tensor, buf)
+        return self._run("reduce", algo, _nbytes(tensor), signature, body, async_op)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto") -> torch.Tensor:
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto", async_op: bool = False):
         """Part j of rank i's `input` becomes part i of rank j's `output`.
 
         Parts follow torch.tensor_split, so rank r receives `size` pieces of
@@ -273,17 +323,17 @@ class Group:
 
         def body(chosen, link):
             if not flat_in.numel():
-                return
+                return output
             if chosen == "native":
                 self.transport.native_all_to_all(flat_out, flat_in, self.timeout)
             else:
                 ALGORITHMS["all_to_all"][chosen](link, flat_in, flat_out)
+            return checks.write_back(output, flat_out)
 
         signature = checks.CallSignature.of("all_to_all", input)
-        self._run("all_to_all", algo, _nbytes(input), signature, body)
-        return checks.write_back(output, flat_out)
+        return self._run("all_to_all", algo, _nbytes(input), signature, body, async_op)
 
-    def barrier(self, algo: str = "auto") -> None:
+    def barrier(self, algo: str = "auto", async_op: bool = False):
         """Return only when every rank has entered the barrier."""
         token = torch.zeros(1, device=getattr(self.transport, "device", None) or "cpu")
 
@@ -293,7 +343,7 @@ class Group:
             else:
                 ALGORITHMS["barrier"][chosen](link, token, "sum")
 
-        self._run("barrier", algo, 0, checks.CallSignature.of("barrier", None), body)
+        return self._run("barrier", algo, 0, checks.CallSignature.of("barrier", None), body, async_op)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
