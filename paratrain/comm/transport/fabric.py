@@ -46,6 +46,19 @@ class Fabric:
         self._arrived = 0
         self._generation = 0
         self._results: dict[int, list[object]] = {}
+        self._store = None  # torch.distributed store, if torch_process_group is used
+
+    def torch_process_group(self, rank: int, timeout: float):
+        """A gloo process group for this fabric's threads, for code that needs torch's own
+        (PyTorch's DDP). Built on first use, all threads meeting in one in-memory store."""
+        from paratrain.comm.transport.threaded_gloo import threaded_gloo_group
+
+        with self._cond:
+            if self._store is None:
+                import torch.distributed as dist
+
+                self._store = dist.HashStore()
+        return threaded_gloo_group(self._store, rank, self.size, timeout)
 
     def endpoint(self, rank: int) -> FabricTransport:
         if not 0 <= rank < self.size:
@@ -240,6 +253,9 @@ class FabricTransport:
             raise ValueError(f"all_to_all output needs {expected} elements, got {output.numel()}")
         torch.cat(pieces, out=output)
         self._everyone(None, timeout)
+
+    def torch_process_group(self, timeout: float):
+        return self.fabric.torch_process_group(self.rank, timeout)
 
     def native_barrier(self, timeout):
         self._everyone(None, timeout)

@@ -99,6 +99,9 @@ class TorchTransport:
             handles.append(_TorchWork([work], op, staging))
         return handles
 
+    def torch_process_group(self, timeout: float):
+        return self.pg
+
     # The backend's own collectives. Parts may be uneven (see ops.part_sizes): torch's
     # tensor collectives want equal parts, so uneven ones are padded to the largest part.
 

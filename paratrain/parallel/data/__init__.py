@@ -1,0 +1,39 @@
+"""Data parallelism: every rank holds the whole model and a shard of each global batch.
+
+`build_data_parallel` turns the `--dp-mode` family of options into a strategy:
+naive (average after backward), ddp (ours: buckets overlapping backward), torch (PyTorch's
+DDP), plus compression, local SGD and ZeRO-1.
+"""
+
+from __future__ import annotations
+
+from paratrain.parallel.data.base import DataParallel
+from paratrain.parallel.data.compression import build_compressor
+from paratrain.parallel.data.ddp import BucketedDataParallel
+from paratrain.parallel.data.local_sgd import LocalSGD
+from paratrain.parallel.data.naive import NaiveDataParallel
+from paratrain.parallel.data.torch_ddp import TorchDataParallel
+from paratrain.parallel.data.zero import ZeroOneDataParallel
+
+DP_MODES = ("naive", "ddp", "torch")
+
+
+def build_data_parallel(module, group, *, mode="ddp", algo="auto", naive_layout="flat",
+                        bucket_mb=25.0, first_bucket_mb=1.0, compress="none", local_sgd=0,
+                        zero=0) -> DataParallel:
+    if zero:
+        return ZeroOneDataParallel(module, group, algo)
+    if local_sgd:
+        return LocalSGD(module, group, algo, every=local_sgd)
+    compressor = build_compressor(compress)
+    if mode == "naive":
+        return NaiveDataParallel(module, group, algo, naive_layout, compressor)
+    if mode == "ddp":
+        return BucketedDataParallel(module, group, algo, bucket_mb, first_bucket_mb, compressor)
+    if mode == "torch":
+        process_group = group.transport.torch_process_group(group.timeout)
+        return TorchDataParallel(module, group, process_group, bucket_mb)
+    raise ValueError(f"unknown dp mode {mode!r}; valid: {', '.join(DP_MODES)}")
+
+
+__all__ = ["DP_MODES", "DataParallel", "build_data_parallel"]

@@ -1,0 +1,46 @@
+"""What the training loop asks of every data-parallel strategy.
+
+The loop calls, per optimizer step: forward/backward through `module` (inside `no_sync()`
+for all but the last micro-batch of gradient accumulation), then `finish_gradients()`, then
+`step(optimizer)`, then `zero_grad()`. Strategies differ only in when and how gradients (or
+parameters) cross ranks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from paratrain.parallel.data.timing import CommTimer
+
+
+class DataParallel:
+    def __init__(self, module: torch.nn.Module, group, algo: str = "auto"):
+        self.module, self.group, self.algo = module, group, algo
+        self.timer = CommTimer()
+        self._syncing = True
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, without communicating."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def make_optimizer(self, build):
+        """`build(params)` makes the optimizer; ZeRO gives it only this rank's shard."""
+        return build(list(self.module.parameters()))
+
+    def finish_gradients(self) -> None:
+        """After the step's last backward: every rank holds the averaged gradient."""
+
+    def step(self, optimizer) -> None:
+        optimizer.step()
+
+    def zero_grad(self) -> None:
+        for param in self.module.parameters():
+            if param.grad is not None:
+                param.grad.zero_()

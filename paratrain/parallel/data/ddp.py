@@ -1,0 +1,57 @@
+"""Our DDP: gradients are averaged bucket by bucket while backward is still running.
+
+Each parameter gets a hook that fires once its gradient has been accumulated. When every
+parameter of a bucket has fired, the bucket's all-reduce starts on the group's communication
+thread, and backward carries on computing earlier layers' gradients meanwhile. Buckets start
+strictly in order (0, 1, 2, ...) so all ranks issue the same collectives in the same order.
+`finish_gradients` waits for the ones still in flight: only that wait is exposed.
+"""
+
+from __future__ import annotations
+
+from paratrain.parallel.data.base import DataParallel
+from paratrain.parallel.data.buckets import MIB, build_buckets
+from paratrain.parallel.data.compression import NoCompression
+
+
+class BucketedDataParallel(DataParallel):
+    def __init__(self, module, group, algo="auto", bucket_mb=25.0, first_bucket_mb=1.0, compressor=None):
+        super().__init__(module, group, algo)
+        self.compressor = compressor or NoCompression()
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = build_buckets(params, int(bucket_mb * MIB), int(first_bucket_mb * MIB))
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._pending: dict[int, object] = {}  # bucket index -> its all-reduce in flight
+        self._next_to_start = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    def _grad_ready(self, param) -> None:
+        if not self._syncing:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.pending.discard(id(param))
+        self._start_ready_buckets()
+
+    def _start_ready_buckets(self, everything: bool = False) -> None:
+        while self._next_to_start < len(self.buckets):
+            bucket = self.buckets[self._next_to_start]
+            if bucket.pending and not everything:
+                return
+            self._pending[bucket.index] = self.compressor.start(
+                self.group, bucket.buffer, self.algo, bucket.index
+            )
+            self._next_to_start += 1
+
+    def finish_gradients(self) -> None:
+        # Parameters that got no gradient this step never fired: their buckets start now.
+        self._start_ready_buckets(everything=True)
+        for index in sorted(self._pending):
+            self._pending[index].finish(self.timer)
+        self._pending.clear()
+        self._next_to_start = 0
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def zero_grad(self) -> None:
+        for bucket in self.buckets:
+            bucket.buffer.zero_()

@@ -1,0 +1,1 @@
+"""Training: configuration, the per-rank loop, the single-process reference, the command."""

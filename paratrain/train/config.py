@@ -1,0 +1,159 @@
+"""Training configuration: typed dataclasses, loaded from YAML, overridden by flags, validated
+once before any rank starts.
+
+A YAML file mirrors the sections below:
+
+    steps: 100
+    model: {name: cnn, channels: [32, 64, 128], hidden: 512}
+    data: {global_batch: 128}
+    optim: {name: adamw, lr: 0.001, warmup_steps: 10}
+    parallel: {nproc: 4, dp_mode: ddp, bucket_mb: 10}
+
+Keys of `model` other than `name` override the model preset's fields (see
+paratrain/models/__init__.py for each preset's fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"
+    overrides: dict = field(default_factory=dict)  # preset fields to change, e.g. {"hidden": 512}
+
+
+@dataclass
+class DataConfig:
+    name: str | None = None  # None: the data set the model is made for (see train/setup.py)
+    global_batch: int = 64  # samples per optimizer step across all ranks: fixed, whatever the world size
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"  # sgd (with momentum) or adamw
+    lr: float = 0.05  # peak learning rate, reached after warm-up
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.0
+    warmup_steps: int = 0  # linear ramp from lr/warmup_steps to lr
+    schedule: str = "cosine"  # after warm-up: cosine decay to min_lr_ratio*lr, or constant
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 2  # ranks to start (ignored under torchrun, which says how many)
+    launcher: str = "threads"  # threads: in-process fabric; processes: torch's elastic launcher
+    dp_mode: str = "ddp"  # naive | ddp (ours) | torch (PyTorch's DDP)
+    algo: str = "auto"  # all-reduce algorithm for our modes
+    naive_layout: str = "flat"  # naive: one flat buffer, or one all-reduce per parameter
+    bucket_mb: float = 25.0  # ddp/torch bucket size; PyTorch's default
+    first_bucket_mb: float = 1.0  # ddp: a small first bucket starts communicating sooner
+    grad_accum: int = 1  # micro-batches per step; only the last one communicates
+    compress: str = "none"  # none | fp16 | bf16 | topk:RATIO (naive and ddp)
+    local_sgd: int = 0  # K > 0: no gradient all-reduce, average parameters every K steps
+    zero: int = 0  # 1: ZeRO-1, optimizer state sharded across ranks
+    timeout: float | None = None  # seconds per blocking operation (None: PARATRAIN_TIMEOUT or 300)
+    debug: bool = False  # check every collective is the same call on all ranks
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    steps: int = 50
+    seed: int = 0  # model initialisation and data: same seed, same losses
+    log_every: int = 10  # steps between lines of the printed log
+    metrics_out: str | None = None  # JSON file for the per-step log and the summary
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "parallel": ParallelConfig}
+
+
+class ConfigError(ValueError):
+    """One or more problems with a configuration; each is one line of the message."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def from_dict(raw: dict, source: str = "config") -> TrainConfig:
+    """Build a TrainConfig from nested dicts (as read from YAML); unknown keys are errors."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{source}: expected a mapping at the top level, got {type(raw).__name__}"])
+    problems = []
+    config = TrainConfig()
+    top_fields = [n for n in _field_names(TrainConfig) if n not in _SECTIONS]
+    for key, value in raw.items():
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                problems.append(f"{source}: '{key}' must be a mapping, got {value!r}")
+                continue
+            problems += _fill_section(getattr(config, key), key, value, source)
+        elif key in top_fields:
+            setattr(config, key, value)
+        else:
+            valid = ", ".join(list(_SECTIONS) + top_fields)
+            problems.append(f"{source}: unknown key '{key}'; valid: {valid}")
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _fill_section(section, name: str, values: dict, source: str) -> list[str]:
+    problems = []
+    valid = _field_names(type(section))
+    for key, value in values.items():
+        if name == "model" and key not in valid:
+            section.overrides[key] = value  # checked against the preset by validate()
+        elif key in valid:
+            setattr(section, key, value)
+        else:
+            problems.append(f"{source}: unknown key '{name}.{key}'; valid: {', '.join(valid)}")
+    return problems
+
+
+def load_yaml(path: str | Path) -> TrainConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as error:
+        raise ConfigError([f"cannot read config {path}: {error.strerror}"]) from None
+    except yaml.YAMLError as error:
+        raise ConfigError([f"{path}: not valid YAML: {error}"]) from None
+    return from_dict(raw, str(path))
+
+
+def apply_overrides(config: TrainConfig, overrides: dict[str, object]) -> TrainConfig:
+    """Set dotted keys ('optim.lr', 'steps', 'model.hidden'); command-line flags use this."""
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        if "." not in dotted:
+            setattr(config, dotted, value)
+            continue
+        section_name, key = dotted.split(".", 1)
+        section = getattr(config, section_name)
+        if section_name == "model" and key not in _field_names(ModelConfig):
+            section.overrides[key] = value
+        else:
+            setattr(section, key, value)
+    return config
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)

@@ -1,0 +1,26 @@
+"""The single-process reference every parallel run must match: the plainest PyTorch loop, on
+the whole global batch, with nothing of paratrain's parallel code in it."""
+
+from __future__ import annotations
+
+from paratrain.train.config import TrainConfig
+from paratrain.train.optim import build_optimizer, build_scheduler
+from paratrain.train.setup import build_seeded_model, dataset_for
+
+
+def reference_run(config: TrainConfig) -> tuple[list[float], dict]:
+    """(loss per step, final parameters by name)."""
+    model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
+    dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
+    optimizer = build_optimizer(config.optim, model.parameters())
+    scheduler = build_scheduler(optimizer, config.optim, config.steps)
+    losses = []
+    for step in range(config.steps):
+        inputs, targets = dataset.global_batch(step, config.data.global_batch)
+        loss = dataset.loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -1,0 +1,112 @@
+"""Every check a configuration must pass before a rank starts: one line per problem, all at once,
+so a user fixes them in one go instead of one failed launch at a time."""
+
+from __future__ import annotations
+
+from paratrain.comm.algorithms import algorithms_for
+from paratrain.data import DATASET_NAMES
+from paratrain.launch import LAUNCHERS
+from paratrain.models import MODEL_NAMES, model_config
+from paratrain.parallel.data import DP_MODES
+from paratrain.parallel.data.compression import build_compressor
+from paratrain.parallel.data.naive import LAYOUTS
+from paratrain.train.config import ConfigError, TrainConfig
+
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "constant")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _choice(problems, label, value, valid) -> None:
+    if value not in valid:
+        problems.append(f"{label}: unknown value {value!r}; valid: {', '.join(valid)}")
+
+
+def _at_least(problems, label, value, low, kind="integer") -> bool:
+    ok = (_is_int(value) if kind == "integer" else _is_number(value)) and value >= low
+    if not ok:
+        problems.append(f"{label} must be {'an integer' if kind == 'integer' else 'a number'} >= {low}, got {value!r}")
+    return ok
+
+
+def problems_with(config: TrainConfig, world_size: int) -> list[str]:
+    problems: list[str] = []
+    model, data, optim, par = config.model, config.data, config.optim, config.parallel
+
+    if model.name not in MODEL_NAMES:
+        problems.append(f"model: unknown model {model.name!r}; valid: {', '.join(MODEL_NAMES)}")
+    else:
+        try:
+            model_config(model.name, **model.overrides)
+        except (ValueError, TypeError) as error:
+            problems.append(f"model: {error}")
+    if data.name is not None:
+        _choice(problems, "data.name", data.name, DATASET_NAMES)
+
+    _at_least(problems, "steps", config.steps, 1)
+    _at_least(problems, "log_every", config.log_every, 1)
+    if not _is_int(config.seed):
+        problems.append(f"seed must be an integer, got {config.seed!r}")
+
+    _choice(problems, "optim.name", optim.name, OPTIMIZERS)
+    _choice(problems, "optim.schedule", optim.schedule, SCHEDULES)
+    if not _is_number(optim.lr) or optim.lr <= 0:
+        problems.append(f"optim.lr must be positive, got {optim.lr!r}")
+    if not _is_number(optim.momentum) or not 0 <= optim.momentum < 1:
+        problems.append(f"optim.momentum must be in [0, 1), got {optim.momentum!r}")
+    _at_least(problems, "optim.weight_decay", optim.weight_decay, 0, "number")
+    _at_least(problems, "optim.warmup_steps", optim.warmup_steps, 0)
+    if not _is_number(optim.min_lr_ratio) or not 0 <= optim.min_lr_ratio <= 1:
+        problems.append(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio!r}")
+
+    _at_least(problems, "parallel.nproc", par.nproc, 1)
+    _choice(problems, "parallel.launcher", par.launcher, LAUNCHERS)
+    _choice(problems, "parallel.dp_mode", par.dp_mode, DP_MODES)
+    _choice(problems, "parallel.algo", par.algo, algorithms_for("all_reduce"))
+    _choice(problems, "parallel.naive_layout", par.naive_layout, LAYOUTS)
+    if not _is_number(par.bucket_mb) or par.bucket_mb <= 0:
+        problems.append(f"parallel.bucket_mb must be positive, got {par.bucket_mb!r}")
+    if not _is_number(par.first_bucket_mb) or par.first_bucket_mb <= 0:
+        problems.append(f"parallel.first_bucket_mb must be positive, got {par.first_bucket_mb!r}")
+    accum_ok = _at_least(problems, "parallel.grad_accum", par.grad_accum, 1)
+    _at_least(problems, "parallel.local_sgd", par.local_sgd, 0)
+    if par.zero not in (0, 1):
+        problems.append(f"parallel.zero must be 0 or 1 (ZeRO-1), got {par.zero!r}")
+    if par.timeout is not None and (not _is_number(par.timeout) or par.timeout <= 0):
+        problems.append(f"parallel.timeout must be a positive number of seconds, got {par.timeout!r}")
+    try:
+        build_compressor(par.compress)
+    except (ValueError, TypeError, AttributeError) as error:
+        problems.append(f"parallel.compress: {error}")
+
+    special = [name for name, on in (("compress", par.compress not in ("none", "", None)),
+                                      ("local_sgd", bool(par.local_sgd)), ("zero", bool(par.zero))) if on]
+    if len(special) > 1:
+        problems.append(f"parallel: {' and '.join(special)} cannot be combined; choose one")
+    if par.dp_mode == "torch" and special:
+        problems.append(
+            f"parallel: {special[0]} is ours, not PyTorch DDP's; use --dp-mode ddp or naive with it"
+        )
+
+    if _is_int(data.global_batch) and data.global_batch >= 1:
+        if accum_ok and world_size >= 1 and data.global_batch % (world_size * par.grad_accum):
+            problems.append(
+                f"data.global_batch {data.global_batch} is not divisible by data-parallel size "
+                f"{world_size} x grad_accum {par.grad_accum} = {world_size * par.grad_accum}"
+            )
+    else:
+        problems.append(f"data.global_batch must be an integer >= 1, got {data.global_batch!r}")
+    return problems
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    problems = problems_with(config, world_size)
+    if problems:
+        raise ConfigError(problems)
