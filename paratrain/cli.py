@@ -7,6 +7,7 @@ import click
 
 from paratrain import __version__
 from paratrain.bench.cli import bench
+from paratrain.train.cli import train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,6 +20,7 @@ def main() -> None:
     """
 
 
+main.add_command(train)
 main.add_command(bench)
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+"""`python -m paratrain ...` (what `torchrun -m paratrain train ...` runs)."""
+
+from paratrain.cli import main
+
+main()
