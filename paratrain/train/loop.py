@@ -26,7 +26,8 @@ from paratrain.train.setup import build_seeded_model, dataset_for
 
 def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     """Train on this rank; returns the log and summary (and final parameters if asked)."""
-    model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
+    device = group.transport.device  # cpu here; the rank's GPU under NCCL
+    model = build_seeded_model(config.model.name, config.model.overrides, config.seed).to(device)
     dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
     par = config.parallel
     dp = build_data_parallel(
@@ -47,6 +48,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     for step in range(config.steps):
         started = time.perf_counter()
         inputs, targets = shard(dataset.global_batch(step, config.data.global_batch), group.rank, group.size)
+        inputs, targets = inputs.to(device), targets.to(device)
         loss_sum = 0.0
         for index, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches))):
             last = index == micro_batches - 1
