@@ -1,0 +1,89 @@
+"""Data sets, by name, all with one interface:
+
+    dataset = build_dataset("tokens", seed=0, vocab_size=512)
+    inputs, targets = dataset.global_batch(step, batch_size)   # the whole world's batch
+    inputs, targets = shard((inputs, targets), rank, world_size)  # this rank's part
+    loss = dataset.loss(model(inputs), targets)
+
+Every rank draws the same global batch and keeps its own slice, so what is trained on
+depends only on (seed, step, batch size), never on how many ranks share it: a run on any
+world size sees exactly the data of the single-process reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import torch
+
+from paratrain.data.digits import DigitsConfig, DigitsDataset
+from paratrain.data.synthetic import (
+    RegressionConfig,
+    RegressionDataset,
+    TeacherConfig,
+    TeacherDataset,
+)
+from paratrain.data.tokens import TokenDataset, TokensConfig
+
+
+class Dataset(Protocol):
+    name: str
+    # "classification" | "regression" | "language_modeling": which loss and metrics apply
+    task: str
+    seed: int
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+
+_DATASETS = {
+    "teacher": (TeacherDataset, TeacherConfig),
+    "regression": (RegressionDataset, RegressionConfig),
+    "tokens": (TokenDataset, TokensConfig),
+    "digits": (DigitsDataset, DigitsConfig),
+}
+DATASET_NAMES = tuple(_DATASETS)
+
+
+def build_dataset(name: str, seed: int, **options) -> Dataset:
+    if name not in _DATASETS:
+        raise ValueError(f"unknown data set {name!r}; valid: {', '.join(DATASET_NAMES)}")
+    dataset_cls, config_cls = _DATASETS[name]
+    valid = [field.name for field in dataclasses.fields(config_cls)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"data set {name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"valid: {', '.join(valid)}"
+        )
+    return dataset_cls(seed, config_cls(**options))
+
+
+def shard(batch, rank: int, world_size: int):
+    """Rank's contiguous slice, along dim 0, of a tensor or of a tuple/list of tensors that
+    share their first dimension (e.g. (inputs, targets))."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    tensors = list(batch) if isinstance(batch, (tuple, list)) else [batch]
+    sizes = {t.shape[0] for t in tensors}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"the tensors of a batch must share their first dimension, got sizes {sorted(sizes)}"
+        )
+    size = sizes.pop()
+    if size % world_size:
+        raise ValueError(f"batch size {size} is not divisible by world_size {world_size}")
+    per_rank = size // world_size
+    parts = [t[rank * per_rank : (rank + 1) * per_rank] for t in tensors]
+    return type(batch)(parts) if isinstance(batch, (tuple, list)) else parts[0]
+
+
+__all__ = [
+    "DATASET_NAMES", "Dataset", "DigitsConfig", "DigitsDataset", "RegressionConfig",
+    "RegressionDataset", "TeacherConfig", "TeacherDataset", "TokenDataset", "TokensConfig",
+    "build_dataset", "shard",
+]

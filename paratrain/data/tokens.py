@@ -1,0 +1,69 @@
+"""A token stream for the GPT: walks on a fixed random sparse Markov chain over the vocabulary.
+
+Purely random tokens would leave a language model nothing to learn (its loss would sit at
+log V). Here each token can be followed by only `branching` tokens, so a model that learns
+the bigram table brings the loss from log(vocab_size) down to at most log(branching).
+
+Shape legend: B batch, T sequence position (block_size), V vocabulary, N branching.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from paratrain.data.synthetic import (
+    check_batch_request,
+    check_positive_fields,
+    check_seed,
+    seeded_generator,
+)
+
+
+@dataclass
+class TokensConfig:
+    vocab_size: int = 256  # the `gpt-tiny` preset's vocabulary
+    block_size: int = 64  # tokens per sequence: the `gpt-tiny` preset's context
+    branching: int = 4  # successors per token: sets how low the loss can go (<= log 4 nats)
+
+    def validate(self) -> None:
+        check_positive_fields(self, ("vocab_size", "block_size", "branching"))
+
+
+class TokenDataset:
+    name = "tokens"
+    task = "language_modeling"
+
+    def __init__(self, seed: int, config: TokensConfig):
+        config.validate()
+        self.seed, self.config = check_seed(seed), config
+        self.vocab_size, self.block_size = config.vocab_size, config.block_size
+        g = seeded_generator(seed, "markov-chain")
+        # Drawn with replacement (distinct draws would need a V x V sort, 10 GB at GPT-2's
+        # vocabulary); a repeat only makes that successor likelier and the loss lower.
+        V, N = config.vocab_size, config.branching
+        self.successors_VN = torch.randint(V, (V, N), generator=g)
+
+    @property
+    def chain_entropy_bound(self) -> float:
+        """The loss of a model that knows the chain is at most this (nats per token): every
+        next token is one of `branching` equally likely draws."""
+        return math.log(self.config.branching)
+
+    def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx_BT, targets_BT): targets are the inputs shifted left by one position."""
+        check_batch_request(step, batch_size)
+        g = seeded_generator(self.seed, "batch", step)
+        T, N = self.block_size, self.config.branching
+        tokens_BT1 = torch.empty(batch_size, T + 1, dtype=torch.long)
+        tokens_BT1[:, 0] = torch.randint(self.vocab_size, (batch_size,), generator=g)
+        choices_BT = torch.randint(N, (batch_size, T), generator=g)
+        for t in range(T):
+            tokens_BT1[:, t + 1] = self.successors_VN[tokens_BT1[:, t], choices_BT[:, t]]
+        return tokens_BT1[:, :-1].clone(), tokens_BT1[:, 1:].clone()
+
+    def loss(self, logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1))

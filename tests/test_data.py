@@ -1,0 +1,179 @@
+"""Data sets: batches are a pure function of (seed, step, batch size), sharding them over
+any world size gives back the global batch, each data set has the shapes its model needs,
+and bad requests fail with a message that says what was wrong."""
+
+import math
+
+import pytest
+import torch
+
+from paratrain.data import DATASET_NAMES, build_dataset, shard
+
+# Small options so every data set builds in milliseconds.
+SMALL = {
+    "teacher": {"in_dim": 8, "classes": 3},
+    "regression": {"in_dim": 8, "out_dim": 2},
+    "tokens": {"vocab_size": 32, "block_size": 16},
+    "digits": {},
+}
+
+
+def _batches_equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_registry_names_every_data_set():
+    assert DATASET_NAMES == ("teacher", "regression", "tokens", "digits")
+
+
+@pytest.mark.parametrize("name", DATASET_NAMES)
+def test_same_seed_and_step_give_the_same_batch(name):
+    first = build_dataset(name, seed=3, **SMALL[name]).global_batch(5, 12)
+    rebuilt = build_dataset(name, seed=3, **SMALL[name]).global_batch(5, 12)
+    assert _batches_equal(first, rebuilt)
+
+
+@pytest.mark.parametrize("name", DATASET_NAMES)
+def test_different_steps_and_seeds_give_different_batches(name):
+    data = build_dataset(name, seed=3, **SMALL[name])
+    other_seed = build_dataset(name, seed=4, **SMALL[name])
+    assert not torch.equal(data.global_batch(0, 12)[0], data.global_batch(1, 12)[0])
+    assert not torch.equal(data.global_batch(0, 12)[0], other_seed.global_batch(0, 12)[0])
+
+
+@pytest.mark.parametrize("name", DATASET_NAMES)
+def test_batch_does_not_depend_on_what_was_drawn_before(name):
+    fresh = build_dataset(name, seed=0, **SMALL[name])
+    used = build_dataset(name, seed=0, **SMALL[name])
+    for step in range(4):
+        used.global_batch(step, 12)
+    assert _batches_equal(fresh.global_batch(7, 12), used.global_batch(7, 12))
+
+
+@pytest.mark.parametrize("name", DATASET_NAMES)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6])
+def test_shards_concatenate_to_the_global_batch(name, world_size):
+    batch = build_dataset(name, seed=0, **SMALL[name]).global_batch(2, 12)
+    shards = [shard(batch, rank, world_size) for rank in range(world_size)]
+    for i, whole in enumerate(batch):
+        assert torch.equal(torch.cat([s[i] for s in shards]), whole)
+    assert all(s[0].shape[0] == 12 // world_size for s in shards)
+
+
+def test_shard_takes_a_contiguous_slice_of_a_single_tensor():
+    assert torch.equal(shard(torch.arange(8), 2, 4), torch.tensor([4, 5]))
+
+
+@pytest.mark.parametrize(
+    "batch, rank, world_size, message",
+    [
+        (torch.zeros(10), 0, 4, "batch size 10 is not divisible by world_size 4"),
+        (torch.zeros(8), 4, 4, r"rank must be in \[0, 4\), got 4"),
+        (torch.zeros(8), 0, 0, "world_size must be a positive integer, got 0"),
+        ((torch.zeros(8), torch.zeros(6)), 0, 2, r"share their first dimension, got sizes \[6, 8\]"),
+    ],
+)
+def test_shard_rejects_what_it_cannot_split(batch, rank, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        shard(batch, rank, world_size)
+
+
+def test_teacher_gives_normal_inputs_and_teacher_labels():
+    data = build_dataset("teacher", seed=0, in_dim=16, classes=5)
+    assert (data.task, data.input_dim, data.num_classes) == ("classification", 16, 5)
+    x_BI, labels_B = data.global_batch(0, 4096)
+    assert x_BI.shape == (4096, 16) and labels_B.shape == (4096,) and labels_B.dtype == torch.long
+    assert abs(x_BI.mean().item()) < 0.05 and abs(x_BI.std().item() - 1) < 0.05
+    assert torch.equal(labels_B, (x_BI @ data.teacher_IC).argmax(dim=1))
+    assert set(labels_B.tolist()) == set(range(5))
+
+
+def test_regression_targets_are_a_fixed_linear_map_plus_small_noise():
+    data = build_dataset("regression", seed=0, in_dim=32, out_dim=4, noise_std=0.01)
+    assert (data.task, data.input_dim, data.output_dim) == ("regression", 32, 4)
+    x_BI, y_BO = data.global_batch(0, 2048)
+    assert y_BO.shape == (2048, 4)
+    residual = y_BO - x_BI @ data.w_IO
+    assert abs(residual.std().item() - 0.01) < 0.002
+    assert abs(y_BO.var().item() - 1) < 0.2  # w* is scaled so the targets have unit variance
+
+
+def test_regression_output_width_defaults_to_input_width_for_mlp16():
+    data = build_dataset("regression", seed=0, in_dim=24)
+    assert data.global_batch(0, 2)[1].shape == (2, 24)
+
+
+def test_tokens_targets_are_the_inputs_shifted_by_one_along_the_chain():
+    data = build_dataset("tokens", seed=0, vocab_size=32, block_size=16, branching=3)
+    assert (data.task, data.vocab_size, data.block_size) == ("language_modeling", 32, 16)
+    idx_BT, targets_BT = data.global_batch(0, 8)
+    assert idx_BT.shape == targets_BT.shape == (8, 16) and idx_BT.dtype == torch.long
+    assert torch.equal(idx_BT[:, 1:], targets_BT[:, :-1])
+    allowed_VN = data.successors_VN
+    assert (allowed_VN[idx_BT] == targets_BT.unsqueeze(-1)).any(dim=-1).all()
+    assert data.chain_entropy_bound == pytest.approx(math.log(3))
+
+
+def test_tokens_loss_is_cross_entropy_per_token():
+    data = build_dataset("tokens", seed=0, vocab_size=32, block_size=16)
+    idx_BT, targets_BT = data.global_batch(0, 4)
+    uniform_BTV = torch.zeros(4, 16, 32)
+    assert data.loss(uniform_BTV, targets_BT).item() == pytest.approx(math.log(32))
+
+
+def test_digits_are_normalised_8x8_images_with_a_fixed_held_out_split():
+    data = build_dataset("digits", seed=0)
+    other = build_dataset("digits", seed=1)
+    shape_info = (data.task, data.num_classes, data.in_channels, data.image_size)
+    assert shape_info == ("classification", 10, 1, 8)
+    assert len(data) == 1500
+    images_BCSS, labels_B = data.global_batch(0, 64)
+    assert images_BCSS.shape == (64, 1, 8, 8) and labels_B.dtype == torch.long
+    assert abs(data.train_images.mean().item()) < 1e-4
+    assert abs(data.train_images.std().item() - 1) < 1e-4
+    held_images, held_labels = data.held_out_set()
+    assert held_images.shape == (297, 1, 8, 8)
+    # The seed changes the order of the training images, never which images are held out.
+    assert _batches_equal((held_images, held_labels), other.held_out_set())
+
+
+def test_digits_steps_walk_a_fixed_order_and_wrap_around():
+    data = build_dataset("digits", seed=0)
+    epoch_labels = torch.cat([data.global_batch(step, 500)[1] for step in range(3)])
+    assert torch.equal(epoch_labels, data.train_labels[data.order_N])
+    # Step 1 of 1000 covers positions 1000..1999: the last 500 wrap to the start of the order.
+    assert torch.equal(data.global_batch(1, 1000)[0][500:], data.global_batch(0, 500)[0])
+
+
+def test_unknown_data_set_lists_valid_names():
+    valid = "teacher, regression, tokens, digits"
+    with pytest.raises(ValueError, match=f"unknown data set 'mnist'; valid: {valid}"):
+        build_dataset("mnist", seed=0)
+
+
+def test_unknown_option_names_valid_options():
+    message = "data set 'tokens' has no option 'vocab'; valid: vocab_size, block_size, branching"
+    with pytest.raises(ValueError, match=message):
+        build_dataset("tokens", seed=0, vocab=3)
+
+
+@pytest.mark.parametrize(
+    "name, seed, options, message",
+    [
+        ("teacher", -1, {}, "seed must be a non-negative integer, got -1"),
+        ("teacher", 0, {"classes": 0}, "classes must be a positive integer, got 0"),
+        ("regression", 0, {"noise_std": -1.0}, "noise_std must be >= 0"),
+        ("digits", 0, {"held_out": 1797}, r"held_out must be in \[0, 1797\)"),
+    ],
+)
+def test_bad_arguments_are_rejected_with_the_reason(name, seed, options, message):
+    with pytest.raises(ValueError, match=message):
+        build_dataset(name, seed, **options)
+
+
+@pytest.mark.parametrize(
+    "step, batch_size, message", [(-1, 4, "step must be"), (0, 0, "batch_size must be")]
+)
+def test_bad_batch_requests_are_rejected(step, batch_size, message):
+    with pytest.raises(ValueError, match=message):
+        build_dataset("teacher", seed=0).global_batch(step, batch_size)
