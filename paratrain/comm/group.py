@@ -108,6 +108,22 @@ class Group:
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, transport={self.kind})"
 
+    def split(self, partition: list[list[int]]) -> Group:
+        """Cut the group into disjoint subgroups; returns the one holding this rank.
+
+        Every rank passes the same `partition` (lists of this group's ranks, covering each
+        rank once). A subgroup numbers its ranks by their position in its list.
+        """
+        seen = sorted(r for ranks in partition for r in ranks)
+        if seen != list(range(self.size)):
+            raise ValueError(
+                f"split: partition {partition} must list each rank of 0..{self.size - 1} exactly once"
+            )
+        mine = next(list(ranks) for ranks in partition if self.rank in ranks)
+        return Group(
+            self.transport.split(mine), timeout=self.timeout, debug=self.debug, table=self.table,
+        )
+
     # ---- point-to-point ------------------------------------------------------------------
 
     def _p2p_link(self, op_name: str, tag: int) -> Link:

@@ -47,6 +47,7 @@ class Fabric:
         self._generation = 0
         self._results: dict[int, list[object]] = {}
         self._store = None  # torch.distributed store, if torch_process_group is used
+        self._children: dict[tuple[int, ...], Fabric] = {}  # subgroups' fabrics, by their ranks
 
     def torch_process_group(self, rank: int, timeout: float):
         """A gloo process group for this fabric's threads, for code that needs torch's own
@@ -70,6 +71,20 @@ class Fabric:
         with self._cond:
             self._aborted = reason
             self._cond.notify_all()
+            children = list(self._children.values())
+        for child in children:
+            child.abort(reason)
+
+    def subfabric(self, ranks: tuple[int, ...]) -> Fabric:
+        """The fabric of a subgroup (ranks numbered in this fabric), shared by its members."""
+        with self._cond:
+            child = self._children.get(ranks)
+            if child is None:
+                child = Fabric(len(ranks), [self.devices[r] for r in ranks])
+                if self._aborted is not None:
+                    child._aborted = self._aborted
+                self._children[ranks] = child
+            return child
 
     def _wait_for(self, ready, deadline: float, peer: int | None, seconds: float):
         """Wait on the fabric's condition (held by the caller) until ready() is truthy."""
@@ -256,6 +271,10 @@ class FabricTransport:
 
     def torch_process_group(self, timeout: float):
         return self.fabric.torch_process_group(self.rank, timeout)
+
+    def split(self, ranks: list[int]) -> FabricTransport:
+        """This rank's transport in the subgroup of `ranks` (which must include it)."""
+        return self.fabric.subfabric(tuple(ranks)).endpoint(ranks.index(self.rank))
 
     def native_barrier(self, timeout):
         self._everyone(None, timeout)

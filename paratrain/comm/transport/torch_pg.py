@@ -102,6 +102,12 @@ class TorchTransport:
     def torch_process_group(self, timeout: float):
         return self.pg
 
+    def split(self, ranks: list[int]) -> TorchTransport:
+        """This rank's transport in the subgroup of `ranks` (which must include it). Only the
+        members create it (local synchronisation), so other subgroups need not take part."""
+        members = [self._global[r] for r in ranks]
+        return TorchTransport(dist.new_group(members, use_local_synchronization=True))
+
     # The backend's own collectives. Parts may be uneven (see ops.part_sizes): torch's
     # tensor collectives want equal parts, so uneven ones are padded to the largest part.
 
