@@ -52,14 +52,16 @@ def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
     errors: dict[int, BaseException] = {}
 
     def rank_main(rank: int) -> None:
-        group = Group(fabric.endpoint(rank), **options)
+        group = None
         try:
+            group = Group(fabric.endpoint(rank), **options)
             results[rank] = fn(group, *args)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller below
             errors[rank] = error
             fabric.abort(f"rank {rank} failed: {type(error).__name__}: {error}")
         finally:
-            group.close()
+            if group is not None:
+                group.close()
 
     threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(nproc)]
     for thread in threads:

@@ -1,0 +1,261 @@
+"""What every rank runs for `paratrain bench collectives`: build inputs, warm up, time, check.
+
+The conventions are nccl-tests' (doc/PERFORMANCE.md there), so numbers compare directly:
+
+- size is the bytes of the per-rank buffer nccl-tests reports for each op: the input of
+  reduce_scatter (the output of all_gather), the one buffer of all_reduce/broadcast/reduce,
+  the send buffer of all_to_all. It is also the size `Group` hands the algorithm table, so
+  `auto` resolves here exactly as it would in a training step.
+- algbw = size / time; busbw = algbw x a per-op factor that makes the number comparable with
+  the link (here: memory) bandwidth whatever the world size.
+- time is the mean over the timed iterations on each rank, then the slowest rank's.
+- #wrong: inputs hold small integers whose reduction is exact in every dtype; after timing,
+  inputs are reset and the collective runs once more, and mismatching elements are counted.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from paratrain.comm.choice import AlgorithmTable
+from paratrain.comm.ops import part_bounds
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+}
+REDUCING_OPS = ("all_reduce", "reduce_scatter", "reduce")
+ROOTED_OPS = ("broadcast", "reduce")
+ROOT = 0  # nccl-tests' default root
+
+
+def bus_factor(op: str, world_size: int) -> float | None:
+    """busbw / algbw for `op` (PERFORMANCE.md's table); None for the barrier, which moves no data."""
+    n = world_size
+    if op == "barrier":
+        return None
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # broadcast, reduce: all data leaves (or reaches) the root through one link
+
+
+def element_counts(sizes: list[int], dtype: str) -> list[int]:
+    """Element counts for the requested byte sizes: rounded down, at least one element (zero
+    only for a requested size of zero), each count once."""
+    element_size = torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    counts: list[int] = []
+    for nbytes in sizes:
+        count = 0 if nbytes == 0 else max(1, nbytes // element_size)
+        if count not in counts:
+            counts.append(count)
+    return counts
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Everything a rank needs to know; pickled to every process, so plain data only."""
+
+    plan: tuple[tuple[str, tuple[str, ...]], ...]  # (op, algorithms to run for it), in order
+    counts: tuple[int, ...]
+    dtype: str
+    warmup: int
+    iters: int
+    table: AlgorithmTable | None = None  # what `auto` consults; None: the Group's own
+
+    def counts_for(self, op: str) -> tuple[int, ...]:
+        return (0,) if op == "barrier" else self.counts  # a barrier has no size to sweep
+
+    def measurements(self) -> int:
+        return sum(len(algos) * len(self.counts_for(op)) for op, algos in self.plan)
+
+
+@dataclass
+class Measurement:
+    op: str
+    algo: str
+    resolved: str  # what `algo` ran as: itself, or auto's pick
+    bytes: int
+    count: int
+    dtype: str
+    time_us: float
+    algbw_gbps: float | None
+    busbw_gbps: float | None
+    wrong: int
+
+    @property
+    def label(self) -> str:
+        return f"auto({self.resolved})" if self.algo == "auto" else self.algo
+
+
+@dataclass
+class SweepResult:
+    """What rank 0 hands back to the caller."""
+
+    world_size: int
+    transport: str
+    device: str
+    measurements: list[Measurement] = field(default_factory=list)
+
+
+def run_sweep(group, sweep: Sweep) -> SweepResult | None:
+    """The function every rank runs (module-level, so spawned processes can import it)."""
+    if sweep.table is not None:
+        group.table = sweep.table
+    device = getattr(group.transport, "device", None) or torch.device("cpu")
+    result = SweepResult(group.size, group.kind, str(device))
+    progress = tqdm(
+        total=sweep.measurements(), file=sys.stderr, leave=False, unit="run",
+        disable=None if group.rank == 0 else True,  # None: only when stderr is a terminal
+    )
+    with progress:
+        for op, algos in sweep.plan:
+            for count in sweep.counts_for(op):
+                case = _build_case(group, op, count, DTYPES[sweep.dtype], device)
+                for algo in algos:
+                    progress.set_description(f"{op} {algo} {case.nbytes} B")
+                    result.measurements.append(_measure(group, case, op, algo, sweep, device))
+                    progress.update()
+    return result if group.rank == 0 else None
+
+
+def _measure(group, case: _Case, op: str, algo: str, sweep: Sweep, device) -> Measurement:
+    seconds = _time_iterations(group, case, algo, sweep.warmup, sweep.iters, device)
+    case.reset()
+    case.call(algo)
+    _synchronize(device)
+    wrong = case.count_wrong()
+    # Every rank's (time, wrong) in one call: the slowest rank's time, everyone's wrong elements.
+    mine = torch.tensor([seconds, float(wrong)], dtype=torch.float64, device=device)
+    everyone = group.all_gather(mine.new_empty(2 * group.size), mine, algo="native").cpu()
+    seconds, wrong = everyone[0::2].max().item(), int(everyone[1::2].sum().item())
+    factor = bus_factor(op, group.size)
+    algbw = None if factor is None else case.nbytes / seconds / 1e9
+    return Measurement(
+        op=op, algo=algo, resolved=group.resolve(op, algo, case.nbytes), bytes=case.nbytes,
+        count=case.count, dtype=sweep.dtype, time_us=seconds * 1e6, algbw_gbps=algbw,
+        busbw_gbps=None if factor is None else algbw * factor, wrong=wrong,
+    )
+
+
+def _time_iterations(group, case: _Case, algo: str, warmup: int, iters: int, device) -> float:
+    """Seconds per call on this rank. Buffers are not reset between calls, so in-place
+    reductions grow (to inf or wrapping integers): the timed work stays the same, and the
+    result is checked separately on fresh inputs."""
+    case.reset()
+    for _ in range(warmup):
+        case.call(algo)
+    # Start together, so no rank's clock includes waiting for a rank still warming up.
+    group.barrier(algo="native")
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        case.call(algo)
+    _synchronize(device)
+    return (time.perf_counter() - start) / iters
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- inputs and expected results ---------------------------------------------------------
+
+
+@dataclass
+class _Case:
+    """One op at one size on this rank: its buffers, how to call it, what it must produce."""
+
+    call: Callable[[str], None]  # call(algo) runs the collective once
+    nbytes: int
+    count: int
+    inputs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (buffer, initial)
+    result: torch.Tensor | None = None
+    expected: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        for buffer, initial in self.inputs:
+            buffer.copy_(initial)
+
+    def count_wrong(self) -> int:
+        if self.result is None:
+            return 0
+        return int((self.result != self.expected).sum().item())
+
+
+def _pattern(rank: int, start: int, count: int, span: int, dtype, device) -> torch.Tensor:
+    """Element i of rank r's data is (i + r) % span + 1: it differs between neighbouring ranks
+    and positions, so a misplaced block shows, and stays a small integer."""
+    values = torch.arange(start, start + count, dtype=torch.int64, device=device)
+    return values.add_(rank).remainder_(span).add_(1).to(dtype)
+
+
+def _build_case(group, op: str, count: int, dtype, device) -> _Case:
+    n, rank = group.size, group.rank
+    # Sums of n values up to `span` must stay exact in bfloat16 (integers up to 256).
+    span = max(1, min(4, 256 // n))
+
+    def data(r: int, start: int = 0, length: int = count) -> torch.Tensor:
+        return _pattern(r, start, length, span, dtype, device)
+
+    # The patterns repeat every `span` elements, so their sum over ranks does too: one period
+    # of it, indexed, gives the expected reduction without building n buffers.
+    period = torch.tensor([sum((k + r) % span + 1 for r in range(n)) for k in range(span)], device=device)
+
+    def total(start: int = 0, length: int = count) -> torch.Tensor:
+        positions = torch.arange(start, start + length, device=device).remainder_(span)
+        return period[positions].to(dtype)
+
+    nbytes = count * torch.empty(0, dtype=dtype).element_size()
+    bounds = part_bounds(count, n)
+    mine_start, mine_end = bounds[rank]
+
+    if op == "barrier":
+        return _Case(lambda algo: group.barrier(algo=algo), 0, 0)
+    if op == "all_reduce":
+        buf = torch.empty(count, dtype=dtype, device=device)
+        case = _Case(lambda algo: group.all_reduce(buf, "sum", algo=algo), nbytes, count, result=buf)
+        case.inputs, case.expected = [(buf, data(rank))], total()
+        return case
+    if op == "reduce_scatter":
+        inp = torch.empty(count, dtype=dtype, device=device)
+        out = torch.empty(mine_end - mine_start, dtype=dtype, device=device)
+        case = _Case(lambda algo: group.reduce_scatter(out, inp, "sum", algo=algo), nbytes, count, result=out)
+        case.inputs, case.expected = [(inp, data(rank))], total(mine_start, mine_end - mine_start)
+        return case
+    if op == "all_gather":
+        inp = torch.empty(mine_end - mine_start, dtype=dtype, device=device)
+        out = torch.empty(count, dtype=dtype, device=device)
+        case = _Case(lambda algo: group.all_gather(out, inp, algo=algo), nbytes, count, result=out)
+        case.inputs = [(inp, data(rank, mine_start, mine_end - mine_start))]
+        case.expected = torch.cat([data(r, s, e - s) for r, (s, e) in enumerate(bounds)])
+        return case
+    if op == "broadcast":
+        buf = torch.empty(count, dtype=dtype, device=device)
+        case = _Case(lambda algo: group.broadcast(buf, ROOT, algo=algo), nbytes, count, result=buf)
+        case.inputs, case.expected = [(buf, data(rank))], data(ROOT)
+        return case
+    if op == "reduce":
+        buf = torch.empty(count, dtype=dtype, device=device)
+        case = _Case(lambda algo: group.reduce(buf, ROOT, "sum", algo=algo), nbytes, count, result=buf)
+        # Non-root buffers must come back untouched, so they are checked too.
+        case.inputs, case.expected = [(buf, data(rank))], total() if rank == ROOT else data(rank)
+        return case
+    if op == "all_to_all":
+        inp = torch.empty(count, dtype=dtype, device=device)
+        out = torch.empty(n * (mine_end - mine_start), dtype=dtype, device=device)
+        case = _Case(lambda algo: group.all_to_all(out, inp, algo=algo), nbytes, count, result=out)
+        case.inputs = [(inp, data(rank))]
+        case.expected = torch.cat([data(r, mine_start, mine_end - mine_start) for r in range(n)])
+        return case
+    raise ValueError(f"unknown op {op!r}")

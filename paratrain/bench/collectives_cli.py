@@ -1,0 +1,251 @@
+"""`paratrain bench collectives`: nccl-tests for paratrain's collectives, ours beside the backend's.
+
+All input is checked here, before any rank starts; the ranks run `collectives.run_sweep`, rank 0
+hands its measurements back, and only this process prints.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+import torch
+
+from paratrain.bench import report
+from paratrain.bench.collectives import DTYPES, Sweep, element_counts, run_sweep
+from paratrain.bench.membw import copy_bandwidth_gbps
+from paratrain.comm.algorithms import OPS, algorithms_for
+from paratrain.comm.choice import AlgorithmTable, default_table_path
+from paratrain.launch import LAUNCHERS, in_torchrun, run
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_ALL_ALGOS = tuple(dict.fromkeys(a for op in OPS for a in algorithms_for(op)))
+
+
+class ByteSize(click.ParamType):
+    """`65536`, `64K`, `64M`, `1G` (K = 1024, as nccl-tests); a trailing B or iB is allowed."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", str(value).upper())
+        if not match:
+            self.fail(f"{value!r} is not a size: give bytes, or a number with K, M or G (K=1024), e.g. 64K",
+                      param, ctx)
+        return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def _bad(option: str, message: str) -> click.BadParameter:
+    return click.BadParameter(message, param_hint=f"'{option}'")  # quoted, as click quotes its own
+
+
+def _names(text: str, valid: tuple[str, ...], what: str, option: str) -> list[str]:
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    if not names:
+        raise _bad(option, f"no {what} given; valid: {', '.join(valid)}")
+    for name in names:
+        if name not in valid:
+            raise _bad(option, f"unknown {what} {name!r}; valid: {', '.join(valid)}")
+    return names
+
+
+def plan_sweep(ops_text: str | None, algos_text: str | None, tune: bool):
+    """(op, algorithms) pairs to run, and a note for each named algorithm some op lacks.
+
+    By default every algorithm valid for an op runs (but `auto` when tuning: it would only repeat
+    another one). An algorithm named explicitly must be valid for at least one named op.
+    """
+    ops = _names(ops_text, OPS, "op", "--ops") if ops_text else list(OPS)
+    if algos_text is None:
+        return [(op, tuple(a for a in algorithms_for(op) if not (tune and a == "auto"))) for op in ops], []
+    algos = _names(algos_text, _ALL_ALGOS, "algorithm", "--algos")
+    for algo in algos:
+        if not any(algo in algorithms_for(op) for op in ops):
+            has_it = [op for op in OPS if algo in algorithms_for(op)]
+            raise _bad("--algos", f"algorithm {algo!r} is not available for {', '.join(ops)}"
+                                  f" (it is for {', '.join(has_it)})")
+    plan, notes = [], []
+    for op in ops:
+        valid = tuple(a for a in algos if a in algorithms_for(op))
+        notes += [f"{a} is not available for {op}: skipped" for a in algos if a not in valid]
+        if valid:
+            plan.append((op, valid))
+    return plan, notes
+
+
+def sweep_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """min, min*factor, ... up to max; a zero minimum adds a zero-byte row, then starts at 1."""
+    sizes, size = ([0], 1) if min_bytes == 0 else ([], min_bytes)
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def transport_kind(launcher: str) -> str:
+    """The transport a world started by `launcher` will have, known without starting it."""
+    if launcher == "threads":
+        return "fabric"
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _thread_devices(nproc: int):
+    """One GPU per rank when there are enough; otherwise all ranks share the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= nproc:
+        return [f"cuda:{i}" for i in range(nproc)]
+    return None
+
+
+@click.command()
+@click.option("--ops", metavar="LIST",
+              help=f"Comma-separated ops to measure. [default: all: {','.join(OPS)}]")
+@click.option("--algos", metavar="LIST",
+              help="Comma-separated algorithms (ring, hd, tree, direct, native, auto); each op runs those "
+                   "valid for it. [default: all valid for each op]")
+@click.option("--min-bytes", type=ByteSize(), default="1K", show_default=True,
+              help="Smallest size: bytes of the per-rank buffer nccl-tests reports (all_gather: the "
+                   "output, reduce_scatter: the input). Plain bytes or K/M/G, K=1024.")
+@click.option("--max-bytes", type=ByteSize(), default="16M", show_default=True, help="Largest size.")
+@click.option("--factor", type=click.IntRange(min=2), default=2, show_default=True,
+              help="Each size is the previous one times this integer.")
+@click.option("--nproc", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Number of ranks (ignored under torchrun, which sets the world).")
+@click.option("--launcher", type=click.Choice(LAUNCHERS), default="processes", show_default=True,
+              help="processes: torch.distributed (gloo on CPU, NCCL on GPU); threads: the in-process fabric.")
+@click.option("--warmup", type=click.IntRange(min=0), default=5, show_default=True,
+              help="Untimed calls before timing each (op, algorithm, size).")
+@click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Timed calls; time is their mean on the slowest rank.")
+@click.option("--dtype", type=click.Choice(tuple(DTYPES)), default="float32", show_default=True,
+              help="Element type of the buffers.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the measurements to this file: a list of records with keys "
+                   + ", ".join(report.JSON_KEYS) + ".")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also draw busbw against size (one subplot per op) into this PNG file.")
+@click.option("--tune", is_flag=True,
+              help="Record the fastest algorithm per (transport, world size, op, size) in the algorithm "
+                   "table that `auto` reads. Measures every algorithm unless --algos is given.")
+@click.option("--explain", is_flag=True,
+              help="Print which algorithm `auto` picks for each op and size, and why. Measures nothing "
+                   "unless --tune is also given (then it explains the new table).")
+@click.option("--table", "table_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=default_table_path,
+              show_default="$PARATRAIN_ALGO_TABLE or ~/.cache/paratrain/algorithms.json",
+              help="The algorithm table `auto` reads and --tune writes.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True),
+              help="Seconds any one communication may block before it fails naming the rank and peer. "
+                   "[default: $PARATRAIN_TIMEOUT or 300]")
+@click.option("--debug", is_flag=True,
+              help="Check before every collective that all ranks make the same call (slower), and show "
+                   "full tracebacks.")
+def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype,
+                json_path, plot_path, tune, explain, table_path, timeout, debug) -> None:
+    """Measure collectives like nccl-tests: time, algbw, busbw and #wrong per op, algorithm, size.
+
+    Our algorithms (ring, hd = halving-doubling, tree, direct) run beside the backend's own
+    (native) and auto (the algorithm table's pick, shown as e.g. "auto(ring)"); 'vs native' is
+    native's time over each row's time at the same size. busbw = algbw x 2(n-1)/n for
+    all_reduce; (n-1)/n for reduce_scatter, all_gather, all_to_all; 1 for broadcast, reduce. The
+    barrier reports time only (null bandwidths in JSON). Exits with 1 if any element is wrong.
+
+    \b
+    Examples:
+      paratrain bench collectives --ops all_reduce --algos ring,native --max-bytes 1M
+      paratrain bench collectives --tune
+      paratrain bench collectives --explain --ops all_reduce,all_gather
+    """
+    if max_bytes < min_bytes:
+        raise _bad("--max-bytes", f"{max_bytes} is smaller than --min-bytes ({min_bytes})")
+    if explain and not tune and (json_path or plot_path):
+        raise click.UsageError("--json and --plot need measurements; --explain alone measures nothing")
+    plan, notes = plan_sweep(ops, algos, tune)
+    try:
+        table = AlgorithmTable.load(table_path)
+    except ValueError as error:
+        if not tune:
+            raise _bad("--table", str(error)) from None
+        table = AlgorithmTable({}, table_path)  # tuning writes a whole new table anyway
+        notes.append(f"{error}: replacing it")
+    counts = element_counts(sweep_sizes(min_bytes, max_bytes, factor), dtype)
+    if explain and not tune:
+        _print_explain(table, plan, counts, dtype, nproc, transport_kind(launcher))
+        return
+
+    sweep = Sweep(tuple(plan), tuple(counts), dtype, warmup, iters, table)
+    result = _launch(sweep, nproc, launcher, timeout, debug)
+    if result is None:  # under torchrun, a rank other than 0: rank 0's process prints
+        return
+
+    launched_by = "torchrun" if in_torchrun() else launcher
+    device = result.device if result.device.startswith("cuda") else "cpu"
+    info = report.RunInfo(
+        result.world_size, launched_by, result.transport, result.device, torch.__version__,
+        copy_bandwidth_gbps(device),
+        f"ops {','.join(op for op, _ in plan)}  minBytes {min_bytes}  maxBytes {max_bytes}"
+        f"  step: {factor}(factor)  warmup iters: {warmup}  iters: {iters}  dtype: {dtype}",
+    )
+    measurements = result.measurements
+    lines = report.header_lines(info) + [f"# note: {note}" for note in notes]
+    lines += report.table_lines(measurements, result.world_size) + report.summary_lines(measurements)
+    click.echo("\n".join(lines))
+    if json_path:
+        report.write_json(json_path, measurements, launched_by, result.world_size)
+        click.echo(f"# wrote {len(measurements)} records to {json_path}")
+    if plot_path:
+        drawn = report.write_plot(plot_path, measurements, info)
+        click.echo(f"# plotted to {plot_path}" if drawn else "# nothing plotted: the barrier has no bandwidth")
+    if tune:
+        _record_fastest(table, measurements, result.transport, result.world_size)
+        click.echo(f"# tuned: fastest algorithm per op and size for {result.transport} x{result.world_size}"
+                   f" saved to {table.save(table_path)}")
+    if explain:
+        _print_explain(table, plan, counts, dtype, result.world_size, result.transport)
+    if any(m.wrong for m in measurements):
+        raise click.ClickException("some collectives returned wrong elements (see #wrong)")
+
+
+def _launch(sweep: Sweep, nproc: int, launcher: str, timeout: float | None, debug: bool):
+    """Run the sweep on every rank; rank 0's SweepResult, or None in a process without rank 0."""
+    devices = _thread_devices(nproc) if launcher == "threads" else None
+    try:
+        results = run(run_sweep, nproc, launcher=launcher, args=(sweep,), devices=devices,
+                      timeout=timeout, debug=debug or None)  # None: the environment decides
+    except Exception as error:  # noqa: BLE001 - shown as one line; --debug shows the traceback
+        if debug:
+            raise
+        raise click.ClickException(f"benchmark failed: {type(error).__name__}: {error}") from error
+    if 0 not in results and not in_torchrun():
+        raise click.ClickException("benchmark failed: rank 0 returned no measurements")
+    return results.get(0)
+
+
+def _record_fastest(table: AlgorithmTable, measurements, transport: str, world_size: int) -> None:
+    """Auto's candidates: real algorithms whose results were right (auto only repeats one)."""
+    fastest = {}
+    for m in measurements:
+        key = (m.op, m.bytes)
+        if m.algo == "auto" or m.wrong:
+            continue
+        if key not in fastest or m.time_us < fastest[key].time_us:
+            fastest[key] = m
+    for (op, nbytes), m in fastest.items():
+        table.record(transport, world_size, op, nbytes, m.algo)
+
+
+def _print_explain(table: AlgorithmTable, plan, counts: list[int], dtype: str, world_size: int,
+                   transport: str) -> None:
+    where = table.path if table.path and table.path.exists() else f"{table.path} (none yet: defaults apply)"
+    lines = [
+        f"# what auto picks: transport {transport}, world size {world_size}, table {where}",
+        f"# {'op':<16}  {'size (B)':>10}  {'algo':<8}  why",
+    ]
+    element_size = torch.empty(0, dtype=DTYPES[dtype]).element_size()
+    for op, _ in plan:
+        for nbytes in [0] if op == "barrier" else [count * element_size for count in counts]:
+            choice = table.choose(op, nbytes, world_size, transport)
+            lines.append(f"  {op:<16}  {nbytes:>10}  {choice.algo:<8}  {choice.reason}")
+    click.echo("\n".join(lines))

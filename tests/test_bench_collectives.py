@@ -1,0 +1,240 @@
+"""`paratrain bench collectives`: its interface (options, JSON keys, errors), tuning, explaining.
+
+Speed is never asserted: these runs are tiny (a few KiB, one or two iterations) and mostly on
+threads; one smoke test starts real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from paratrain.bench import collectives_cli
+from paratrain.bench.collectives import bus_factor, element_counts
+from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
+from paratrain.bench.membw import copy_bandwidth_gbps
+from paratrain.bench.report import JSON_KEYS
+from paratrain.cli import main
+from paratrain.comm.algorithms import ALGORITHMS
+from paratrain.comm.choice import AlgorithmTable
+
+TINY = ["--launcher", "threads", "--nproc", "2", "--warmup", "0", "--iters", "1"]
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """No test reads or writes the user's algorithm table, and none spends time on the
+    256 MiB memory-copy measurement (it has its own test)."""
+    monkeypatch.setenv("PARATRAIN_ALGO_TABLE", str(tmp_path / "default-table.json"))
+    monkeypatch.setattr(collectives_cli, "copy_bandwidth_gbps", lambda device: 12.5)
+
+
+def bench(*args: str):
+    return CliRunner().invoke(main, ["bench", "collectives", *args])
+
+
+def bench_json(tmp_path, *args: str) -> list[dict]:
+    path = tmp_path / "out.json"
+    result = bench(*TINY, "--json", str(path), *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(path.read_text())
+
+
+def test_help_explains_every_option():
+    result = bench("--help")
+    assert result.exit_code == 0
+    for option in ("--ops", "--algos", "--min-bytes", "--max-bytes", "--factor", "--nproc", "--launcher",
+                   "--warmup", "--iters", "--dtype", "--json", "--plot", "--tune", "--explain", "--table",
+                   "--timeout", "--debug"):
+        assert option in result.output
+
+
+def test_json_records_have_exactly_the_documented_keys(tmp_path):
+    records = bench_json(tmp_path, "--ops", "all_reduce,barrier", "--algos", "ring,native,auto",
+                         "--min-bytes", "1K", "--max-bytes", "4K")
+    assert len(records) == 3 * 3 + 3  # 3 algorithms x 3 sizes, and the barrier once each
+    for record in records:
+        assert tuple(record) == JSON_KEYS
+        assert record["launcher"] == "threads" and record["world_size"] == 2 and record["wrong"] == 0
+    all_reduce = [r for r in records if r["op"] == "all_reduce"]
+    assert [r["bytes"] for r in all_reduce] == [1024] * 3 + [2048] * 3 + [4096] * 3
+    assert all(r["count"] == r["bytes"] // 4 for r in all_reduce)
+    factor = bus_factor("all_reduce", 2)
+    assert all(r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor) for r in all_reduce)
+    assert {r["algo"] for r in records} == {"ring", "native", "auto(native)"}  # fabric: native below 64K
+    barrier = [r for r in records if r["op"] == "barrier"]
+    assert all(r["bytes"] == 0 and r["algbw_gbps"] is None and r["busbw_gbps"] is None for r in barrier)
+
+
+def test_sizes_are_the_buffers_nccl_tests_reports(tmp_path):
+    """all_gather's size is its output, reduce_scatter's its input: the whole array either way."""
+    records = bench_json(tmp_path, "--ops", "all_gather,reduce_scatter,all_to_all", "--algos", "native",
+                         "--min-bytes", "4K", "--max-bytes", "4K", "--dtype", "bfloat16")
+    assert [(r["op"], r["bytes"], r["count"]) for r in records] == [
+        ("all_gather", 4096, 2048), ("reduce_scatter", 4096, 2048), ("all_to_all", 4096, 2048),
+    ]
+    assert all(r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] / 2) for r in records)
+
+
+def test_table_has_nccl_tests_columns_and_closing_lines():
+    result = bench(*TINY, "--ops", "broadcast", "--algos", "tree,native", "--max-bytes", "1K")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for column in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong", "vs native"):
+        assert column in out
+    assert "world size 2  launcher threads  transport fabric" in out
+    assert "memory copy bandwidth 12.50 GB/s" in out
+    assert "# Avg bus bandwidth    :" in out and "broadcast tree" in out
+    assert "# Wrong elements       : 0 OK" in out
+    native_row = next(line for line in out.splitlines() if " native " in line and not line.startswith("#"))
+    assert native_row.split()[-1] == "1.00x"  # native against itself
+
+
+def test_explain_prints_auto_choices_without_starting_a_world(monkeypatch):
+    monkeypatch.setattr(collectives_cli, "run", lambda *a, **k: pytest.fail("--explain started ranks"))
+    result = bench("--explain", "--launcher", "threads", "--ops", "all_reduce,barrier",
+                   "--min-bytes", "16K", "--max-bytes", "64K", "--factor", "4")
+    assert result.exit_code == 0, result.output
+    rows = [line.split(None, 3) for line in result.output.splitlines() if not line.startswith("#")]
+    assert [row[:3] for row in rows] == [
+        ["all_reduce", "16384", "native"], ["all_reduce", "65536", "ring"], ["barrier", "0", "native"],
+    ]
+    assert "large message" in rows[1][3]  # default_choice's reason, printed as it is
+    assert "transport fabric, world size 2" in result.output
+
+
+def test_explain_for_processes_names_the_backend(monkeypatch):
+    monkeypatch.setattr(collectives_cli.torch.cuda, "is_available", lambda: False)
+    result = bench("--explain", "--launcher", "processes", "--ops", "reduce_scatter", "--min-bytes", "1M",
+                   "--max-bytes", "1M")
+    assert result.exit_code == 0, result.output
+    assert "transport gloo" in result.output and "reduce_scatter" in result.output
+
+
+def test_tune_writes_the_fastest_algorithm_and_auto_then_follows_it(tmp_path):
+    table_path = tmp_path / "tuned.json"
+    measured = bench_json(tmp_path, "--tune", "--table", str(table_path), "--ops", "all_reduce",
+                          "--min-bytes", "1K", "--max-bytes", "64K", "--factor", "8")
+    assert "auto" not in {r["algo"] for r in measured}  # tuning compares real algorithms only
+    table = AlgorithmTable.load(table_path)
+    for nbytes in (1024, 8192, 65536):
+        rows = [r for r in measured if r["bytes"] == nbytes]
+        fastest = min(rows, key=lambda r: r["time_us"])["algo"]
+        choice = table.choose("all_reduce", nbytes, 2, "fabric")
+        assert choice.algo == fastest and choice.reason.startswith("fastest when measured")
+
+    followed = bench_json(tmp_path, "--table", str(table_path), "--ops", "all_reduce", "--algos", "auto",
+                          "--min-bytes", "1K", "--max-bytes", "64K", "--factor", "8")
+    assert [r["algo"] for r in followed] == [
+        f"auto({table.choose('all_reduce', n, 2, 'fabric').algo})" for n in (1024, 8192, 65536)
+    ]
+
+
+def test_auto_and_explain_follow_a_given_table(tmp_path):
+    table = AlgorithmTable(path=tmp_path / "mine.json")
+    table.record("fabric", 2, "all_gather", 4096, "direct")
+    table.save()
+    records = bench_json(tmp_path, "--table", str(table.path), "--ops", "all_gather", "--algos", "auto",
+                         "--min-bytes", "4K", "--max-bytes", "4K")
+    assert records[0]["algo"] == "auto(direct)"
+    explained = bench("--explain", "--launcher", "threads", "--table", str(table.path), "--ops", "all_gather",
+                      "--min-bytes", "4K", "--max-bytes", "4K")
+    assert "direct    fastest when measured at 4 KiB on fabric x2" in explained.output
+
+
+def test_an_algorithm_named_for_several_ops_runs_where_it_exists(tmp_path):
+    records = bench_json(tmp_path, "--ops", "all_reduce,reduce_scatter", "--algos", "tree,native",
+                         "--min-bytes", "1K", "--max-bytes", "1K")
+    assert [(r["op"], r["algo"]) for r in records] == [
+        ("all_reduce", "tree"), ("all_reduce", "native"), ("reduce_scatter", "native"),
+    ]
+
+
+def test_wrong_results_are_counted_and_fail_the_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(ALGORITHMS["all_reduce"], "ring", lambda link, buf, op: None)  # forgets to reduce
+    path = tmp_path / "out.json"
+    result = bench(*TINY, "--ops", "all_reduce", "--algos", "ring,native", "--min-bytes", "1K",
+                   "--max-bytes", "1K", "--json", str(path))
+    assert result.exit_code == 1
+    assert "FAILED" in result.output and "wrong elements" in result.output
+    wrong = {r["algo"]: r["wrong"] for r in json.loads(path.read_text())}
+    assert wrong == {"ring": 2 * 256, "native": 0}  # every element, on both ranks
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--min-bytes", "2K", "--max-bytes", "1K"], "smaller than --min-bytes"),
+    (["--factor", "1"], "--factor"),
+    (["--factor", "1.5"], "--factor"),
+    (["--ops", "all_reduce,allreduce"], "unknown op 'allreduce'"),
+    (["--algos", "ring,fast"], "unknown algorithm 'fast'"),
+    (["--ops", "reduce_scatter", "--algos", "tree"], "'tree' is not available for reduce_scatter"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--nproc", "0"], "--nproc"),
+    (["--min-bytes", "64Q"], "'64Q' is not a size"),
+    (["--max-bytes", "1.5M"], "'1.5M' is not a size"),
+    (["--explain", "--json", "x.json"], "--explain alone measures nothing"),
+])
+def test_bad_input_is_a_usage_error_before_any_rank_starts(monkeypatch, args, message):
+    monkeypatch.setattr(collectives_cli, "run", lambda *a, **k: pytest.fail("ranks started on bad input"))
+    result = bench(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_an_unreadable_table_is_named(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    result = bench("--explain", "--table", str(broken))
+    assert result.exit_code == 2 and "broken.json is unreadable" in result.output
+
+
+def test_plot_writes_a_png(tmp_path):
+    plot = tmp_path / "busbw.png"
+    result = bench(*TINY, "--ops", "all_reduce,all_gather,barrier", "--algos", "direct,native",
+                   "--max-bytes", "2K", "--plot", str(plot))
+    assert result.exit_code == 0, result.output
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_processes_launcher_runs_the_sweep_over_gloo(tmp_path):
+    path = tmp_path / "out.json"
+    command = [sys.executable, "-m", "paratrain.cli", "bench", "collectives", "--launcher", "processes",
+               "--nproc", "2", "--ops", "all_reduce,all_gather", "--algos", "ring,native",
+               "--min-bytes", "1K", "--max-bytes", "4K", "--factor", "4", "--warmup", "1", "--iters", "2",
+               "--json", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "transport gloo" in done.stdout
+    records = json.loads(path.read_text())
+    assert len(records) == 2 * 2 * 2
+    assert all(r["launcher"] == "processes" and r["world_size"] == 2 and r["wrong"] == 0 for r in records)
+
+
+def test_sizes_parse_like_nccl_tests():
+    size = ByteSize()
+    assert [size.convert(v, None, None) for v in ("100", "64K", "64M", "1G", "4KiB", "8kb")] == [
+        100, 64 << 10, 64 << 20, 1 << 30, 4 << 10, 8 << 10,
+    ]
+
+
+def test_sweep_sizes_and_element_counts():
+    assert sweep_sizes(1024, 65536, 4) == [1024, 4096, 16384, 65536]
+    assert sweep_sizes(0, 8, 2) == [0, 1, 2, 4, 8]
+    # Rounded down to whole elements, at least one, each once; zero only when asked for.
+    assert element_counts([0, 1, 2, 4, 8, 10], "float32") == [0, 1, 2]
+    assert element_counts([1, 2, 3], "int64") == [1]
+
+
+def test_bus_factors_are_nccl_tests():
+    assert bus_factor("all_reduce", 4) == 1.5
+    assert [bus_factor(op, 4) for op in ("reduce_scatter", "all_gather", "all_to_all")] == [0.75] * 3
+    assert bus_factor("broadcast", 4) == bus_factor("reduce", 4) == 1.0
+    assert bus_factor("barrier", 4) is None
+
+
+def test_copy_bandwidth_is_positive():
+    assert copy_bandwidth_gbps("cpu", nbytes=1 << 20, repeats=2) > 0
