@@ -47,7 +47,7 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    nproc: int = 2  # ranks to start (ignored under torchrun, which says how many)
+    nproc: int | None = None  # ranks to start: None means dp x pp x tp, or 2 (ignored under torchrun)
     launcher: str = "threads"  # threads: in-process fabric; processes: torch's elastic launcher
     dp_mode: str = "ddp"  # naive | ddp (ours) | torch (PyTorch's DDP)
     algo: str = "auto"  # all-reduce algorithm for our modes
@@ -58,6 +58,16 @@ class ParallelConfig:
     compress: str = "none"  # none | fp16 | bf16 | topk:RATIO (naive and ddp)
     local_sgd: int = 0  # K > 0: no gradient all-reduce, average parameters every K steps
     zero: int = 0  # 1: ZeRO-1, optimizer state sharded across ranks
+    pp: int = 1  # pipeline stages; data-parallel size = world / (pp * tp)
+    tp: int = 1  # tensor-parallel ranks per stage (adjacent ranks, as in Megatron)
+    dp: int | None = None  # if given, must equal world / (pp * tp): a check on the arithmetic
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v
+    microbatches: int = 1  # per step, with pp > 1 (with pp = 1 use grad_accum)
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved-1f1b; zb-v uses 2)
+    stage_layers: list[int] | None = None  # explicit layers per chunk; None: balanced by cost
+    checkpoint_activations: bool = False  # recompute each layer's activations in backward
+    precision: str = "fp32"  # fp32 or bf16 (autocast)
+    sequence_parallel: bool = False  # shard norms/dropout regions on the sequence dim (tp > 1)
     timeout: float | None = None  # seconds per blocking operation (None: PARATRAIN_TIMEOUT or 300)
     debug: bool = False  # check every collective is the same call on all ranks
 

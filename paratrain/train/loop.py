@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from paratrain.data import shard
+from paratrain.mesh import Mesh
 from paratrain.models import count_parameters
 from paratrain.parallel.data import build_data_parallel
 from paratrain.train.config import TrainConfig
@@ -26,18 +27,36 @@ from paratrain.train.setup import build_seeded_model, dataset_for
 
 def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     """Train on this rank; returns the log and summary (and final parameters if asked)."""
-    device = group.transport.device  # cpu here; the rank's GPU under NCCL
-    model = build_seeded_model(config.model.name, config.model.overrides, config.seed).to(device)
-    dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
     par = config.parallel
+    device = group.transport.device  # cpu here; the rank's GPU under NCCL
+    dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
+    mesh = Mesh(group, group.size // (par.pp * par.tp), par.pp, par.tp) if par.pp * par.tp > 1 else None
+    dp_group = mesh.dp if mesh else group
+    if mesh:
+        from paratrain.parallel.pipeline.runtime import PipelineRuntime
+        from paratrain.parallel.pipeline.simulate import theoretical_bubble
+        from paratrain.train.parallel_model import build_parallel_model, full_state
+        parallel = build_parallel_model(config, mesh, dataset)
+        parallel.model.to(device)
+        module, loss_fn = parallel.module, parallel.loss_fn
+    else:
+        module = build_seeded_model(config.model.name, config.model.overrides, config.seed).to(device)
+        loss_fn = dataset.loss
     dp = build_data_parallel(
-        model, group, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
+        module, dp_group, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
         bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb, compress=par.compress,
         local_sgd=par.local_sgd, zero=par.zero,
     )
     optimizer = dp.make_optimizer(lambda params: build_optimizer(config.optim, params))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
-    micro_batches = par.grad_accum
+    if mesh and mesh.shape["pp"] > 1:
+        runtime = PipelineRuntime(
+            parallel.schedule, mesh.coords.pp, parallel.chunks, mesh.pp, loss_fn, dp,
+            par.checkpoint_activations, _autocast_dtype(par.precision), device,
+        )
+        forward_backward = lambda x, y: _pipeline_step(runtime, parallel.schedule, x, y)  # noqa: E731
+    else:
+        forward_backward = lambda x, y: _accumulation_step(dp, loss_fn, x, y, par)  # noqa: E731
     tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
 
     log = []
@@ -47,15 +66,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     )
     for step in range(config.steps):
         started = time.perf_counter()
-        inputs, targets = shard(dataset.global_batch(step, config.data.global_batch), group.rank, group.size)
-        inputs, targets = inputs.to(device), targets.to(device)
-        loss_sum = 0.0
-        for index, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches))):
-            last = index == micro_batches - 1
-            with nullcontext() if last else dp.no_sync():
-                loss = dataset.loss(dp.module(x), y) / micro_batches
-                loss.backward()
-            loss_sum += loss.item()
+        inputs, targets = shard(dataset.global_batch(step, config.data.global_batch), dp_group.rank, dp_group.size)
+        loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
         dp.finish_gradients()
         dp.step(optimizer)
         scheduler.step()
@@ -63,13 +75,13 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         step_ms = (time.perf_counter() - started) * 1e3
         comm_ms, exposed_ms = dp.timer.take()
 
-        global_loss = torch.tensor([loss_sum], dtype=torch.float64)
-        group.all_reduce(global_loss, "avg")  # logging only: outside the timed step
         entry = {
-            "step": step, "loss": global_loss.item(), "lr": scheduler.get_last_lr()[0],
+            "step": step, "loss": _global_loss(loss_sum, mesh, dp_group), "lr": scheduler.get_last_lr()[0],
             "step_ms": step_ms, "compute_ms": step_ms - exposed_ms, "comm_ms": comm_ms,
             "exposed_comm_ms": exposed_ms,
         }
+        if bubble is not None:
+            entry["bubble"] = bubble
         log.append(entry)
         progress.update(1)
         progress.set_postfix(loss=f"{entry['loss']:.4f}", ms=f"{step_ms:.0f}")
@@ -77,15 +89,53 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
             progress.write(
                 f"step {step:5d}  loss {entry['loss']:.5f}  {step_ms:7.1f} ms  "
                 f"(comm {comm_ms:6.1f} ms, exposed {exposed_ms:6.1f} ms)"
+                + (f"  bubble {bubble:.1%}" if bubble is not None else "")
             )
     progress.close()
     if par.local_sgd and config.steps % par.local_sgd:
         dp.average_parameters()  # end with one model, not world-size slightly different ones
 
-    result = {"log": log, "summary": summarize(log, config, group.size, count_parameters(model), tokens_per_sample)}
+    params = sum(p.numel() for p in (parallel.model if mesh else module).parameters())
+    result = {"log": log, "summary": summarize(log, config, group.size, params, tokens_per_sample)}
+    if mesh and mesh.shape["pp"] > 1:
+        schedule = parallel.schedule
+        result["summary"]["theoretical_bubble"] = theoretical_bubble(
+            schedule.name, schedule.stages, schedule.microbatches, schedule.virtual_stages)
     if return_state:
-        result["state"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+        result["state"] = full_state(parallel, mesh) if mesh else {
+            name: p.detach().clone() for name, p in module.named_parameters()}
+    if mesh:
+        mesh.close()
     return result
+
+
+def _accumulation_step(dp, loss_fn, inputs, targets, par):
+    """Forward/backward over `grad_accum` micro-batches, communicating on the last only."""
+    micro_batches, loss_sum = par.grad_accum, 0.0
+    for index, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches))):
+        with nullcontext() if index == micro_batches - 1 else dp.no_sync():
+            loss = loss_fn(dp.module(x), y) / micro_batches
+            loss.backward()
+        loss_sum += loss.item()
+    return loss_sum, None
+
+
+def _pipeline_step(runtime, schedule, inputs, targets):
+    stats = runtime.run(list(inputs.chunk(schedule.microbatches)), list(targets.chunk(schedule.microbatches)))
+    return stats["loss_sum"], 1 - stats["busy_s"] / stats["total_s"]
+
+
+def _global_loss(loss_sum: float, mesh, dp_group) -> float:
+    """The step's loss over the whole global batch, on every rank (logging only, untimed)."""
+    value = torch.tensor([loss_sum], dtype=torch.float64)
+    if mesh and mesh.shape["pp"] > 1:
+        mesh.pp.all_reduce(value, "sum")  # only the last chunk's owner computed a loss
+    dp_group.all_reduce(value, "avg")
+    return value.item()
+
+
+def _autocast_dtype(precision: str):
+    return torch.bfloat16 if precision == "bf16" else None
 
 
 def summarize(log: list[dict], config: TrainConfig, world_size: int, params: int, tokens_per_sample) -> dict:

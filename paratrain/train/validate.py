@@ -6,7 +6,7 @@ from __future__ import annotations
 from paratrain.comm.algorithms import algorithms_for
 from paratrain.data import DATASET_NAMES
 from paratrain.launch import LAUNCHERS
-from paratrain.models import MODEL_NAMES, model_config
+from paratrain.models import MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, model_config
 from paratrain.parallel.data import DP_MODES
 from paratrain.parallel.data.compression import build_compressor
 from paratrain.parallel.data.naive import LAYOUTS
@@ -14,6 +14,7 @@ from paratrain.train.config import ConfigError, TrainConfig
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("fp32", "bf16")
 
 
 def _is_int(value) -> bool:
@@ -66,7 +67,8 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     if not _is_number(optim.min_lr_ratio) or not 0 <= optim.min_lr_ratio <= 1:
         problems.append(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio!r}")
 
-    _at_least(problems, "parallel.nproc", par.nproc, 1)
+    if par.nproc is not None:  # None: dp x pp x tp (see options.world_size_of)
+        _at_least(problems, "parallel.nproc", par.nproc, 1)
     _choice(problems, "parallel.launcher", par.launcher, LAUNCHERS)
     _choice(problems, "parallel.dp_mode", par.dp_mode, DP_MODES)
     _choice(problems, "parallel.algo", par.algo, algorithms_for("all_reduce"))
@@ -95,15 +97,89 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
             f"parallel: {special[0]} is ours, not PyTorch DDP's; use --dp-mode ddp or naive with it"
         )
 
+    mesh_ok, dp_size = _mesh_problems(problems, config, world_size)
     if _is_int(data.global_batch) and data.global_batch >= 1:
-        if accum_ok and world_size >= 1 and data.global_batch % (world_size * par.grad_accum):
+        if mesh_ok and par.pp > 1 and _is_int(par.microbatches) and par.microbatches >= 1:
+            if data.global_batch % (dp_size * par.microbatches):
+                problems.append(
+                    f"data.global_batch {data.global_batch} is not divisible by dp x microbatches = "
+                    f"{dp_size} x {par.microbatches} = {dp_size * par.microbatches}"
+                )
+        elif mesh_ok and accum_ok and data.global_batch % (dp_size * par.grad_accum):
             problems.append(
                 f"data.global_batch {data.global_batch} is not divisible by data-parallel size "
-                f"{world_size} x grad_accum {par.grad_accum} = {world_size * par.grad_accum}"
+                f"{dp_size} x grad_accum {par.grad_accum} = {dp_size * par.grad_accum}"
             )
     else:
         problems.append(f"data.global_batch must be an integer >= 1, got {data.global_batch!r}")
     return problems
+
+
+def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) -> tuple[bool, int]:
+    """Checks of the dp x pp x tp layout; returns (layout usable, data-parallel size)."""
+    par, model = config.parallel, config.model
+    ok = _at_least(problems, "parallel.pp", par.pp, 1) & _at_least(problems, "parallel.tp", par.tp, 1)
+    if not ok:
+        return False, world_size
+    if world_size % (par.pp * par.tp):
+        problems.append(f"world size {world_size} is not divisible by pp x tp = {par.pp} x {par.tp} = {par.pp * par.tp}")
+        return False, world_size
+    dp_size = world_size // (par.pp * par.tp)
+    if par.dp is not None and par.dp * par.pp * par.tp != world_size:
+        problems.append(
+            f"world size {world_size} != dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {par.dp * par.pp * par.tp}"
+        )
+        return False, world_size
+    _choice(problems, "parallel.precision", par.precision, PRECISIONS)
+    if par.pp * par.tp > 1:
+        if par.dp_mode == "torch":
+            problems.append("parallel: dp_mode torch is plain data parallelism; with pp or tp > 1 use ddp or naive")
+        if any((par.zero, par.local_sgd, par.compress not in ("none", "", None))):
+            problems.append("parallel: zero, local_sgd and compress work with data parallelism alone (pp = tp = 1)")
+    if par.sequence_parallel and par.tp == 1:
+        problems.append("parallel.sequence_parallel needs tp > 1")
+    if model.name not in MODEL_NAMES:
+        return False, dp_size
+    try:
+        shape = model_config(model.name, **model.overrides)
+    except (ValueError, TypeError):
+        return False, dp_size
+    if par.tp > 1:
+        from paratrain.parallel.tensor.parallelize import tp_problems
+
+        if not isinstance(shape, GPTConfig):
+            problems.append(f"parallel.tp: tensor parallelism shards GPT models; {model.name!r} is not one")
+        else:
+            problems += [f"parallel.tp: {line}" for line in tp_problems(shape, par.tp)]
+    if par.pp > 1:
+        from paratrain.parallel.pipeline.schedules import microbatch_problems
+
+        problems += microbatch_problems(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+        layers = _pipeline_layer_count(shape)
+        chunks = par.pp * (2 if par.schedule == "zb-v" else par.virtual_stages)
+        if layers is None:
+            problems.append(f"parallel.pp: model {model.name!r} cannot be split into pipeline stages")
+        elif _is_int(par.virtual_stages) and layers < chunks:
+            problems.append(
+                f"model {model.name!r} has {layers} pipeline layers, fewer than stages x virtual stages = {chunks}"
+            )
+        elif par.stage_layers is not None and (len(par.stage_layers) != chunks or sum(par.stage_layers) != layers
+                                               or min(par.stage_layers) < 1):
+            problems.append(
+                f"parallel.stage_layers {par.stage_layers} must be {chunks} positive counts adding up to {layers}"
+            )
+    return True, dp_size
+
+
+def _pipeline_layer_count(shape) -> int | None:
+    """How many layers pipeline_layers() would make of the model (see parallel/pipeline/split.py)."""
+    if isinstance(shape, GPTConfig):
+        return shape.n_layer + 2  # embeddings, blocks, final norm and head
+    if isinstance(shape, DeepMLPConfig):
+        return shape.depth
+    if isinstance(shape, MLPConfig):
+        return 2
+    return None
 
 
 def validate(config: TrainConfig, world_size: int) -> None:

@@ -1,0 +1,71 @@
+"""Pipeline communication: activations forward to the next chunk, gradients back to the previous.
+
+Every message is tagged with (direction, receiving chunk, microbatch), so a receive matches its
+send whatever order the two ranks' schedules post them in. Sends are asynchronous: a rank
+posts its activation and carries on with its next action; the handles are waited for at the
+end of the step. An activation is preceded by a small header (dtype and shape), since the
+receiver cannot know, for instance, whether autocast made it bfloat16. A gradient needs none:
+it has the shape and dtype of the activation its receiver sent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+_HEADER = 10  # dtype, ndim, up to 8 dims
+FORWARD, BACKWARD = 0, 1
+
+
+def message_tag(direction: int, chunk: int, microbatch: int, num_chunks: int, microbatches: int) -> int:
+    return (direction * num_chunks + chunk) * microbatches + microbatch
+
+
+class PipelineLink:
+    """This rank's pipeline p2p, over the pipeline-axis Group."""
+
+    def __init__(self, pp_group, num_chunks: int, microbatches: int, verbose: bool = False):
+        self.group, self.num_chunks, self.microbatches = pp_group, num_chunks, microbatches
+        self.verbose = verbose
+        self._sends: list = []
+
+    def _tag(self, direction, chunk, microbatch) -> int:
+        return message_tag(direction, chunk, microbatch, self.num_chunks, self.microbatches)
+
+    def _log(self, text: str) -> None:
+        if self.verbose:
+            print(f"[pp rank {self.group.rank}] {text}", flush=True)
+
+    def send_activation(self, tensor: torch.Tensor, peer: int, chunk: int, microbatch: int) -> None:
+        """Send the input of `chunk` (the output of chunk-1) for `microbatch` to `peer`."""
+        tag = self._tag(FORWARD, chunk, microbatch)
+        header = torch.full((_HEADER,), -1, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        self._log(f"send_forward chunk {chunk} mb {microbatch} -> rank {peer} {tuple(tensor.shape)}")
+        self._sends.append(self.group.isend(header, peer, tag))
+        self._sends.append(self.group.isend(tensor.contiguous(), peer, tag))
+
+    def recv_activation(self, peer: int, chunk: int, microbatch: int, device) -> torch.Tensor:
+        tag = self._tag(FORWARD, chunk, microbatch)
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        self.group.recv(header, peer, tag)
+        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+        buffer = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+        self._log(f"recv_forward chunk {chunk} mb {microbatch} <- rank {peer} {tuple(buffer.shape)}")
+        return self.group.recv(buffer, peer, tag)
+
+    def send_gradient(self, tensor: torch.Tensor, peer: int, chunk: int, microbatch: int) -> None:
+        """Send the gradient of `chunk`'s input back to `peer`, who owns chunk-1."""
+        self._log(f"send_backward chunk {chunk} mb {microbatch} -> rank {peer}")
+        self._sends.append(self.group.isend(tensor.contiguous(), peer, self._tag(BACKWARD, chunk, microbatch)))
+
+    def recv_gradient(self, like: torch.Tensor, peer: int, chunk: int, microbatch: int) -> torch.Tensor:
+        """The gradient of the output of `chunk`, sent back by the owner of chunk+1."""
+        self._log(f"recv_backward chunk {chunk} mb {microbatch} <- rank {peer}")
+        return self.group.recv(torch.empty_like(like), peer, self._tag(BACKWARD, chunk + 1, microbatch))
+
+    def wait_sends(self) -> None:
+        for handle in self._sends:
+            handle.wait()
+        self._sends.clear()

@@ -1,0 +1,129 @@
+"""One runtime for every schedule: it walks this rank's action list and does what each says.
+
+    F(m, c): take microbatch m's input of chunk c (the data, or an activation received from the
+             owner of chunk c-1), run the chunk, send the output on (or, on the last chunk,
+             compute the loss).
+    B(m, c): take the gradient of chunk c's output (from the owner of chunk c+1, or the loss),
+             backpropagate, send the input's gradient back. When the schedule splits the
+             backward, B computes only the input's gradient, so the previous stage can go on.
+    W(m, c): the weight-gradient half: backpropagate into chunk c's parameters.
+
+The W pass here re-traverses the chunk's autograd graph with `inputs=parameters` (the graph is
+kept by B), so B + W costs somewhat more than one whole backward; zero-bubble schedules still
+move that work into the bubbles, and the measured bubble says how well.
+
+Each action's compute time is recorded, so the step's measured bubble (time not computing)
+can be set beside the schedule's theoretical one.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from paratrain.parallel.pipeline.pp_comms import PipelineLink
+
+
+class PipelineRuntime:
+    def __init__(self, schedule, rank: int, chunks: dict[int, torch.nn.Module], pp_group, loss_fn,
+                 data_parallel=None, checkpoint_activations: bool = False, autocast_dtype=None,
+                 device=None, verbose: bool = False):
+        self.schedule, self.rank, self.chunks = schedule, rank, chunks
+        self.loss_fn, self.dp = loss_fn, data_parallel
+        self.checkpoint_activations, self.autocast_dtype = checkpoint_activations, autocast_dtype
+        self.device = device or torch.device("cpu")
+        self.last_chunk = schedule.num_chunks - 1
+        self.link = PipelineLink(pp_group, schedule.num_chunks, schedule.microbatches, verbose)
+        self.actions = schedule.ranks[rank]
+        grad_op = "W" if schedule.split_backward else "B"
+        # The last pass that produces each chunk's weight gradients: data parallelism may
+        # reduce them only then (earlier passes accumulate without communicating).
+        self._final_grad_action = {a.stage: a for a in self.actions if a.op == grad_op}
+
+    def _forward(self, chunk: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
+                    if self.autocast_dtype is not None else nullcontext())
+        with autocast:
+            if not self.checkpoint_activations:
+                return chunk(x)
+            for layer in chunk:  # keep each layer's input only; recompute inside backward
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    def run(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> dict:
+        """One optimizer step's worth of microbatches. `inputs` matter only to the owner of
+        chunk 0, `targets` to the owner of the last chunk. Returns the summed (already divided
+        by the number of microbatches) loss on the last chunk's owner, and timings."""
+        microbatches = self.schedule.microbatches
+        stash: dict[tuple[int, int], list] = {}  # (microbatch, chunk) -> [input, output, output grad]
+        loss_sum, busy = 0.0, 0.0
+        started = time.perf_counter()
+        for action in self.actions:
+            m, c = action.microbatch, action.stage
+            if action.op == "F":
+                if c == 0:
+                    x = inputs[m]
+                elif self.schedule.owner(c - 1) == self.rank:
+                    x = stash[(m, c - 1)][1].detach().requires_grad_()  # a V turns on this rank
+                else:
+                    x = self.link.recv_activation(self.schedule.owner(c - 1), c, m, self.device)
+                    x.requires_grad_()
+                begin = time.perf_counter()
+                out = self._forward(self.chunks[c], x)
+                if c == self.last_chunk:
+                    out = self.loss_fn(out, targets[m]) / microbatches
+                    loss_sum += out.item()
+                busy += time.perf_counter() - begin
+                stash[(m, c)] = [x, out, None]
+                if c != self.last_chunk and self.schedule.owner(c + 1) != self.rank:
+                    self.link.send_activation(out.detach(), self.schedule.owner(c + 1), c + 1, m)
+            elif action.op == "B":
+                x, out, _ = stash[(m, c)]
+                grad = self._output_grad(m, c, out, stash)
+                stash[(m, c)][2] = grad
+                begin = time.perf_counter()
+                with self._sync_if_final(action):
+                    if self.schedule.split_backward:
+                        if c > 0:
+                            torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+                    else:
+                        torch.autograd.backward(out, grad)
+                busy += time.perf_counter() - begin
+                if c > 0 and self.schedule.owner(c - 1) != self.rank:
+                    self.link.send_gradient(x.grad, self.schedule.owner(c - 1), c, m)
+                if not self.schedule.split_backward:
+                    self._release(stash, m, c)
+            else:  # "W"
+                x, out, grad = stash[(m, c)]
+                params = [p for p in self.chunks[c].parameters() if p.requires_grad]
+                begin = time.perf_counter()
+                with self._sync_if_final(action):
+                    torch.autograd.backward(out, grad, inputs=params)
+                busy += time.perf_counter() - begin
+                self._release(stash, m, c)
+        self.link.wait_sends()
+        total = time.perf_counter() - started
+        return {"loss_sum": loss_sum, "busy_s": busy, "total_s": total}
+
+    def _output_grad(self, m: int, c: int, out: torch.Tensor, stash) -> torch.Tensor | None:
+        if c == self.last_chunk:
+            return None  # out is the loss
+        if self.schedule.owner(c + 1) == self.rank:  # the V's turn: the next chunk is ours
+            return stash[(m, c + 1)][0].grad
+        return self.link.recv_gradient(out, self.schedule.owner(c + 1), c, m)
+
+    def _release(self, stash, m: int, c: int) -> None:
+        """Drop what microbatch m held on chunk c, except an input the next chunk still needs."""
+        entry = stash[(m, c)]
+        entry[1] = entry[2] = None
+        if c == 0 or self.schedule.owner(c - 1) != self.rank:
+            del stash[(m, c)]
+
+    def _sync_if_final(self, action):
+        """Let data parallelism reduce a chunk's gradients only during its last gradient pass."""
+        if self.dp is None or self._final_grad_action.get(action.stage) == action:
+            return nullcontext()
+        return self.dp.no_sync()

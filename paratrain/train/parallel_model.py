@@ -1,0 +1,78 @@
+"""Apply tensor and pipeline parallelism to a freshly built model, from outside it.
+
+Order matters, as in torchtitan's parallelize: the full model is built (every rank the same,
+from the seed), tensor parallelism shards its layers in place, then the pipeline cuts it into
+chunks and each rank keeps only its own. Data parallelism wraps whatever is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from paratrain.parallel.pipeline.schedules import build_schedule
+from paratrain.parallel.pipeline.split import layer_cost, pipeline_layers, split_layers, balanced_partition
+from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from paratrain.parallel.tensor.parallelize import gather_full_state, parallelize_gpt
+from paratrain.train.setup import build_seeded_model
+
+
+@dataclass
+class ParallelModel:
+    model: nn.Module  # the whole (possibly tensor-sharded) model, as built
+    chunks: dict[int, nn.Module]  # pipeline chunks this rank holds, by chunk index
+    module: nn.Module  # what data parallelism wraps: this rank's chunks, or the whole model
+    loss_fn: object  # (outputs, targets) -> mean loss; vocab-parallel under tensor parallelism
+    schedule: object | None  # the pipeline schedule, when pp > 1
+
+    def own_parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+
+def build_parallel_model(config, mesh, dataset) -> ParallelModel:
+    par = config.parallel
+    model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
+    pp_size, tp_size = mesh.shape["pp"], mesh.shape["tp"]
+    schedule = counts = None
+    if pp_size > 1:
+        schedule = build_schedule(par.schedule, pp_size, par.microbatches, par.virtual_stages)
+        # Balance on the unsharded layers: every tensor-parallel rank must cut at the same place.
+        costs = [layer_cost(layer) for layer in pipeline_layers(model)]
+        counts = par.stage_layers or balanced_partition(costs, schedule.num_chunks)
+    loss_fn = dataset.loss
+    if tp_size > 1:
+        parallelize_gpt(model, mesh.tp, sequence_parallel=par.sequence_parallel)
+        tp_group = mesh.tp
+
+        def loss_fn(logits_shard, targets):
+            return vocab_parallel_cross_entropy(logits_shard, targets, tp_group)
+
+    if pp_size == 1:
+        return ParallelModel(model, {0: model}, model, loss_fn, None)
+    all_chunks = split_layers(pipeline_layers(model), schedule.num_chunks, counts)
+    mine = {c: all_chunks[c] for c in schedule.chunks_of(mesh.coords.pp)}
+    return ParallelModel(model, mine, nn.ModuleList(mine.values()), loss_fn, schedule)
+
+
+def full_state(parallel: ParallelModel, mesh) -> dict[str, torch.Tensor]:
+    """This rank's parameters under the single-device model's names, tensor shards gathered.
+
+    Only the parameters of chunks this rank holds are included; the union over pipeline
+    ranks is the whole model.
+    """
+    owned = {id(p) for p in parallel.module.parameters()}
+    if mesh.shape["tp"] > 1:
+        gathered = gather_full_state(parallel.model, mesh.tp)
+        names = {name for name, p in _named_owned(parallel.model, owned)}
+        return {name: value for name, value in gathered.items() if _base_name(name) in names or name in names}
+    return {name: p.detach().clone() for name, p in _named_owned(parallel.model, owned)}
+
+
+def _named_owned(model: nn.Module, owned: set[int]):
+    return [(name, p) for name, p in model.named_parameters() if id(p) in owned]
+
+
+def _base_name(name: str) -> str:
+    return name
