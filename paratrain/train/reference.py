@@ -3,6 +3,10 @@ the whole global batch, with nothing of paratrain's parallel code in it."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import torch
+
 from paratrain.train.config import TrainConfig
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.setup import build_seeded_model, dataset_for
@@ -14,10 +18,12 @@ def reference_run(config: TrainConfig) -> tuple[list[float], dict]:
     dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
     optimizer = build_optimizer(config.optim, model.parameters())
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
+    bf16 = config.parallel.precision == "bf16"
     losses = []
     for step in range(config.steps):
         inputs, targets = dataset.global_batch(step, config.data.global_batch)
-        loss = dataset.loss(model(inputs), targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
+            loss = dataset.loss(model(inputs), targets)
         loss.backward()
         optimizer.step()
         scheduler.step()

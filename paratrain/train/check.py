@@ -1,0 +1,94 @@
+"""`paratrain check`: does my parallel configuration train the same model as one process?
+
+It trains a few steps of the given configuration and of the single-process reference on the
+same initial weights and the same global batches, then prints the largest loss and parameter
+differences and exits non-zero beyond tolerance. The default tolerances are for fp32: only
+the order of floating-point sums differs, which moves results by ~1e-7 per step.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from paratrain.launch import run
+from paratrain.train.config import ConfigError
+from paratrain.train.loop import train_rank
+from paratrain.train.options import build_config, training_options, world_size_of
+from paratrain.train.reference import reference_run
+from paratrain.train.validate import validate
+
+FP32_LOSS_RTOL, FP32_PARAM_ATOL = 1e-5, 1e-5
+BF16_LOSS_RTOL, BF16_PARAM_ATOL = 2e-2, 2e-2  # bf16 keeps ~3 significant digits
+
+
+def compare(config, results: dict, reference) -> dict:
+    """Largest relative loss difference per step and absolute parameter difference."""
+    reference_losses, reference_state = reference
+    losses = [entry["loss"] for entry in results[min(results)]["log"]]
+    loss_diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference_losses)]
+    state = {}
+    for result in results.values():
+        state.update(result["state"])
+    missing = sorted(set(reference_state) - set(state))
+    param_diffs = {
+        name: (state[name] - value).abs().max().item()
+        for name, value in reference_state.items() if name in state
+    }
+    worst = max(param_diffs, key=param_diffs.get) if param_diffs else None
+    return {
+        "losses": losses, "reference_losses": reference_losses, "loss_diffs": loss_diffs,
+        "max_loss_diff": max(loss_diffs, default=0.0), "missing": missing,
+        "max_param_diff": param_diffs[worst] if worst else 0.0, "worst_param": worst,
+    }
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@training_options
+@click.option("--loss-rtol", type=float, help="Largest relative loss difference allowed (default 1e-5; bf16 2e-2).")
+@click.option("--param-atol", type=float, help="Largest parameter difference allowed (default 1e-5; bf16 2e-2).")
+def check(config_path, loss_rtol, param_atol, **flags):
+    """Train a parallel configuration and the single-process reference side by side; exit 0
+    only if losses and final parameters agree within tolerance.
+
+    Takes the same options as `paratrain train` (default 5 steps).
+
+    \b
+    Example:
+      paratrain check --model gpt-small --tp 2 --pp 4 --schedule 1f1b --microbatches 8
+    """
+    if flags.get("steps") is None and not config_path:
+        flags["steps"] = 5
+    try:
+        config = build_config(config_path, flags)
+        world = world_size_of(config)
+        validate(config, world)
+    except ConfigError as error:
+        for problem in error.problems:
+            click.echo(f"error: {problem}", err=True)
+        sys.exit(2)
+    bf16 = config.parallel.precision == "bf16"
+    loss_rtol = loss_rtol if loss_rtol is not None else (BF16_LOSS_RTOL if bf16 else FP32_LOSS_RTOL)
+    param_atol = param_atol if param_atol is not None else (BF16_PARAM_ATOL if bf16 else FP32_PARAM_ATOL)
+    par = config.parallel
+    click.echo(
+        f"check: {config.model.name}, world {world} = dp {world // (par.pp * par.tp)} x pp {par.pp} x tp {par.tp}"
+        + (f", {par.schedule} with {par.microbatches} microbatches" if par.pp > 1 else "")
+        + f", {config.steps} steps, against one process"
+    )
+    results = run(functools.partial(train_rank, return_state=True), par.nproc, launcher=par.launcher,
+                  args=(config,), timeout=par.timeout, debug=par.debug or None)
+    report = compare(config, results, reference_run(config))
+    click.echo(f"{'step':>5} {'loss':>12} {'reference':>12} {'rel. diff':>10}")
+    for step, (ours, ref, diff) in enumerate(zip(report["losses"], report["reference_losses"], report["loss_diffs"])):
+        click.echo(f"{step:>5} {ours:>12.7f} {ref:>12.7f} {diff:>10.2e}")
+    click.echo(f"largest loss difference      {report['max_loss_diff']:.2e} (relative; tolerance {loss_rtol:g})")
+    click.echo(f"largest parameter difference {report['max_param_diff']:.2e} in {report['worst_param']} "
+               f"(absolute; tolerance {param_atol:g})")
+    ok = report["max_loss_diff"] <= loss_rtol and report["max_param_diff"] <= param_atol and not report["missing"]
+    if report["missing"]:
+        click.echo(f"parameters no rank reported: {', '.join(report['missing'])}")
+    click.echo("PASS: same model as one process" if ok else "FAIL: beyond tolerance")
+    sys.exit(0 if ok else 1)
