@@ -93,7 +93,9 @@ def _run_processes(fn, nproc, args, options) -> dict[int, object]:
         return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
     except ChildFailedError as failed:
         rank, failure = failed.get_first_failure()
-        raise RuntimeError(f"rank {rank} of {nproc} failed (launcher=processes): {failure.message}") from None
+        # @record writes {"message": "<traceback>", ...}; older torch gives the text itself.
+        message = failure.message.get("message", failure.message) if isinstance(failure.message, dict) else failure.message
+        raise RuntimeError(f"rank {rank} of {nproc} failed (launcher=processes): {message}") from None
 
 
 @record  # writes the rank's traceback where the elastic agent reports it

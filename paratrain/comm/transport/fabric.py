@@ -236,13 +236,18 @@ class FabricTransport:
     def native_reduce_scatter(self, output, input, op, timeout):
         inputs = self._everyone(input, timeout)
         start, end = part_bounds(input.numel(), self.size)[self.rank]
-        output.copy_(inputs[0][start:end])
-        self._fold_into(output, inputs, start, end, op, skip=0)
+        # Start from this rank's own part: in place (output is that part of input, as NCCL
+        # allows) any other rank's part copied in first would overwrite it unread.
+        output.copy_(inputs[self.rank][start:end])
+        self._fold_into(output, inputs, start, end, op, skip=self.rank)
         self._everyone(None, timeout)
 
     def native_all_gather(self, output, input, timeout):
         inputs = self._everyone(input, timeout)
-        torch.cat([p.to(self.device) for p in inputs], out=output)
+        # Part by part: in place (input is this rank's part of output) torch.cat(out=output)
+        # refuses an input that overlaps its output.
+        for (start, end), part in zip(part_bounds(output.numel(), self.size), inputs):
+            output[start:end].copy_(part)
         self._everyone(None, timeout)
 
     def native_broadcast(self, tensor, root, timeout):
