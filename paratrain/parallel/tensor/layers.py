@@ -1,0 +1,192 @@
+"""Tensor-parallel layers, each built from an existing single-device layer by slicing its
+weights for this tp rank, so a sharded model starts from exactly the unsharded weights.
+
+    ColumnParallelLinear   y_BTO[:, :, mine] = x_BTI @ W[mine, :].T + b[mine]   (output split)
+    RowParallelLinear      y_BTO = sum over ranks of x_BTI[:, :, mine] @ W[:, mine].T, + b
+    VocabParallelEmbedding each rank looks up its contiguous vocabulary range; the sum over
+                           ranks is the lookup (an id belongs to exactly one range)
+    SequenceShardedEmbedding  a replicated table whose output each rank keeps its sequence
+                           part of (the position table under sequence parallelism)
+
+A column-parallel layer followed by a row-parallel one (attention's qkv -> proj, the MLP's
+up -> down) needs one all-reduce forward and one backward, as in Megatron-LM.
+
+Each layer records in `shard_layout` which of its parameters are split and along which
+dimension, so `parallelize.gather_full_state` can reassemble the single-device weights; the
+parameters keep the names of the layer they replace.
+
+Shape legend: B batch, T sequence, I in features, O out features, V vocabulary, D width;
+a `_shard` suffix marks this rank's part.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.parallel.tensor.tp_comms import (
+    copy_to_parallel,
+    reduce_from_parallel,
+    reduce_scatter_sequence,
+    scatter_sequence,
+)
+
+
+def shard(tensor: torch.Tensor, dim: int, rank: int, size: int, parts: int = 1) -> torch.Tensor:
+    """Rank's contiguous part of `dim`, as a copy.
+
+    parts > 1 is the head-aware split of a fused projection: `dim` holds `parts` blocks side
+    by side (qkv's output is [q | k | v], heads contiguous within each), and the rank takes
+    its slice of every block. Rank r thus gets the q, k and v of the same heads, and its
+    output is again [q | k | v], only narrower, which the attention code splits unchanged.
+    """
+    length = tensor.shape[dim]
+    if length % (parts * size):
+        raise ValueError(
+            f"cannot shard dimension {dim} of size {length} into {parts} block(s) x {size} ranks"
+        )
+    blocks = tensor.unflatten(dim, (parts, length // parts))  # [..., parts, block, ...]
+    mine = blocks.chunk(size, dim=dim + 1)[rank]
+    return mine.flatten(dim, dim + 1).clone()
+
+
+def _parameter_like(source: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(value, requires_grad=source.requires_grad)
+
+
+class ColumnParallelLinear(nn.Module):
+    """The output features split over the tp ranks; the input is replicated.
+
+    sequence_parallel=False: the input is replicated on entry, and backward all-reduces its
+    partial gradients (copy_to_parallel). sequence_parallel=True: the caller has all-gathered
+    the input from sequence shards (tp_comms.gather_sequence, at the module boundary), and
+    that gather's reduce-scatter already sums the gradients, so this layer must not.
+    """
+
+    def __init__(self, linear: nn.Linear, group, *, fused_parts: int = 1, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel, self.fused_parts = group, sequence_parallel, fused_parts
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features // group.size  # this rank's
+        split = dict(dim=0, rank=group.rank, size=group.size, parts=fused_parts)
+        self.weight = _parameter_like(linear.weight, shard(linear.weight.detach(), **split))
+        self.bias = None
+        self.shard_layout = {"weight": (0, fused_parts)}
+        if linear.bias is not None:
+            self.bias = _parameter_like(linear.bias, shard(linear.bias.detach(), **split))
+            self.shard_layout["bias"] = (0, fused_parts)
+
+    def forward(self, x_BTI: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            x_BTI = copy_to_parallel(x_BTI, self.group)
+        return F.linear(x_BTI, self.weight, self.bias)  # y_BTO_shard
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(of {self.out_features * self.group.size}), fused_parts={self.fused_parts}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """The input features split over the tp ranks (the input arrives sharded on its last
+    dimension, as a column-parallel layer leaves it); the output is the sum over ranks.
+
+    The bias is replicated and added once, after the sum. sequence_parallel=True
+    reduce-scatters the sum along the sequence instead of all-reducing it; each rank's bias
+    gradient then covers only its tokens and must be all-reduced over tp (parallelize_gpt
+    registers a hook for that).
+    """
+
+    def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.in_features = linear.in_features // group.size  # this rank's
+        self.out_features = linear.out_features
+        self.weight = _parameter_like(
+            linear.weight, shard(linear.weight.detach(), dim=1, rank=group.rank, size=group.size)
+        )
+        self.bias = None if linear.bias is None else _parameter_like(linear.bias, linear.bias.detach().clone())
+        self.shard_layout = {"weight": (1, 1)}
+
+    def forward(self, x_BTI_shard: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.linear(x_BTI_shard, self.weight, self.bias)  # exactly the plain layer
+        partial_BTO = F.linear(x_BTI_shard, self.weight)
+        if self.sequence_parallel:
+            y_BTO = reduce_scatter_sequence(partial_BTO, self.group)  # y_B(T/tp)O
+        else:
+            y_BTO = reduce_from_parallel(partial_BTO, self.group)
+        return y_BTO if self.bias is None else y_BTO + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (of {self.in_features * self.group.size}), "
+            f"out_features={self.out_features}, bias={self.bias is not None}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+def _check_plain_embedding(embedding: nn.Embedding, kind: str) -> None:
+    if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+        raise ValueError(f"{kind} supports plain embeddings only (no padding_idx, max_norm or sparse gradients)")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds rows [r * V/tp, (r + 1) * V/tp) of the table. Ids outside that range
+    look up zeros here; the sum over ranks (all-reduce, or with sequence_parallel a
+    reduce-scatter along the sequence) is the full lookup. Each rank's weight gradient lands
+    on its own rows only, from every token, since backward passes the whole output gradient
+    to every rank."""
+
+    def __init__(self, embedding: nn.Embedding, group, *, sequence_parallel: bool = False):
+        super().__init__()
+        _check_plain_embedding(embedding, "VocabParallelEmbedding")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.num_embeddings = embedding.num_embeddings // group.size  # this rank's
+        self.embedding_dim = embedding.embedding_dim
+        self.vocab_start = group.rank * self.num_embeddings
+        self.weight = _parameter_like(
+            embedding.weight, shard(embedding.weight.detach(), dim=0, rank=group.rank, size=group.size)
+        )
+        self.shard_layout = {"weight": (0, 1)}
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(idx_BT, self.weight)
+        local_BT = idx_BT - self.vocab_start
+        outside_BT = (local_BT < 0) | (local_BT >= self.num_embeddings)
+        partial_BTD = F.embedding(local_BT.masked_fill(outside_BT, 0), self.weight)
+        partial_BTD = partial_BTD.masked_fill(outside_BT.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(partial_BTD, self.group)  # x_B(T/tp)D
+        return reduce_from_parallel(partial_BTD, self.group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"vocab [{self.vocab_start}, {self.vocab_start + self.num_embeddings}) "
+            f"of {self.num_embeddings * self.group.size}, embedding_dim={self.embedding_dim}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class SequenceShardedEmbedding(nn.Module):
+    """A replicated table (every rank holds all of it) whose output, shaped (..., T, D), each
+    rank keeps only its part of T: the position table under sequence parallelism, where the
+    token embeddings it is added to arrive sharded along the sequence. Backward gathers the
+    parts of the gradient, so the table's gradient is whole and the same on every rank."""
+
+    def __init__(self, embedding: nn.Embedding, group):
+        super().__init__()
+        _check_plain_embedding(embedding, "SequenceShardedEmbedding")
+        self.group = group
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.weight = _parameter_like(embedding.weight, embedding.weight.detach().clone())
+
+    def forward(self, idx_T: torch.Tensor) -> torch.Tensor:
+        return scatter_sequence(F.embedding(idx_T, self.weight), self.group, dim=-2)  # (T/tp)D
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, output sharded along the sequence"

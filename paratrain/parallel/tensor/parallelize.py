@@ -1,0 +1,137 @@
+"""Apply tensor parallelism to a GPT from outside it, in place (torchtitan's parallelize.py).
+
+    tok_emb            -> VocabParallelEmbedding   (vocabulary ranges; sum over ranks)
+    blocks[i].attn.qkv -> ColumnParallelLinear     (whole heads: each rank its heads' q, k, v)
+    blocks[i].attn.proj-> RowParallelLinear        (all-reduce after)
+    blocks[i].mlp.up   -> ColumnParallelLinear     (d_mlp split)
+    blocks[i].mlp.down -> RowParallelLinear        (all-reduce after)
+    head               -> ColumnParallelLinear     (local vocabulary logits, never gathered:
+                                                    use vocab_parallel_cross_entropy)
+
+Everything else (pos_emb, the layer norms, row-parallel biases) stays replicated: its inputs
+are the same on every tp rank, so are its gradients, with no communication.
+
+sequence_parallel=True also shards the activations along the sequence where they are
+replicated (embeddings, norms, residual adds, dropout): row-parallel layers and the token
+embedding reduce-scatter instead of all-reduce, and the inputs of attn, mlp and head are
+all-gathered at the module boundary (attention reads the sequence length from its input,
+so the gather cannot live inside qkv). The same bytes move, but no rank holds the full
+(B, T, D) activations between blocks. The layer norms' and row-parallel biases' gradients
+then cover only each rank's tokens: a hook registered here all-reduces them over tp as
+backward produces them (per backward pass, so gradient accumulation stays correct), and the
+caller need do nothing. The sequence length must then be divisible by tp.
+
+Dropout must be 0 (tp_problems says so): the replicated activations need the same dropout
+mask on every tp rank, and nothing here keeps the ranks' random number generators in step.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from paratrain.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceShardedEmbedding,
+    VocabParallelEmbedding,
+)
+from paratrain.parallel.tensor.tp_comms import all_gather_along, all_reduce_copy, gather_sequence
+
+QKV_PARTS = 3  # attn.qkv's output is [q | k | v]
+
+
+def tp_problems(config, tp: int) -> list[str]:
+    """One line per reason `config` (a GPTConfig) cannot be split over `tp` ranks."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        return [f"tp must be a positive integer, got {tp!r}"]
+    problems = []
+    for field, why in (
+        ("n_head", "each rank computes whole attention heads"),
+        ("d_mlp", "each rank holds an equal slice of the MLP's hidden units"),
+        ("vocab_size", "each rank holds an equal range of the vocabulary (embedding, head)"),
+    ):
+        value = getattr(config, field)
+        if value % tp:
+            problems.append(f"{field} ({value}) must be divisible by tp ({tp}): {why}")
+    if tp > 1 and config.dropout:
+        problems.append(
+            f"dropout ({config.dropout}) must be 0 with tp > 1: replicated activations would "
+            "need the same dropout mask on every tensor-parallel rank"
+        )
+    return problems
+
+
+def parallelize_gpt(model: nn.Module, tp_group, sequence_parallel: bool = False) -> nn.Module:
+    """Shard `model`'s layers over `tp_group`, in place; returns the model.
+
+    Every rank must pass the same unsharded weights (build the model from one seed).
+    Submodules a pipeline stage does not use are still sharded; parameter names are unchanged.
+    """
+    problems = tp_problems(model.config, tp_group.size)
+    if problems:
+        raise ValueError("cannot apply tensor parallelism:\n  " + "\n  ".join(problems))
+    tp, sp = tp_group, sequence_parallel and tp_group.size > 1
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, tp, sequence_parallel=sp)
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        attn.qkv = ColumnParallelLinear(attn.qkv, tp, fused_parts=QKV_PARTS, sequence_parallel=sp)
+        attn.proj = RowParallelLinear(attn.proj, tp, sequence_parallel=sp)
+        mlp.up = ColumnParallelLinear(mlp.up, tp, sequence_parallel=sp)
+        mlp.down = RowParallelLinear(mlp.down, tp, sequence_parallel=sp)
+    model.head = ColumnParallelLinear(model.head, tp, sequence_parallel=sp)
+    if sp:
+        _apply_sequence_parallel(model, tp)
+    return model
+
+
+def _apply_sequence_parallel(model: nn.Module, tp_group) -> None:
+    model.pos_emb = SequenceShardedEmbedding(model.pos_emb, tp_group)
+    gather_input = partial(_gather_sequence_input, group=tp_group)
+    for block in model.blocks:
+        block.attn.register_forward_pre_hook(gather_input)
+        block.mlp.register_forward_pre_hook(gather_input)
+    model.head.register_forward_pre_hook(gather_input)
+    for param in sequence_sharded_parameters(model):
+        param.register_hook(partial(all_reduce_copy, group=tp_group))
+
+
+def _gather_sequence_input(module, args, group):
+    x_BTD_shard, *rest = args
+    return (gather_sequence(x_BTD_shard, group), *rest)
+
+
+def sequence_sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Replicated parameters that, under sequence parallelism, see only this rank's tokens:
+    the layer norms and the row-parallel biases. Their gradients must be summed over tp."""
+    params = []
+    for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            params += [p for p in (module.weight, module.bias) if p is not None]
+        elif isinstance(module, RowParallelLinear) and module.bias is not None:
+            params.append(module.bias)
+    return params
+
+
+@torch.no_grad()
+def gather_full_state(model: nn.Module, tp_group, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded parameters (with grads=True: their gradients) under the single-device
+    model's names, as copies. Parameters without a gradient are left out of the grads.
+
+    A collective: every rank of `tp_group` must call it, and every rank gets the whole state.
+    """
+    state = {}
+    for module_name, module in model.named_modules():
+        layout = getattr(module, "shard_layout", {})
+        for name, param in module.named_parameters(recurse=False):
+            value = param.grad if grads else param.detach()
+            if value is None:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            if name in layout:
+                dim, parts = layout[name]
+                value = all_gather_along(value, tp_group, dim, parts)
+            state[full_name] = value.clone()
+    return state

@@ -1,0 +1,435 @@
+"""Tensor parallelism equals the single-device computation it shards.
+
+Each sharded layer is compared with the plain layer built from the same unsharded weights;
+the vocab-parallel loss with F.cross_entropy of the full logits; a whole parallelized GPT
+with the unsharded one, for a forward/backward and for a few SGD steps.
+
+Tolerances (fp32). Sharding changes only the order of additions: a row-parallel output and
+a column-parallel input gradient become a sum of tp partial dot products, the softmax
+denominator a sum of tp partial sums, and BLAS blocks a narrower matrix product differently.
+Each moves a result by an ulp or two. So tensors agree to TOL = 1e-6 of their scale (the
+reference's largest magnitude, or 1): measured at most 1.6e-7 for the layers, 2.7e-7 for
+the GPT's logits, 2.6e-8 for its gradients and 1.2e-7 for its parameters after 4 SGD steps.
+Losses agree to LOSS_RTOL = 1e-5 relative (measured 1.7e-7). With tp = 1 nothing is
+reordered and every result is bitwise equal. Communication tests use integer-valued floats,
+whose sums are exact in any order, and compare exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain import run
+from paratrain.data import build_dataset
+from paratrain.models import model_config
+from paratrain.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_gather_along,
+    copy_to_parallel,
+    gather_full_state,
+    gather_sequence,
+    parallelize_gpt,
+    reduce_from_parallel,
+    reduce_scatter_sequence,
+    scatter_sequence,
+    tp_problems,
+    vocab_parallel_cross_entropy,
+)
+from paratrain.train.setup import build_seeded_model
+
+TOL = 1e-6
+LOSS_RTOL = 1e-5
+TP_SIZES = [1, 2, 4]
+SEED, STEPS, BATCH, LR = 0, 4, 8, 0.5
+
+
+def randn(seed: int, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def small_ints(seed: int, *shape) -> torch.Tensor:
+    """Integer-valued floats: sums of a few of them are exact in any order."""
+    return torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+def make_linear(in_features: int, out_features: int, seed: int, bias: bool = True) -> nn.Linear:
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(randn(seed, out_features, in_features) / in_features**0.5)
+        if bias:
+            linear.bias.copy_(randn(seed + 1, out_features))
+    return linear
+
+
+def columns(tensor: torch.Tensor, rank: int, size: int, dim: int = -1) -> torch.Tensor:
+    """Rank's contiguous part of `dim`, written out here rather than taken from the library."""
+    width = tensor.shape[dim] // size
+    return tensor.narrow(dim, rank * width, width)
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL) -> None:
+    """Max |ours - ref| within `tol` of the reference's scale (its largest magnitude, or 1)."""
+    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)} vs {tuple(ref.shape)}"
+    diff, scale = (ours - ref).abs().max().item(), max(1.0, ref.abs().max().item())
+    assert diff <= tol * scale, f"{what}: max |diff| {diff:.2e} > {tol:.0e} x scale {scale:.2g}"
+
+
+# ---- communication ------------------------------------------------------------------------
+
+
+def conjugate_pairs_rank(group):
+    rank, size = group.rank, group.size
+    x_BTD = small_ints(0, 2, 8, 3)
+    grad_BTD = small_ints(1, 2, 8, 3)
+    mine_BTD = small_ints(10 + rank, 2, 8, 3)  # differs per rank
+    out = {}
+
+    x = x_BTD.clone().requires_grad_()
+    copied = copy_to_parallel(x, group)
+    copied.backward(mine_BTD)
+    out["copy"] = (copied.detach(), x.grad)
+
+    x = mine_BTD.clone().requires_grad_()
+    reduced = reduce_from_parallel(x, group)
+    reduced.backward(grad_BTD)
+    out["reduce"] = (reduced.detach(), x.grad)
+
+    x = x_BTD.clone().requires_grad_()
+    scattered = scatter_sequence(x, group)
+    scattered.backward(columns(grad_BTD, rank, size, dim=1))
+    out["scatter"] = (scattered.detach(), x.grad)
+
+    x = columns(x_BTD, rank, size, dim=1).clone().requires_grad_()
+    gathered = gather_sequence(x, group)
+    gathered.backward(mine_BTD)
+    out["gather"] = (gathered.detach(), x.grad)
+
+    x = mine_BTD.clone().requires_grad_()
+    summed = reduce_scatter_sequence(x, group)
+    summed.backward(columns(grad_BTD, rank, size, dim=1))
+    out["reduce_scatter"] = (summed.detach(), x.grad)
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_comms_are_conjugate_pairs(tp):
+    x_BTD, grad_BTD = small_ints(0, 2, 8, 3), small_ints(1, 2, 8, 3)
+    total_BTD = sum(small_ints(10 + r, 2, 8, 3) for r in range(tp))
+    for rank, out in run(conjugate_pairs_rank, tp).items():
+        mine = lambda t: columns(t, rank, tp, dim=1)  # noqa: E731
+        expected = {
+            "copy": (x_BTD, total_BTD),  # identity forward, all-reduce backward
+            "reduce": (total_BTD, grad_BTD),  # all-reduce forward, identity backward
+            "scatter": (mine(x_BTD), grad_BTD),  # my part forward, all-gather backward
+            "gather": (x_BTD, mine(total_BTD)),  # all-gather forward, reduce-scatter backward
+            "reduce_scatter": (mine(total_BTD), grad_BTD),  # reduce-scatter fwd, all-gather bwd
+        }
+        for name, (forward, backward) in expected.items():
+            assert torch.equal(out[name][0], forward), f"rank {rank} {name} forward"
+            assert torch.equal(out[name][1], backward), f"rank {rank} {name} backward"
+
+
+# ---- layers -------------------------------------------------------------------------------
+
+
+def column_parallel_rank(group):
+    linear = make_linear(16, 24, seed=0)
+    layer = ColumnParallelLinear(linear, group)
+    x = randn(2, 3, 5, 16).requires_grad_()
+    y = layer(x)
+    y.backward(columns(randn(3, 3, 5, 24), group.rank, group.size))
+    return {"y": y.detach(), "x.grad": x.grad, "weight.grad": layer.weight.grad, "bias.grad": layer.bias.grad}
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_column_parallel_linear_matches_single_device(tp):
+    linear = make_linear(16, 24, seed=0)
+    x = randn(2, 3, 5, 16).requires_grad_()
+    y = linear(x)
+    y.backward(randn(3, 3, 5, 24))
+    for rank, out in run(column_parallel_rank, tp).items():
+        assert_close(out["y"], columns(y.detach(), rank, tp), f"rank {rank} output")
+        assert_close(out["x.grad"], x.grad, f"rank {rank} input grad (all-reduced)")
+        assert_close(out["weight.grad"], columns(linear.weight.grad, rank, tp, dim=0), f"rank {rank} weight grad")
+        assert_close(out["bias.grad"], columns(linear.bias.grad, rank, tp, dim=0), f"rank {rank} bias grad")
+
+
+def fused_qkv_rank(group):
+    qkv = make_linear(32, 3 * 32, seed=4)
+    layer = ColumnParallelLinear(qkv, group, fused_parts=3)
+    return layer(randn(5, 2, 32)).detach(), gather_full_state(layer, group)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_qkv_split_gives_each_rank_the_same_heads_q_k_and_v(tp):
+    qkv = make_linear(32, 3 * 32, seed=4)  # 8 heads of width 4, output [q | k | v]
+    q, k, v = qkv(randn(5, 2, 32)).detach().chunk(3, dim=-1)
+    for rank, (y, full) in run(fused_qkv_rank, tp).items():
+        expected = torch.cat([columns(t, rank, tp) for t in (q, k, v)], dim=-1)
+        assert_close(y, expected, f"rank {rank} [q | k | v] of its heads")
+        assert torch.equal(full["weight"], qkv.weight) and torch.equal(full["bias"], qkv.bias)
+
+
+def row_parallel_rank(group):
+    linear = make_linear(24, 16, seed=6)
+    layer = RowParallelLinear(linear, group)
+    x = columns(randn(7, 3, 5, 24), group.rank, group.size).clone().requires_grad_()
+    y = layer(x)
+    y.backward(randn(8, 3, 5, 16))
+    return {"y": y.detach(), "x.grad": x.grad, "weight.grad": layer.weight.grad, "bias.grad": layer.bias.grad}
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_row_parallel_linear_matches_single_device(tp):
+    linear = make_linear(24, 16, seed=6)
+    x = randn(7, 3, 5, 24).requires_grad_()
+    y = linear(x)
+    y.backward(randn(8, 3, 5, 16))
+    results = run(row_parallel_rank, tp)
+    for rank, out in results.items():
+        assert_close(out["y"], y.detach(), f"rank {rank} output (all-reduced)")
+        assert_close(out["x.grad"], columns(x.grad, rank, tp), f"rank {rank} input grad")
+        assert_close(out["weight.grad"], columns(linear.weight.grad, rank, tp), f"rank {rank} weight grad")
+        assert_close(out["bias.grad"], linear.bias.grad, f"rank {rank} bias grad")
+        # The replicated bias sees the same (all-reduced) input everywhere: same gradient, bit for bit.
+        assert torch.equal(out["bias.grad"], results[0]["bias.grad"])
+
+
+VOCAB, WIDTH = 40, 6
+
+
+def vocab_ids() -> torch.Tensor:
+    """Every id once (so every shard is hit) and some repeats, in a scrambled order."""
+    g = torch.Generator().manual_seed(9)
+    ids = torch.cat([torch.arange(VOCAB), torch.randint(VOCAB, (24,), generator=g)])
+    return ids[torch.randperm(ids.numel(), generator=g)].view(4, 16)
+
+
+def make_embedding() -> nn.Embedding:
+    embedding = nn.Embedding(VOCAB, WIDTH)
+    with torch.no_grad():
+        embedding.weight.copy_(randn(11, VOCAB, WIDTH))
+    return embedding
+
+
+def vocab_embedding_rank(group):
+    layer = VocabParallelEmbedding(make_embedding(), group)
+    out = layer(vocab_ids())
+    out.backward(randn(12, 4, 16, WIDTH))
+    return out.detach(), layer.weight.grad
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_vocab_parallel_embedding_matches_single_device(tp):
+    embedding = make_embedding()
+    out = embedding(vocab_ids())
+    out.backward(randn(12, 4, 16, WIDTH))
+    for rank, (ours, weight_grad) in run(vocab_embedding_rank, tp).items():
+        # One rank contributes each row and the others add exact zeros: equal bit for bit.
+        assert torch.equal(ours, out.detach()), f"rank {rank} lookup"
+        assert torch.equal(weight_grad, columns(embedding.weight.grad, rank, tp, dim=0)), f"rank {rank} grad"
+
+
+def cross_entropy_inputs():
+    logits_BTV = 10 * randn(13, 3, 7, VOCAB)  # wide logits: the max shift matters
+    targets_BT = vocab_ids()[:3, :7]
+    return logits_BTV, targets_BT
+
+
+def cross_entropy_rank(group):
+    logits_BTV, targets_BT = cross_entropy_inputs()
+    shard = columns(logits_BTV, group.rank, group.size).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(shard, targets_BT, group)
+    loss.backward()
+    return loss.detach(), shard.grad
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tp):
+    logits_BTV, targets_BT = cross_entropy_inputs()
+    logits_BTV.requires_grad_()
+    loss = F.cross_entropy(logits_BTV.reshape(-1, VOCAB), targets_BT.reshape(-1))
+    loss.backward()
+    for rank, (ours, grad) in run(cross_entropy_rank, tp).items():
+        assert_close(ours, loss.detach(), f"rank {rank} loss")
+        assert_close(grad, columns(logits_BTV.grad, rank, tp), f"rank {rank} logits grad")
+
+
+def test_vocab_parallel_cross_entropy_names_bad_targets():
+    def bad_targets(group):
+        vocab_parallel_cross_entropy(torch.zeros(2, 3, 4), torch.full((2, 3), 8), group)
+
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 8\), got \[8, 8\]"):
+        run(bad_targets, 2)
+
+
+# ---- a whole GPT --------------------------------------------------------------------------
+
+
+def gpt_data():
+    config = model_config("gpt-tiny")
+    return build_dataset("tokens", SEED, vocab_size=config.vocab_size, block_size=config.block_size)
+
+
+def replicated_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {
+        f"{module_name}.{name}" if module_name else name: param
+        for module_name, module in model.named_modules()
+        for name, param in module.named_parameters(recurse=False)
+        if name not in getattr(module, "shard_layout", {})
+    }
+
+
+def train_parallel_gpt_rank(group, sequence_parallel: bool):
+    model = parallelize_gpt(build_seeded_model("gpt-tiny", {}, SEED), group, sequence_parallel)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    data, losses, first = gpt_data(), [], {}
+    for step in range(STEPS):
+        idx_BT, targets_BT = data.global_batch(step, BATCH)
+        logits_BTV_shard = model(idx_BT)
+        loss = vocab_parallel_cross_entropy(logits_BTV_shard, targets_BT, group)
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            first = {
+                "logits": all_gather_along(logits_BTV_shard.detach(), group, dim=-1),
+                "grads": gather_full_state(model, group, grads=True),
+                "replicated grads": {n: p.grad.clone() for n, p in replicated_parameters(model).items()},
+            }
+        optimizer.step()
+        losses.append(loss.item())
+    replicated = {n: p.detach().clone() for n, p in replicated_parameters(model).items()}
+    return {**first, "losses": losses, "state": gather_full_state(model, group), "replicated": replicated}
+
+
+@functools.cache
+def single_device_gpt_run():
+    model = build_seeded_model("gpt-tiny", {}, SEED)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    data, losses, first = gpt_data(), [], {}
+    for step in range(STEPS):
+        idx_BT, targets_BT = data.global_batch(step, BATCH)
+        logits_BTV = model(idx_BT)
+        loss = data.loss(logits_BTV, targets_BT)
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            first = {"logits": logits_BTV.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+        optimizer.step()
+        losses.append(loss.item())
+    return {**first, "losses": losses, "state": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+GPT_LAYOUTS = [
+    pytest.param((1, False), id="tp1"),
+    pytest.param((2, False), id="tp2"),
+    pytest.param((4, False), id="tp4"),
+    pytest.param((2, True), id="tp2-sequence-parallel"),
+    pytest.param((4, True), id="tp4-sequence-parallel"),
+]
+
+
+@pytest.fixture(scope="module", params=GPT_LAYOUTS)
+def parallel_gpt_run(request):
+    tp, sequence_parallel = request.param
+    return tp, run(train_parallel_gpt_rank, tp, args=(sequence_parallel,))
+
+
+def test_parallel_gpt_logits_loss_and_gradients_match_single_device(parallel_gpt_run):
+    tp, results = parallel_gpt_run
+    ref = single_device_gpt_run()
+    for rank, out in results.items():
+        assert_close(out["logits"], ref["logits"], f"rank {rank} logits")
+        assert abs(out["losses"][0] - ref["losses"][0]) <= LOSS_RTOL * ref["losses"][0]
+        assert out["grads"].keys() == ref["grads"].keys()
+        for name, grad in ref["grads"].items():
+            assert_close(out["grads"][name], grad, f"rank {rank} grad of {name}")
+
+
+def test_replicated_parameters_get_identical_gradients_on_every_tp_rank(parallel_gpt_run):
+    tp, results = parallel_gpt_run
+    first = results[0]["replicated grads"]
+    assert {"pos_emb.weight", "ln_f.weight", "blocks.0.attn.proj.bias", "blocks.1.mlp.down.bias"} <= first.keys()
+    for rank, out in results.items():
+        for name, grad in first.items():
+            assert torch.equal(out["replicated grads"][name], grad), f"rank {rank} {name}"
+            assert torch.equal(out["replicated"][name], results[0]["replicated"][name]), f"rank {rank} {name}"
+
+
+def test_parallel_gpt_trains_like_single_device(parallel_gpt_run):
+    tp, results = parallel_gpt_run
+    ref = single_device_gpt_run()
+    for rank, out in results.items():
+        for step, (ours, theirs) in enumerate(zip(out["losses"], ref["losses"], strict=True)):
+            assert abs(ours - theirs) <= LOSS_RTOL * theirs, f"rank {rank} step {step}: {ours} vs {theirs}"
+            if tp == 1:
+                assert ours == theirs, "tp = 1 must be the plain model, bit for bit"
+        assert out["state"].keys() == ref["state"].keys()
+        for name, param in ref["state"].items():
+            assert_close(out["state"][name], param, f"rank {rank} {name}")
+            if tp == 1:
+                assert torch.equal(out["state"][name], param), name
+
+
+def silent_rank(group):
+    """A group of one whose collectives all fail: tensor parallelism must not call them."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tp = 1 must not communicate")
+
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
+        setattr(group, name, refuse)
+    return train_parallel_gpt_rank(group, sequence_parallel=True)
+
+
+def test_tp1_is_the_plain_model_and_never_communicates():
+    out = run(silent_rank, 1)[0]
+    ref = single_device_gpt_run()
+    assert torch.equal(out["logits"], ref["logits"])
+    assert out["losses"] == ref["losses"]
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+
+def test_tp_problems_name_each_field_that_does_not_divide():
+    config = model_config("gpt-tiny", n_head=6, d_model=96, d_mlp=198, vocab_size=250, dropout=0.1)
+    problems = tp_problems(config, 4)
+    assert problems == [
+        "n_head (6) must be divisible by tp (4): each rank computes whole attention heads",
+        "d_mlp (198) must be divisible by tp (4): each rank holds an equal slice of the MLP's hidden units",
+        "vocab_size (250) must be divisible by tp (4): each rank holds an equal range of the vocabulary "
+        "(embedding, head)",
+        "dropout (0.1) must be 0 with tp > 1: replicated activations would need the same dropout mask "
+        "on every tensor-parallel rank",
+    ]
+    assert tp_problems(config, 2) == [problems[-1]]
+    assert tp_problems(config, 1) == []
+    assert tp_problems(model_config("gpt-tiny"), 0) == ["tp must be a positive integer, got 0"]
+
+
+def parallelize_tiny_rank(group, overrides):
+    parallelize_gpt(build_seeded_model("gpt-tiny", overrides, SEED), group)
+
+
+def test_parallelize_gpt_refuses_a_model_that_does_not_divide():
+    with pytest.raises(ValueError, match=r"n_head \(4\) must be divisible by tp \(8\)"):
+        run(parallelize_tiny_rank, 8, args=({},))
+
+
+def sequence_parallel_forward_rank(group, length):
+    model = parallelize_gpt(build_seeded_model("gpt-tiny", {}, SEED), group, sequence_parallel=True)
+    return model(torch.zeros(2, length, dtype=torch.long)).shape
+
+
+def test_sequence_parallel_needs_a_sequence_divisible_by_tp():
+    assert run(sequence_parallel_forward_rank, 2, args=(6,))[0] == (2, 6, 128)
+    with pytest.raises(ValueError, match=r"shape \(2, 7, 64\) must be divisible by the tensor-parallel size 2"):
+        run(sequence_parallel_forward_rank, 2, args=(7,))
