@@ -7,6 +7,7 @@ import click
 
 from paratrain import __version__
 from paratrain.bench.cli import bench
+from paratrain.parallel.pipeline.schedule_cli import schedule
 from paratrain.train.check import check
 from paratrain.train.cli import train
 
@@ -24,6 +25,7 @@ def main() -> None:
 main.add_command(train)
 main.add_command(check)
 main.add_command(bench)
+main.add_command(schedule)
 
 if __name__ == "__main__":
     main()
