@@ -21,7 +21,10 @@ from paratrain.mesh import Mesh
 from paratrain.models import count_parameters
 from paratrain.parallel.data import build_data_parallel
 from paratrain.train.config import TrainConfig
+from paratrain.parallel.pipeline.runtime import PipelineRuntime
+from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.train.optim import build_optimizer, build_scheduler
+from paratrain.train.parallel_model import build_parallel_model, full_state
 from paratrain.train.setup import build_seeded_model, dataset_for
 
 
@@ -33,9 +36,6 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     mesh = Mesh(group, group.size // (par.pp * par.tp), par.pp, par.tp) if par.pp * par.tp > 1 else None
     dp_group = mesh.dp if mesh else group
     if mesh:
-        from paratrain.parallel.pipeline.runtime import PipelineRuntime
-        from paratrain.parallel.pipeline.simulate import theoretical_bubble
-        from paratrain.train.parallel_model import build_parallel_model, full_state
         parallel = build_parallel_model(config, mesh, dataset)
         parallel.model.to(device)
         module, loss_fn = parallel.module, parallel.loss_fn

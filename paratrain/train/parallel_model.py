@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.pipeline.schedules import build_schedule
-from paratrain.parallel.pipeline.split import layer_cost, pipeline_layers, split_layers, balanced_partition
+from paratrain.parallel.pipeline.split import balanced_partition, layer_cost, pipeline_layers, split_layers
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratrain.parallel.tensor.parallelize import gather_full_state, parallelize_gpt
 from paratrain.train.setup import build_seeded_model
@@ -62,17 +62,10 @@ def full_state(parallel: ParallelModel, mesh) -> dict[str, torch.Tensor]:
     Only the parameters of chunks this rank holds are included; the union over pipeline
     ranks is the whole model.
     """
-    owned = {id(p) for p in parallel.module.parameters()}
+    mine = {id(p) for p in parallel.module.parameters()}
+    owned = {name for name, p in parallel.model.named_parameters() if id(p) in mine}
     if mesh.shape["tp"] > 1:
-        gathered = gather_full_state(parallel.model, mesh.tp)
-        names = {name for name, p in _named_owned(parallel.model, owned)}
-        return {name: value for name, value in gathered.items() if _base_name(name) in names or name in names}
-    return {name: p.detach().clone() for name, p in _named_owned(parallel.model, owned)}
-
-
-def _named_owned(model: nn.Module, owned: set[int]):
-    return [(name, p) for name, p in model.named_parameters() if id(p) in owned]
-
-
-def _base_name(name: str) -> str:
-    return name
+        state = gather_full_state(parallel.model, mesh.tp)
+    else:
+        state = {name: p.detach().clone() for name, p in parallel.model.named_parameters()}
+    return {name: value for name, value in state.items() if name in owned}

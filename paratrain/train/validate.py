@@ -10,6 +10,8 @@ from paratrain.models import MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, m
 from paratrain.parallel.data import DP_MODES
 from paratrain.parallel.data.compression import build_compressor
 from paratrain.parallel.data.naive import LAYOUTS
+from paratrain.parallel.pipeline.schedules import microbatch_problems
+from paratrain.parallel.tensor.parallelize import tp_problems
 from paratrain.train.config import ConfigError, TrainConfig
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -145,15 +147,11 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
     except (ValueError, TypeError):
         return False, dp_size
     if par.tp > 1:
-        from paratrain.parallel.tensor.parallelize import tp_problems
-
         if not isinstance(shape, GPTConfig):
             problems.append(f"parallel.tp: tensor parallelism shards GPT models; {model.name!r} is not one")
         else:
             problems += [f"parallel.tp: {line}" for line in tp_problems(shape, par.tp)]
     if par.pp > 1:
-        from paratrain.parallel.pipeline.schedules import microbatch_problems
-
         problems += microbatch_problems(par.schedule, par.pp, par.microbatches, par.virtual_stages)
         layers = _pipeline_layer_count(shape)
         chunks = par.pp * (2 if par.schedule == "zb-v" else par.virtual_stages)
