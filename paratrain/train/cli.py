@@ -10,9 +10,13 @@ from pathlib import Path
 import click
 
 from paratrain.launch import in_torchrun, run
-from paratrain.models import count_parameters, format_count, gpt_parameter_count, model_config
+from paratrain.models import GPTConfig, count_parameters, format_count, gpt_parameter_count, model_config
+from paratrain.parallel.pipeline.schedules import build_schedule
+from paratrain.parallel.pipeline.simulate import theoretical_bubble
+from paratrain.parallel.pipeline.timeline import format_timeline
 from paratrain.train.config import ConfigError, TrainConfig, to_dict
 from paratrain.train.loop import train_rank
+from paratrain.train.memory import estimate, format_estimate
 from paratrain.train.options import build_config, training_options, world_size_of
 from paratrain.train.validate import validate
 
@@ -37,20 +41,49 @@ def print_summary(summary: dict) -> None:
         ("throughput", f"{summary['samples_per_s']:,.0f} samples/s"
          + (f", {summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary else "")),
     ]
+    if "bubble" in summary:
+        rows.append(("bubble", f"{summary['bubble']:.1%} measured on rank 0 (time not computing), "
+                               f"{summary['theoretical_bubble']:.1%} in the schedule"))
     click.echo("summary (means over steps after the first):")
     for name, value in rows:
         click.echo(f"  {name:14s} {value}")
 
 
+def describe_run(config: TrainConfig, world: int) -> list[str]:
+    """What is about to run: the world, its mesh, the schedule, and (GPT) memory per rank."""
+    par = config.parallel
+    dp = world // (par.pp * par.tp)
+    launcher = "torchrun" if in_torchrun() else par.launcher
+    lines = [f"world {world} = dp {dp} x pp {par.pp} x tp {par.tp} ({launcher}), dp-mode {par.dp_mode}"]
+    if par.pp > 1:
+        per_micro = config.data.global_batch // (dp * par.microbatches)
+        lines.append(f"global batch {config.data.global_batch}: {config.data.global_batch // dp} per replica, "
+                     f"{par.microbatches} microbatches of {per_micro} through the pipeline")
+        schedule = build_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+        if par.microbatches <= 16:
+            lines.append(format_timeline(schedule))
+        else:
+            lines.append(f"{schedule.name}: theoretical bubble {theoretical_bubble(schedule.name, schedule.stages, schedule.microbatches, schedule.virtual_stages):.1%}")
+    else:
+        lines.append(f"global batch {config.data.global_batch} ({config.data.global_batch // dp} per replica"
+                     + (f", {par.grad_accum} micro-batches" if par.grad_accum > 1 else "") + ")")
+    if isinstance(model_config(config.model.name, **config.model.overrides), GPTConfig) and par.pp * par.tp > 1:
+        lines.append(format_estimate(estimate(config, world), par.tp))
+    return lines
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @training_options
-def train(config_path, **flags):
-    """Train a model on a world of ranks with data parallelism.
+@click.option("--plan-only", is_flag=True, help="Print the model, mesh, schedule and memory per rank; do not train.")
+def train(config_path, plan_only, **flags):
+    """Train a model on a world of ranks: data, tensor and pipeline parallelism.
 
     \b
     Examples:
       paratrain train --model mlp --nproc 4 --dp-mode ddp --steps 100
       paratrain train --model cnn --channels 32 64 128 --hidden 512 --launcher processes
+      paratrain train --model gpt-small --tp 2 --pp 4 --schedule 1f1b --microbatches 8
+      paratrain train --model gpt-seed --tp 2 --pp 4 --schedule 1f1b --microbatches 8 --plan-only
       torchrun --nproc-per-node 4 -m paratrain train --model mlp16
     """
     try:
@@ -64,12 +97,10 @@ def train(config_path, **flags):
     leader = not in_torchrun() or os.environ.get("RANK") == "0"
     if leader:
         click.echo(describe_model(config))
-        par = config.parallel
-        click.echo(
-            f"world {world} ({'torchrun' if in_torchrun() else par.launcher}), dp-mode {par.dp_mode}, "
-            f"global batch {config.data.global_batch} ({config.data.global_batch // world} per rank"
-            + (f", {par.grad_accum} micro-batches" if par.grad_accum > 1 else "") + ")"
-        )
+        for line in describe_run(config, world):
+            click.echo(line)
+    if plan_only:
+        return
     results = run(train_rank, config.parallel.nproc, launcher=config.parallel.launcher, args=(config,),
                   timeout=config.parallel.timeout, debug=config.parallel.debug or None)
     if 0 not in results:

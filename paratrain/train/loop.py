@@ -99,6 +99,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     result = {"log": log, "summary": summarize(log, config, group.size, params, tokens_per_sample)}
     if mesh and mesh.shape["pp"] > 1:
         schedule = parallel.schedule
+        result["summary"]["bubble"] = statistics.fmean(e["bubble"] for e in (log[1:] or log))
         result["summary"]["theoretical_bubble"] = theoretical_bubble(
             schedule.name, schedule.stages, schedule.microbatches, schedule.virtual_stages)
     if return_state:

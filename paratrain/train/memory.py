@@ -101,6 +101,13 @@ def _describe_layers(layer_ids: list[int], n_layer: int) -> str:
     return ",".join(names) if len(names) <= 3 else f"{names[0]}..{names[-1]}"
 
 
+def _size(nbytes: float) -> str:
+    for unit, scale in (("G", GIB), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f}{unit}"
+    return f"{nbytes:.0f}B"
+
+
 def format_estimate(stages: list[StageMemory], tp: int) -> str:
     lines = [
         f"memory per rank (fp32; each of the {tp} tensor-parallel ranks of a stage holds the same):",
@@ -109,7 +116,7 @@ def format_estimate(stages: list[StageMemory], tp: int) -> str:
     ]
     for st in stages:
         lines.append(
-            f"  {st.stage:>5}  {st.layers:<22} {st.params:>12,} {st.weights / GIB:>8.2f}G {st.grads / GIB:>8.2f}G "
-            f"{st.optimizer / GIB:>8.2f}G {st.activations / GIB:>8.2f}G {st.in_flight:>9} {st.total / GIB:>8.2f}G"
+            f"  {st.stage:>5}  {st.layers:<22} {st.params:>12,} {_size(st.weights):>9} {_size(st.grads):>9} "
+            f"{_size(st.optimizer):>9} {_size(st.activations):>9} {st.in_flight:>9} {_size(st.total):>9}"
         )
     return "\n".join(lines)
