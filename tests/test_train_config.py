@@ -93,3 +93,63 @@ def test_train_command_writes_metrics(tmp_path):
     assert len(data["log"]) == 3
     for key in ("final_loss", "steps", "samples_per_s", "step_ms", "compute_ms", "comm_ms", "exposed_comm_ms"):
         assert key in data["summary"]
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        ({"model.name": "gpt-small", "parallel.dp": 2, "parallel.pp": 2, "parallel.tp": 4}, 8,
+         "world size 8 != dp x pp x tp = 2 x 2 x 4 = 16"),
+        ({"model.name": "gpt-small", "parallel.pp": 3}, 8, "world size 8 is not divisible by pp x tp = 3 x 1 = 3"),
+        ({"model.name": "gpt-tiny", "parallel.pp": 8, "parallel.microbatches": 8}, 8,
+         "model 'gpt-tiny' has 4 pipeline layers, fewer than stages x virtual stages = 8"),
+        ({"model.name": "gpt-tiny", "parallel.pp": 4, "parallel.schedule": "interleaved-1f1b",
+          "parallel.virtual_stages": 2, "parallel.microbatches": 4}, 4,
+         "model 'gpt-tiny' has 4 pipeline layers, fewer than stages x virtual stages = 8"),
+        ({"model.name": "gpt-tiny", "parallel.tp": 8}, 8, "n_head (4) must be divisible by tp (8)"),
+        ({"model.name": "gpt-tiny", "parallel.tp": 4, "model.d_mlp": 254}, 4, "d_mlp (254) must be divisible by tp (4)"),
+        ({"model.name": "gpt-small", "parallel.pp": 4, "parallel.schedule": "interleaved-1f1b",
+          "parallel.virtual_stages": 2, "parallel.microbatches": 6}, 4,
+         "interleaved-1f1b needs microbatches to be a multiple of the stages (4): got 6"),
+        ({"model.name": "gpt-small", "parallel.pp": 4, "parallel.microbatches": 2}, 4,
+         "1f1b needs at least as many microbatches (2) as stages (4); use --schedule gpipe for fewer"),
+        ({"model.name": "gpt-small", "parallel.pp": 2, "parallel.microbatches": 4, "data.global_batch": 20}, 4,
+         "data.global_batch 20 is not divisible by dp x microbatches = 2 x 4 = 8"),
+        ({"model.name": "cnn", "parallel.pp": 2, "parallel.microbatches": 2}, 2,
+         "model 'cnn' cannot be split into pipeline stages"),
+        ({"model.name": "mlp", "parallel.tp": 2}, 2, "tensor parallelism shards GPT models; 'mlp' is not one"),
+        ({"model.name": "gpt-tiny", "parallel.tp": 2, "parallel.dp_mode": "torch"}, 2,
+         "dp_mode torch is plain data parallelism; with pp or tp > 1 use ddp or naive"),
+        ({"model.name": "gpt-tiny", "parallel.precision": "fp8"}, 2, "parallel.precision: unknown value 'fp8'"),
+    ],
+)
+def test_each_bad_mesh_or_schedule_is_reported_with_its_message(overrides, world_size, message):
+    found = problems(world_size, **overrides)
+    assert any(message in line for line in found), found
+
+
+def test_train_rejects_a_bad_mesh_before_any_rank_starts():
+    result = CliRunner().invoke(main, ["train", "--model", "gpt-tiny", "--nproc", "8", "--pp", "4",
+                                       "--microbatches", "2", "--tp", "8"])
+    assert result.exit_code == 2
+    assert "error: 1f1b needs at least as many microbatches (2) as stages (4)" in result.output
+    assert "error: world size 8 is not divisible by pp x tp = 4 x 8 = 32" in result.output
+
+
+def test_plan_only_prints_the_seed_model_and_memory_without_training():
+    result = CliRunner().invoke(main, ["train", "--model", "gpt-seed", "--tp", "2", "--pp", "4",
+                                       "--schedule", "1f1b", "--microbatches", "8", "--plan-only"])
+    assert result.exit_code == 0, result.output
+    assert "gpt-seed: 204,746,752 parameters" in result.output
+    assert "world 8 = dp 1 x pp 4 x tp 2" in result.output
+    assert "memory per rank" in result.output and "Stage 3:" in result.output
+
+
+def test_check_passes_a_correct_pipeline_and_fails_an_impossible_tolerance():
+    args = ["check", "--model", "gpt-tiny", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2",
+            "--global-batch", "8", "--steps", "2"]
+    passed = CliRunner().invoke(main, args)
+    assert passed.exit_code == 0, passed.output
+    assert "PASS" in passed.output and "largest loss difference" in passed.output
+    failed = CliRunner().invoke(main, args + ["--param-atol", "0", "--loss-rtol", "0"])
+    assert failed.exit_code == 1 and "FAIL" in failed.output

@@ -123,15 +123,16 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
     ok = _at_least(problems, "parallel.pp", par.pp, 1) & _at_least(problems, "parallel.tp", par.tp, 1)
     if not ok:
         return False, world_size
+    layout_ok = True
     if world_size % (par.pp * par.tp):
         problems.append(f"world size {world_size} is not divisible by pp x tp = {par.pp} x {par.tp} = {par.pp * par.tp}")
-        return False, world_size
-    dp_size = world_size // (par.pp * par.tp)
-    if par.dp is not None and par.dp * par.pp * par.tp != world_size:
+        layout_ok = False
+    elif par.dp is not None and par.dp * par.pp * par.tp != world_size:
         problems.append(
             f"world size {world_size} != dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {par.dp * par.pp * par.tp}"
         )
-        return False, world_size
+        layout_ok = False
+    dp_size = max(world_size // (par.pp * par.tp), 1)
     _choice(problems, "parallel.precision", par.precision, PRECISIONS)
     if par.pp * par.tp > 1:
         if par.dp_mode == "torch":
@@ -145,7 +146,7 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
     try:
         shape = model_config(model.name, **model.overrides)
     except (ValueError, TypeError):
-        return False, dp_size
+        return False, dp_size  # already reported
     if par.tp > 1:
         if not isinstance(shape, GPTConfig):
             problems.append(f"parallel.tp: tensor parallelism shards GPT models; {model.name!r} is not one")
@@ -166,7 +167,7 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
             problems.append(
                 f"parallel.stage_layers {par.stage_layers} must be {chunks} positive counts adding up to {layers}"
             )
-    return True, dp_size
+    return layout_ok, dp_size
 
 
 def _pipeline_layer_count(shape) -> int | None:
