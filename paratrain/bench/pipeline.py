@@ -1,0 +1,145 @@
+"""`paratrain bench pipeline`: our pipeline runtime against torch.distributed.pipelining.
+
+Both run the same GPT chunks (our balanced split) on the same microbatches, one process per
+stage, in one launch, alternating step by step so that machine noise hits both alike. Ours
+runs each schedule asked for and reports its measured bubble (time a rank spent not
+computing) beside the schedule's theoretical one; PyTorch's Schedule1F1B (and ScheduleGPipe)
+is the reference for step time. Only forward and backward are timed: no optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import click
+import torch
+
+from paratrain.launch import run
+from paratrain.parallel.pipeline.runtime import PipelineRuntime
+from paratrain.parallel.pipeline.schedules import SCHEDULES, build_schedule
+from paratrain.parallel.pipeline.simulate import theoretical_bubble
+from paratrain.parallel.pipeline.split import pipeline_layers, split_layers
+from paratrain.train.setup import build_seeded_model, dataset_for
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def _torch_step_fn(chunk, rank, stages, microbatches, loss_fn, name):
+    import torch.distributed.pipelining as pipelining
+
+    stage = pipelining.PipelineStage(chunk, rank, stages, torch.device("cpu"))
+    schedule = getattr(pipelining, TORCH_SCHEDULES[name])(stage, microbatches, loss_fn=loss_fn)
+
+    def step(inputs, targets):
+        if rank == 0:
+            schedule.step(inputs)
+        elif rank == stages - 1:
+            schedule.step(target=targets)
+        else:
+            schedule.step()
+
+    return step
+
+
+def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, warmup):
+    """Runs on every rank; rank 0 returns one record per (implementation, schedule)."""
+    model = build_seeded_model(model_name, {}, 0)
+    dataset = dataset_for(model_name, {}, None, 0)
+    chunks = split_layers(pipeline_layers(model), group.size)
+    mine = chunks[group.rank]
+    inputs, targets = dataset.global_batch(0, global_batch)
+    runners = []
+    for name in schedules:
+        schedule = build_schedule(name, group.size, microbatches)
+        if schedule.num_chunks != group.size:
+            continue  # schedules with several chunks per rank need another split
+        runtime = PipelineRuntime(schedule, group.rank, {group.rank: mine}, group, dataset.loss)
+        micro_in, micro_out = list(inputs.chunk(microbatches)), list(targets.chunk(microbatches))
+        runners.append(("paratrain", name, lambda r=runtime, a=micro_in, b=micro_out: r.run(a, b)))
+        if name in TORCH_SCHEDULES:
+            step = _torch_step_fn(mine, group.rank, group.size, microbatches, dataset.loss, name)
+            runners.append(("torch.pipelining", name, lambda s=step: s(inputs, targets)))
+    times = {(impl, name): [] for impl, name, _ in runners}
+    bubbles = {(impl, name): [] for impl, name, _ in runners}
+    for iteration in range(warmup + steps):
+        for impl, name, fn in runners:  # alternate: noise falls on every runner alike
+            group.barrier("native")
+            started = time.perf_counter()
+            stats = fn()
+            elapsed = time.perf_counter() - started
+            mine.zero_grad(set_to_none=True)
+            if iteration >= warmup:
+                times[(impl, name)].append(elapsed)
+                if stats:
+                    bubbles[(impl, name)].append(1 - stats["busy_s"] / stats["total_s"])
+    # The step takes as long as its slowest rank; bubbles are averaged over ranks.
+    gathered = torch.tensor([[statistics.fmean(times[k]), statistics.fmean(bubbles[k]) if bubbles[k] else -1.0]
+                             for k in times], dtype=torch.float64)
+    everyone = torch.empty(group.size * gathered.numel(), dtype=torch.float64)
+    group.all_gather(everyone, gathered.view(-1), algo="native")
+    per_rank = everyone.view(group.size, len(times), 2)
+    records = []
+    for index, (impl, name) in enumerate(times):
+        bubble = per_rank[:, index, 1]
+        records.append({
+            "impl": impl, "schedule": name, "stages": group.size, "microbatches": microbatches,
+            "step_ms": per_rank[:, index, 0].max().item() * 1e3,
+            "bubble_measured": bubble.mean().item() if bubble.min() >= 0 else None,
+            "bubble_theoretical": theoretical_bubble(name, group.size, microbatches, 1),
+        })
+    return records
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--nproc", type=int, default=2, show_default=True, help="Pipeline stages, one process (or thread) each.")
+@click.option("--model", default="gpt-small", show_default=True, help="A GPT preset (split by our balanced partition).")
+@click.option("--schedules", default="gpipe,1f1b,zb-h1", show_default=True,
+              help=f"Our schedules to run, from: {', '.join(SCHEDULES)} (one chunk per rank only).")
+@click.option("--microbatches", type=int, default=8, show_default=True)
+@click.option("--global-batch", type=int, default=32, show_default=True)
+@click.option("--steps", type=int, default=10, show_default=True, help="Timed steps per runner.")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps per runner first.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the records as JSON.")
+def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup, json_path):
+    """Our pipeline runtime vs torch.distributed.pipelining on the same GPT stages.
+
+    Prints step time (slowest rank, forward + backward of all microbatches), the ratio to
+    PyTorch's schedule of the same name, and our measured bubble beside the theoretical one.
+    Runs on processes (torch.distributed.pipelining needs torch's default process group).
+    """
+    launcher = "processes"
+    names = [s.strip() for s in schedules.split(",") if s.strip()]
+    bad = [s for s in names if s not in SCHEDULES]
+    if bad:
+        raise click.BadParameter(f"unknown schedule(s) {', '.join(bad)}; valid: {', '.join(SCHEDULES)}", param_hint="--schedules")
+    if nproc < 2:
+        raise click.BadParameter("a pipeline needs at least 2 stages", param_hint="--nproc")
+    if global_batch % microbatches:
+        raise click.BadParameter(f"global batch {global_batch} is not divisible by {microbatches} microbatches")
+    for name in names:
+        try:
+            build_schedule(name, nproc, microbatches)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--schedules") from None
+    click.echo(f"# pipeline: {model}, {nproc} stages, one process each, {microbatches} microbatches of "
+               f"{global_batch // microbatches}, {steps} timed steps; this machine has {os.cpu_count()} cores")
+    records = run(bench_rank, nproc, launcher=launcher,
+                  args=(model, names, microbatches, global_batch, steps, warmup))[0]
+    reference = {r["schedule"]: r["step_ms"] for r in records if r["impl"] == "torch.pipelining"}
+    click.echo(f"{'impl':<17} {'schedule':<9} {'step ms':>9} {'vs torch':>9} {'bubble measured':>16} {'theoretical':>12}")
+    for record in records:
+        ratio = record["step_ms"] / reference[record["schedule"]] if record["schedule"] in reference else None
+        record["ratio_to_torch"] = ratio
+        measured = f"{record['bubble_measured']:.1%}" if record["bubble_measured"] is not None else "-"
+        click.echo(f"{record['impl']:<17} {record['schedule']:<9} {record['step_ms']:>9.1f} "
+                   f"{(f'{ratio:.2f}x' if ratio else '-'):>9} {measured:>16} {record['bubble_theoretical']:>11.1%}")
+    click.echo("# vs torch: our step time / torch.distributed.pipelining's for the same schedule (lower is faster)")
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(records, handle, indent=1)
+        click.echo(f"# records written to {json_path}", err=True)
+    sys.stdout.flush()
