@@ -2,14 +2,17 @@
 
 Each sharded layer is compared with the plain layer built from the same unsharded weights;
 the vocab-parallel loss with F.cross_entropy of the full logits; a whole parallelized GPT
-with the unsharded one, for a forward/backward and for a few SGD steps.
+with the unsharded one, for a forward/backward and for a few SGD steps. Vocabularies that tp
+does not divide (257, GPT-2's 50257) are split unevenly, by torch.tensor_split's rule, and
+are held to the same tolerances.
 
 Tolerances (fp32). Sharding changes only the order of additions: a row-parallel output and
 a column-parallel input gradient become a sum of tp partial dot products, the softmax
 denominator a sum of tp partial sums, and BLAS blocks a narrower matrix product differently.
 Each moves a result by an ulp or two. So tensors agree to TOL = 1e-6 of their scale (the
-reference's largest magnitude, or 1): measured at most 1.6e-7 for the layers, 2.7e-7 for
-the GPT's logits, 2.6e-8 for its gradients and 1.2e-7 for its parameters after 4 SGD steps.
+reference's largest magnitude, or 1): measured at most 1.6e-7 for the layers, 3.0e-7 for
+the GPT's logits, 3.0e-8 for its gradients and 1.2e-7 for its parameters after 4 SGD steps
+(the odd vocabularies measure the same as the even ones).
 Losses agree to LOSS_RTOL = 1e-5 relative (measured 1.7e-7). With tp = 1 nothing is
 reordered and every result is bitwise equal. Communication tests use integer-valued floats,
 whose sums are exact in any order, and compare exactly.
@@ -69,9 +72,10 @@ def make_linear(in_features: int, out_features: int, seed: int, bias: bool = Tru
 
 
 def columns(tensor: torch.Tensor, rank: int, size: int, dim: int = -1) -> torch.Tensor:
-    """Rank's contiguous part of `dim`, written out here rather than taken from the library."""
-    width = tensor.shape[dim] // size
-    return tensor.narrow(dim, rank * width, width)
+    """Rank's contiguous part of `dim` by torch.tensor_split's rule (equal parts when size
+    divides the length, else the first length % size parts one longer), taken from torch
+    rather than from the library under test."""
+    return tensor.tensor_split(size, dim=dim)[rank]
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL) -> None:
@@ -134,6 +138,20 @@ def test_tp_comms_are_conjugate_pairs(tp):
         for name, (forward, backward) in expected.items():
             assert torch.equal(out[name][0], forward), f"rank {rank} {name} forward"
             assert torch.equal(out[name][1], backward), f"rank {rank} {name} backward"
+
+
+def uneven_gather_rank(group, length):
+    rows = columns(small_ints(2, length, 3), group.rank, group.size, dim=0)
+    cols = columns(small_ints(3, 2, length), group.rank, group.size, dim=-1)
+    return all_gather_along(rows, group, 0, length=length), all_gather_along(cols, group, -1, length=length)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_all_gather_along_reassembles_uneven_parts(tp):
+    length = 4 * tp + 3  # the first 3 ranks hold one more
+    for rank, (rows, cols) in run(uneven_gather_rank, tp, args=(length,)).items():
+        assert torch.equal(rows, small_ints(2, length, 3)), f"rank {rank} rows"
+        assert torch.equal(cols, small_ints(3, 2, length)), f"rank {rank} columns"
 
 
 # ---- layers -------------------------------------------------------------------------------
@@ -202,64 +220,120 @@ def test_row_parallel_linear_matches_single_device(tp):
         assert torch.equal(out["bias.grad"], results[0]["bias.grad"])
 
 
-VOCAB, WIDTH = 40, 6
+WIDTH = 6
+# 40 divides by every tp tested; 257 and GPT-2's 50257 by none, so their ranks' ranges differ.
+VOCABS = [40, 257, 50257]
 
 
-def vocab_ids() -> torch.Tensor:
-    """Every id once (so every shard is hit) and some repeats, in a scrambled order."""
+def vocab_ids(vocab: int) -> torch.Tensor:
+    """Every id once (so every shard is hit) and some repeats, in a scrambled order, (4, -1)."""
     g = torch.Generator().manual_seed(9)
-    ids = torch.cat([torch.arange(VOCAB), torch.randint(VOCAB, (24,), generator=g)])
-    return ids[torch.randperm(ids.numel(), generator=g)].view(4, 16)
+    repeats = 24 + (-(vocab + 24)) % 4
+    ids = torch.cat([torch.arange(vocab), torch.randint(vocab, (repeats,), generator=g)])
+    return ids[torch.randperm(ids.numel(), generator=g)].view(4, -1)
 
 
-def make_embedding() -> nn.Embedding:
-    embedding = nn.Embedding(VOCAB, WIDTH)
+def targets_at_edges(vocab: int, seed: int) -> torch.Tensor:
+    """(3, 7) targets, scrambled: the first and last id of every rank's range at tp 2 and 4
+    (where an off-by-one in a range's bounds would show), the rest random."""
+    parts = [part for tp in (2, 4) for part in torch.arange(vocab).tensor_split(tp)]
+    edges = torch.tensor(sorted({int(i) for part in parts for i in (part[0], part[-1])}))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.cat([edges, torch.randint(vocab, (21 - edges.numel(),), generator=g)])
+    return ids[torch.randperm(21, generator=g)].view(3, 7)
+
+
+def make_embedding(vocab: int) -> nn.Embedding:
+    embedding = nn.Embedding(vocab, WIDTH)
     with torch.no_grad():
-        embedding.weight.copy_(randn(11, VOCAB, WIDTH))
+        embedding.weight.copy_(randn(11, vocab, WIDTH))
     return embedding
 
 
-def vocab_embedding_rank(group):
-    layer = VocabParallelEmbedding(make_embedding(), group)
-    out = layer(vocab_ids())
-    out.backward(randn(12, 4, 16, WIDTH))
-    return out.detach(), layer.weight.grad
+def vocab_embedding_rank(group, vocab):
+    layer = VocabParallelEmbedding(make_embedding(vocab), group)
+    idx = vocab_ids(vocab)
+    out = layer(idx)
+    out.backward(randn(12, *idx.shape, WIDTH))
+    return out.detach(), layer.weight.grad, gather_full_state(layer, group)["weight"]
 
 
+@pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("tp", TP_SIZES)
-def test_vocab_parallel_embedding_matches_single_device(tp):
-    embedding = make_embedding()
-    out = embedding(vocab_ids())
-    out.backward(randn(12, 4, 16, WIDTH))
-    for rank, (ours, weight_grad) in run(vocab_embedding_rank, tp).items():
+def test_vocab_parallel_embedding_matches_single_device(tp, vocab):
+    embedding = make_embedding(vocab)
+    idx = vocab_ids(vocab)
+    out = embedding(idx)
+    out.backward(randn(12, *idx.shape, WIDTH))
+    for rank, (ours, weight_grad, full) in run(vocab_embedding_rank, tp, args=(vocab,)).items():
         # One rank contributes each row and the others add exact zeros: equal bit for bit.
         assert torch.equal(ours, out.detach()), f"rank {rank} lookup"
         assert torch.equal(weight_grad, columns(embedding.weight.grad, rank, tp, dim=0)), f"rank {rank} grad"
+        assert torch.equal(full, embedding.weight.detach()), f"rank {rank} gathered table"
 
 
-def cross_entropy_inputs():
-    logits_BTV = 10 * randn(13, 3, 7, VOCAB)  # wide logits: the max shift matters
-    targets_BT = vocab_ids()[:3, :7]
-    return logits_BTV, targets_BT
+def cross_entropy_inputs(vocab: int):
+    logits_BTV = 10 * randn(13, 3, 7, vocab)  # wide logits: the max shift matters
+    return logits_BTV, targets_at_edges(vocab, seed=14)
 
 
-def cross_entropy_rank(group):
-    logits_BTV, targets_BT = cross_entropy_inputs()
+def cross_entropy_rank(group, vocab, give_vocab_size):
+    logits_BTV, targets_BT = cross_entropy_inputs(vocab)
     shard = columns(logits_BTV, group.rank, group.size).clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(shard, targets_BT, group)
+    loss = vocab_parallel_cross_entropy(shard, targets_BT, group, vocab if give_vocab_size else None)
     loss.backward()
     return loss.detach(), shard.grad
 
 
+@pytest.mark.parametrize("give_vocab_size", [True, False], ids=["vocab-given", "vocab-summed"])
+@pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("tp", TP_SIZES)
-def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tp):
-    logits_BTV, targets_BT = cross_entropy_inputs()
+def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tp, vocab, give_vocab_size):
+    logits_BTV, targets_BT = cross_entropy_inputs(vocab)
     logits_BTV.requires_grad_()
-    loss = F.cross_entropy(logits_BTV.reshape(-1, VOCAB), targets_BT.reshape(-1))
+    loss = F.cross_entropy(logits_BTV.reshape(-1, vocab), targets_BT.reshape(-1))
     loss.backward()
-    for rank, (ours, grad) in run(cross_entropy_rank, tp).items():
+    for rank, (ours, grad) in run(cross_entropy_rank, tp, args=(vocab, give_vocab_size)).items():
         assert_close(ours, loss.detach(), f"rank {rank} loss")
         assert_close(grad, columns(logits_BTV.grad, rank, tp), f"rank {rank} logits grad")
+
+
+HEAD_VOCAB, HEAD_WIDTH = 257, 8
+
+
+def head_inputs():
+    return randn(15, 3, 7, HEAD_WIDTH), targets_at_edges(HEAD_VOCAB, seed=16)
+
+
+def head_and_loss_rank(group):
+    layer = ColumnParallelLinear(make_linear(HEAD_WIDTH, HEAD_VOCAB, seed=17, bias=False), group)
+    x_BTD, targets_BT = head_inputs()
+    x_BTD.requires_grad_()
+    loss = vocab_parallel_cross_entropy(layer(x_BTD), targets_BT, group, HEAD_VOCAB)
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "x.grad": x_BTD.grad,
+        "weight.grad": layer.weight.grad,
+        "full weight": gather_full_state(layer, group)["weight"],
+        "full weight.grad": gather_full_state(layer, group, grads=True)["weight"],
+    }
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_uneven_vocab_head_and_cross_entropy_match_single_device(tp):
+    head = make_linear(HEAD_WIDTH, HEAD_VOCAB, seed=17, bias=False)
+    x_BTD, targets_BT = head_inputs()
+    x_BTD.requires_grad_()
+    loss = F.cross_entropy(head(x_BTD).reshape(-1, HEAD_VOCAB), targets_BT.reshape(-1))
+    loss.backward()
+    for rank, out in run(head_and_loss_rank, tp).items():
+        assert_close(out["loss"], loss.detach(), f"rank {rank} loss")
+        assert_close(out["x.grad"], x_BTD.grad, f"rank {rank} input grad (all-reduced)")
+        mine = columns(head.weight.grad, rank, tp, dim=0)
+        assert_close(out["weight.grad"], mine, f"rank {rank} weight grad")
+        assert torch.equal(out["full weight"], head.weight.detach()), f"rank {rank} gathered weight"
+        assert_close(out["full weight.grad"], head.weight.grad, f"rank {rank} gathered weight grad")
 
 
 def test_vocab_parallel_cross_entropy_names_bad_targets():
@@ -273,8 +347,12 @@ def test_vocab_parallel_cross_entropy_names_bad_targets():
 # ---- a whole GPT --------------------------------------------------------------------------
 
 
-def gpt_data():
-    config = model_config("gpt-tiny")
+def gpt_overrides(vocab_size: int | None) -> dict:
+    return {} if vocab_size is None else {"vocab_size": vocab_size}
+
+
+def gpt_data(vocab_size: int | None):
+    config = model_config("gpt-tiny", **gpt_overrides(vocab_size))
     return build_dataset("tokens", SEED, vocab_size=config.vocab_size, block_size=config.block_size)
 
 
@@ -287,10 +365,11 @@ def replicated_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     }
 
 
-def train_parallel_gpt_rank(group, sequence_parallel: bool):
-    model = parallelize_gpt(build_seeded_model("gpt-tiny", {}, SEED), group, sequence_parallel)
+def train_parallel_gpt_rank(group, sequence_parallel: bool, vocab_size: int | None = None):
+    model = build_seeded_model("gpt-tiny", gpt_overrides(vocab_size), SEED)
+    model = parallelize_gpt(model, group, sequence_parallel)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    data, losses, first = gpt_data(), [], {}
+    data, losses, first = gpt_data(vocab_size), [], {}
     for step in range(STEPS):
         idx_BT, targets_BT = data.global_batch(step, BATCH)
         logits_BTV_shard = model(idx_BT)
@@ -299,7 +378,7 @@ def train_parallel_gpt_rank(group, sequence_parallel: bool):
         loss.backward()
         if step == 0:
             first = {
-                "logits": all_gather_along(logits_BTV_shard.detach(), group, dim=-1),
+                "logits": all_gather_along(logits_BTV_shard.detach(), group, -1, length=data.vocab_size),
                 "grads": gather_full_state(model, group, grads=True),
                 "replicated grads": {n: p.grad.clone() for n, p in replicated_parameters(model).items()},
             }
@@ -310,10 +389,10 @@ def train_parallel_gpt_rank(group, sequence_parallel: bool):
 
 
 @functools.cache
-def single_device_gpt_run():
-    model = build_seeded_model("gpt-tiny", {}, SEED)
+def single_device_gpt_run(vocab_size: int | None = None):
+    model = build_seeded_model("gpt-tiny", gpt_overrides(vocab_size), SEED)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    data, losses, first = gpt_data(), [], {}
+    data, losses, first = gpt_data(vocab_size), [], {}
     for step in range(STEPS):
         idx_BT, targets_BT = data.global_batch(step, BATCH)
         logits_BTV = model(idx_BT)
@@ -327,24 +406,27 @@ def single_device_gpt_run():
     return {**first, "losses": losses, "state": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-GPT_LAYOUTS = [
-    pytest.param((1, False), id="tp1"),
-    pytest.param((2, False), id="tp2"),
-    pytest.param((4, False), id="tp4"),
-    pytest.param((2, True), id="tp2-sequence-parallel"),
-    pytest.param((4, True), id="tp4-sequence-parallel"),
+GPT_LAYOUTS = [  # (tp, sequence_parallel, vocab_size: None for gpt-tiny's 256)
+    pytest.param((1, False, None), id="tp1"),
+    pytest.param((2, False, None), id="tp2"),
+    pytest.param((4, False, None), id="tp4"),
+    pytest.param((2, True, None), id="tp2-sequence-parallel"),
+    pytest.param((4, True, None), id="tp4-sequence-parallel"),
+    pytest.param((2, False, 257), id="tp2-vocab257"),
+    pytest.param((4, False, 257), id="tp4-vocab257"),
+    pytest.param((4, True, 257), id="tp4-sequence-parallel-vocab257"),
 ]
 
 
 @pytest.fixture(scope="module", params=GPT_LAYOUTS)
 def parallel_gpt_run(request):
-    tp, sequence_parallel = request.param
-    return tp, run(train_parallel_gpt_rank, tp, args=(sequence_parallel,))
+    tp, sequence_parallel, vocab_size = request.param
+    return tp, vocab_size, run(train_parallel_gpt_rank, tp, args=(sequence_parallel, vocab_size))
 
 
 def test_parallel_gpt_logits_loss_and_gradients_match_single_device(parallel_gpt_run):
-    tp, results = parallel_gpt_run
-    ref = single_device_gpt_run()
+    tp, vocab_size, results = parallel_gpt_run
+    ref = single_device_gpt_run(vocab_size)
     for rank, out in results.items():
         assert_close(out["logits"], ref["logits"], f"rank {rank} logits")
         assert abs(out["losses"][0] - ref["losses"][0]) <= LOSS_RTOL * ref["losses"][0]
@@ -354,7 +436,7 @@ def test_parallel_gpt_logits_loss_and_gradients_match_single_device(parallel_gpt
 
 
 def test_replicated_parameters_get_identical_gradients_on_every_tp_rank(parallel_gpt_run):
-    tp, results = parallel_gpt_run
+    tp, vocab_size, results = parallel_gpt_run
     first = results[0]["replicated grads"]
     assert {"pos_emb.weight", "ln_f.weight", "blocks.0.attn.proj.bias", "blocks.1.mlp.down.bias"} <= first.keys()
     for rank, out in results.items():
@@ -364,8 +446,8 @@ def test_replicated_parameters_get_identical_gradients_on_every_tp_rank(parallel
 
 
 def test_parallel_gpt_trains_like_single_device(parallel_gpt_run):
-    tp, results = parallel_gpt_run
-    ref = single_device_gpt_run()
+    tp, vocab_size, results = parallel_gpt_run
+    ref = single_device_gpt_run(vocab_size)
     for rank, out in results.items():
         for step, (ours, theirs) in enumerate(zip(out["losses"], ref["losses"], strict=True)):
             assert abs(ours - theirs) <= LOSS_RTOL * theirs, f"rank {rank} step {step}: {ours} vs {theirs}"
@@ -400,19 +482,24 @@ def test_tp1_is_the_plain_model_and_never_communicates():
 
 
 def test_tp_problems_name_each_field_that_does_not_divide():
+    # vocab_size 250 is no problem at tp 4: the vocabulary is split unevenly.
     config = model_config("gpt-tiny", n_head=6, d_model=96, d_mlp=198, vocab_size=250, dropout=0.1)
     problems = tp_problems(config, 4)
     assert problems == [
         "n_head (6) must be divisible by tp (4): each rank computes whole attention heads",
         "d_mlp (198) must be divisible by tp (4): each rank holds an equal slice of the MLP's hidden units",
-        "vocab_size (250) must be divisible by tp (4): each rank holds an equal range of the vocabulary "
-        "(embedding, head)",
         "dropout (0.1) must be 0 with tp > 1: replicated activations would need the same dropout mask "
         "on every tensor-parallel rank",
     ]
     assert tp_problems(config, 2) == [problems[-1]]
     assert tp_problems(config, 1) == []
     assert tp_problems(model_config("gpt-tiny"), 0) == ["tp must be a positive integer, got 0"]
+
+
+def test_the_seeds_odd_vocabulary_splits_over_tp():
+    assert model_config("gpt-seed").vocab_size == 50257
+    for tp in (2, 4, 8):
+        assert tp_problems(model_config("gpt-seed"), tp) == []
 
 
 def parallelize_tiny_rank(group, overrides):

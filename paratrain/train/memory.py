@@ -110,7 +110,7 @@ def _size(nbytes: float) -> str:
 
 def format_estimate(stages: list[StageMemory], tp: int) -> str:
     lines = [
-        f"memory per rank (fp32; each of the {tp} tensor-parallel ranks of a stage holds the same):",
+        f"memory per rank (fp32; the {tp} tensor-parallel ranks of a stage hold the same, to within one vocabulary row):",
         f"  {'stage':>5}  {'layers':<22} {'params':>12} {'weights':>9} {'grads':>9} {'optim':>9} "
         f"{'activ.':>9} {'in flight':>9} {'total':>9}",
     ]

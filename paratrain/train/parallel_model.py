@@ -44,10 +44,10 @@ def build_parallel_model(config, mesh, dataset) -> ParallelModel:
     loss_fn = dataset.loss
     if tp_size > 1:
         parallelize_gpt(model, mesh.tp, sequence_parallel=par.sequence_parallel)
-        tp_group = mesh.tp
+        tp_group, vocab_size = mesh.tp, model.config.vocab_size
 
         def loss_fn(logits_shard, targets):
-            return vocab_parallel_cross_entropy(logits_shard, targets, tp_group)
+            return vocab_parallel_cross_entropy(logits_shard, targets, tp_group, vocab_size)
 
     if pp_size == 1:
         return ParallelModel(model, {0: model}, model, loss_fn, None)

@@ -11,9 +11,14 @@ weights for this tp rank, so a sharded model starts from exactly the unsharded w
 A column-parallel layer followed by a row-parallel one (attention's qkv -> proj, the MLP's
 up -> down) needs one all-reduce forward and one backward, as in Megatron-LM.
 
-Each layer records in `shard_layout` which of its parameters are split and along which
-dimension, so `parallelize.gather_full_state` can reassemble the single-device weights; the
-parameters keep the names of the layer they replace.
+A plain split (`shard` with parts=1) follows part_sizes' rule, as every collective does: when
+the length does not divide by tp, the first length % tp ranks hold one more. That is what lets
+an odd vocabulary (GPT-2's 50257) be split. The hidden dimensions could split the same way,
+but parallelize_gpt keeps them even (tp_problems): attention heads must stay whole.
+
+Each layer records in `shard_layout` which of its parameters are split, as (dim, fused
+blocks, unsplit length of dim), so `parallelize.gather_full_state` can reassemble the
+single-device weights; the parameters keep the names of the layer they replace.
 
 Shape legend: B batch, T sequence, I in features, O out features, V vocabulary, D width;
 a `_shard` suffix marks this rank's part.
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.comm.ops import part_bounds
 from paratrain.parallel.tensor.tp_comms import (
     copy_to_parallel,
     reduce_from_parallel,
@@ -34,7 +40,7 @@ from paratrain.parallel.tensor.tp_comms import (
 
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, size: int, parts: int = 1) -> torch.Tensor:
-    """Rank's contiguous part of `dim`, as a copy.
+    """Rank's contiguous part of `dim`, as a copy: part_bounds(length, size)[rank].
 
     parts > 1 is the head-aware split of a fused projection: `dim` holds `parts` blocks side
     by side (qkv's output is [q | k | v], heads contiguous within each), and the rank takes
@@ -42,6 +48,9 @@ def shard(tensor: torch.Tensor, dim: int, rank: int, size: int, parts: int = 1) 
     output is again [q | k | v], only narrower, which the attention code splits unchanged.
     """
     length = tensor.shape[dim]
+    if parts == 1:
+        start, end = part_bounds(length, size)[rank]
+        return tensor.narrow(dim, start, end - start).clone()
     if length % (parts * size):
         raise ValueError(
             f"cannot shard dimension {dim} of size {length} into {parts} block(s) x {size} ranks"
@@ -67,15 +76,15 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group, *, fused_parts: int = 1, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel, self.fused_parts = group, sequence_parallel, fused_parts
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features // group.size  # this rank's
+        self.in_features, self.full_out_features = linear.in_features, linear.out_features
         split = dict(dim=0, rank=group.rank, size=group.size, parts=fused_parts)
         self.weight = _parameter_like(linear.weight, shard(linear.weight.detach(), **split))
+        self.out_features = self.weight.shape[0]  # this rank's
         self.bias = None
-        self.shard_layout = {"weight": (0, fused_parts)}
+        self.shard_layout = {"weight": (0, fused_parts, linear.out_features)}
         if linear.bias is not None:
             self.bias = _parameter_like(linear.bias, shard(linear.bias.detach(), **split))
-            self.shard_layout["bias"] = (0, fused_parts)
+            self.shard_layout["bias"] = (0, fused_parts, linear.out_features)
 
     def forward(self, x_BTI: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -85,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
-            f"(of {self.out_features * self.group.size}), fused_parts={self.fused_parts}, "
+            f"(of {self.full_out_features}), fused_parts={self.fused_parts}, "
             f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
         )
 
@@ -103,13 +112,13 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.in_features = linear.in_features // group.size  # this rank's
-        self.out_features = linear.out_features
+        self.full_in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = _parameter_like(
             linear.weight, shard(linear.weight.detach(), dim=1, rank=group.rank, size=group.size)
         )
+        self.in_features = self.weight.shape[1]  # this rank's
         self.bias = None if linear.bias is None else _parameter_like(linear.bias, linear.bias.detach().clone())
-        self.shard_layout = {"weight": (1, 1)}
+        self.shard_layout = {"weight": (1, 1, linear.in_features)}
 
     def forward(self, x_BTI_shard: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
@@ -123,7 +132,7 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features} (of {self.in_features * self.group.size}), "
+            f"in_features={self.in_features} (of {self.full_in_features}), "
             f"out_features={self.out_features}, bias={self.bias is not None}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
@@ -135,7 +144,8 @@ def _check_plain_embedding(embedding: nn.Embedding, kind: str) -> None:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rank r holds rows [r * V/tp, (r + 1) * V/tp) of the table. Ids outside that range
+    """Rank r holds rows part_bounds(V, tp)[r] of the table (V/tp each when tp divides V,
+    else the first V % tp ranks one more, as the head's logits). Ids outside that range
     look up zeros here; the sum over ranks (all-reduce, or with sequence_parallel a
     reduce-scatter along the sequence) is the full lookup. Each rank's weight gradient lands
     on its own rows only, from every token, since backward passes the whole output gradient
@@ -145,13 +155,13 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         _check_plain_embedding(embedding, "VocabParallelEmbedding")
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.num_embeddings = embedding.num_embeddings // group.size  # this rank's
-        self.embedding_dim = embedding.embedding_dim
-        self.vocab_start = group.rank * self.num_embeddings
+        self.vocab_size, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.vocab_start, vocab_end = part_bounds(self.vocab_size, group.size)[group.rank]
+        self.num_embeddings = vocab_end - self.vocab_start  # this rank's
         self.weight = _parameter_like(
             embedding.weight, shard(embedding.weight.detach(), dim=0, rank=group.rank, size=group.size)
         )
-        self.shard_layout = {"weight": (0, 1)}
+        self.shard_layout = {"weight": (0, 1, self.vocab_size)}
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
@@ -167,7 +177,7 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"vocab [{self.vocab_start}, {self.vocab_start + self.num_embeddings}) "
-            f"of {self.num_embeddings * self.group.size}, embedding_dim={self.embedding_dim}, "
+            f"of {self.vocab_size}, embedding_dim={self.embedding_dim}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
 

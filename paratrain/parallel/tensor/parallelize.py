@@ -8,6 +8,9 @@
     head               -> ColumnParallelLinear     (local vocabulary logits, never gathered:
                                                     use vocab_parallel_cross_entropy)
 
+The vocabulary ranges of tok_emb and head are part_bounds(V, tp): equal when tp divides V,
+else the first V % tp ranks hold one more id (GPT-2's 50257 over tp = 2: 25129 and 25128).
+
 Everything else (pos_emb, the layer norms, row-parallel biases) stays replicated: its inputs
 are the same on every tp rank, so are its gradients, with no communication.
 
@@ -44,14 +47,17 @@ QKV_PARTS = 3  # attn.qkv's output is [q | k | v]
 
 
 def tp_problems(config, tp: int) -> list[str]:
-    """One line per reason `config` (a GPTConfig) cannot be split over `tp` ranks."""
+    """One line per reason `config` (a GPTConfig) cannot be split over `tp` ranks.
+
+    The vocabulary need not divide: it is split by part_sizes' rule (the first V % tp ranks
+    hold one more id), so GPT-2's 50257 splits over any tp.
+    """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         return [f"tp must be a positive integer, got {tp!r}"]
     problems = []
     for field, why in (
         ("n_head", "each rank computes whole attention heads"),
         ("d_mlp", "each rank holds an equal slice of the MLP's hidden units"),
-        ("vocab_size", "each rank holds an equal range of the vocabulary (embedding, head)"),
     ):
         value = getattr(config, field)
         if value % tp:
@@ -131,7 +137,7 @@ def gather_full_state(model: nn.Module, tp_group, grads: bool = False) -> dict[s
                 continue
             full_name = f"{module_name}.{name}" if module_name else name
             if name in layout:
-                dim, parts = layout[name]
-                value = all_gather_along(value, tp_group, dim, parts)
+                dim, parts, length = layout[name]
+                value = all_gather_along(value, tp_group, dim, parts, length)
             state[full_name] = value.clone()
     return state

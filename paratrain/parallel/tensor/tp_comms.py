@@ -16,13 +16,16 @@ With one rank every function returns its input untouched: no communication, and 
 node in the autograd graph. All collectives are blocking calls on the rank's own thread, in
 the order autograd visits the graph, which is the same on every rank of the group.
 
-Rank r always holds part r of a split dimension (torch.chunk's parts), the layout the
-Group's all_gather and reduce_scatter use.
+Rank r always holds part r of a split dimension, the layout the Group's all_gather and
+reduce_scatter use. Sequence parts are equal (the length must divide by tp); the vocabulary's
+may differ by one (part_sizes' rule), which all_gather_along handles when told the length.
 """
 
 from __future__ import annotations
 
 import torch
+
+from paratrain.comm.ops import part_sizes
 
 # Sequence parallelism splits activations laid out (B, T, D) along T.
 SEQUENCE_DIM = 1
@@ -46,17 +49,27 @@ def all_reduce_copy(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tenso
     return result
 
 
-def all_gather_along(tensor: torch.Tensor, group, dim: int, parts: int = 1) -> torch.Tensor:
+def all_gather_along(
+    tensor: torch.Tensor, group, dim: int, parts: int = 1, length: int | None = None
+) -> torch.Tensor:
     """Concatenate every rank's `tensor` along `dim`, rank 0's first.
+
+    length: the gathered length of `dim`, when the ranks' parts may differ in size (the
+    vocabulary, split by part_sizes' rule: rank r holds part_sizes(length, tp)[r]). Left out,
+    every rank's part is taken to be as long as this one's.
 
     parts > 1 undoes `layers.shard(..., parts)`: `dim` is `parts` blocks side by side (a fused
     qkv's [q | k | v]) and each rank holds its slice of every block, so the blocks are
-    reassembled one by one.
+    reassembled one by one. Such blocks are always split evenly.
     """
     if group.size == 1:
         return tensor
     dim = dim % tensor.dim()
     shape = list(tensor.shape)
+    if length is not None and length != group.size * shape[dim]:
+        if parts != 1:
+            raise ValueError(f"all_gather_along: fused blocks ({parts}) are split evenly, never unevenly")
+        return _all_gather_uneven(tensor, group, dim, length)
     stacked = tensor.new_empty(group.size, *shape)  # stacked[r] is rank r's tensor
     group.all_gather(stacked, tensor.contiguous())
     block = shape[dim] // parts
@@ -64,6 +77,25 @@ def all_gather_along(tensor: torch.Tensor, group, dim: int, parts: int = 1) -> t
     stacked = stacked.view(group.size, *shape[:dim], parts, block, *shape[dim + 1 :])
     stacked = stacked.movedim(0, dim + 1)
     return stacked.reshape(*shape[:dim], group.size * shape[dim], *shape[dim + 1 :])
+
+
+def _all_gather_uneven(tensor: torch.Tensor, group, dim: int, length: int) -> torch.Tensor:
+    """all_gather_along for parts of part_sizes(length, tp). Each rank pads its part to the
+    longest (rank 0's) and the padded parts travel as one even all-gather: the Group's own
+    uneven rule splits the flat numel, which cuts rows of a 2-D part in the wrong places."""
+    sizes = part_sizes(length, group.size)
+    if tensor.shape[dim] != sizes[group.rank]:
+        raise ValueError(
+            f"all_gather_along: rank {group.rank} holds {tensor.shape[dim]} of dimension {dim}, "
+            f"but part {group.rank} of {length} over {group.size} ranks is {sizes[group.rank]}"
+        )
+    front = tensor.movedim(dim, 0)
+    padded = front.new_zeros(sizes[0], *front.shape[1:])
+    padded[: sizes[group.rank]] = front
+    stacked = padded.new_empty(group.size, *padded.shape)  # stacked[r] is rank r's, padded
+    group.all_gather(stacked, padded)
+    full = torch.cat([stacked[r, :size] for r, size in enumerate(sizes)])
+    return full.movedim(0, dim)
 
 
 def reduce_scatter_along(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
