@@ -5,8 +5,8 @@ Computed from the configuration alone (nothing is allocated), so it works for th
 fp32 copy per parameter for SGD with momentum and two for AdamW. Activations follow
 Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"):
 a block stores s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit precision (doubled here for
-fp32), or only its input with activation checkpointing; times the microbatches the schedule
-keeps in flight on that rank at its peak.
+fp32), or only its input with activation checkpointing, and the head its logits shard; times
+the microbatches the schedule keeps in flight on that rank at its peak.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ def estimate(config, world: int) -> list[StageMemory]:
         # In-flight pairs count chunks, so per-chunk activation = blocks per chunk on average.
         chunks = len(chunks_of(rank))
         activations = peaks[rank] * per_block * blocks / chunks
+        if gpt.n_layer + 1 in layer_ids:  # the head keeps its fp32 logits shard (and their grad)
+            activations += peaks[rank] * 2 * 4 * s * microbatch * gpt.vocab_size / tp
         stages.append(StageMemory(
             rank, _describe_layers(layer_ids, gpt.n_layer), int(rank_params), 4 * rank_params,
             4 * rank_params, 4 * rank_params * optimizer_copies, activations, peaks[rank],
