@@ -14,11 +14,9 @@ import sys
 import click
 
 from paratrain.launch import run
-from paratrain.train.config import ConfigError
 from paratrain.train.loop import train_rank
-from paratrain.train.options import build_config, training_options, world_size_of
+from paratrain.train.options import training_options, validated_config
 from paratrain.train.reference import reference_run
-from paratrain.train.validate import validate
 
 FP32_LOSS_RTOL, FP32_PARAM_ATOL = 1e-5, 1e-5
 BF16_LOSS_RTOL, BF16_PARAM_ATOL = 2e-2, 2e-2  # bf16 keeps ~3 significant digits
@@ -61,14 +59,7 @@ def check(config_path, loss_rtol, param_atol, **flags):
     """
     if flags.get("steps") is None and not config_path:
         flags["steps"] = 5
-    try:
-        config = build_config(config_path, flags)
-        world = world_size_of(config)
-        validate(config, world)
-    except ConfigError as error:
-        for problem in error.problems:
-            click.echo(f"error: {problem}", err=True)
-        sys.exit(2)
+    config, world = validated_config(config_path, flags)
     bf16 = config.parallel.precision == "bf16"
     loss_rtol = loss_rtol if loss_rtol is not None else (BF16_LOSS_RTOL if bf16 else FP32_LOSS_RTOL)
     param_atol = param_atol if param_atol is not None else (BF16_PARAM_ATOL if bf16 else FP32_PARAM_ATOL)

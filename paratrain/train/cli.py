@@ -14,11 +14,10 @@ from paratrain.models import GPTConfig, count_parameters, format_count, gpt_para
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.timeline import format_timeline
-from paratrain.train.config import ConfigError, TrainConfig, to_dict
+from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate, format_estimate
-from paratrain.train.options import build_config, training_options, world_size_of
-from paratrain.train.validate import validate
+from paratrain.train.options import training_options, validated_config
 
 
 def describe_model(config: TrainConfig) -> str:
@@ -86,14 +85,7 @@ def train(config_path, plan_only, **flags):
       paratrain train --model gpt-seed --tp 2 --pp 4 --schedule 1f1b --microbatches 8 --plan-only
       torchrun --nproc-per-node 4 -m paratrain train --model mlp16
     """
-    try:
-        config = build_config(config_path, flags)
-        world = world_size_of(config)
-        validate(config, world)
-    except ConfigError as error:
-        for problem in error.problems:
-            click.echo(f"error: {problem}", err=True)
-        sys.exit(2)
+    config, world = validated_config(config_path, flags)
     leader = not in_torchrun() or os.environ.get("RANK") == "0"
     if leader:
         click.echo(describe_model(config))

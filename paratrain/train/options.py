@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import click
 
 from paratrain.launch import in_torchrun
 from paratrain.train.config import ConfigError, TrainConfig, apply_overrides, load_yaml
+from paratrain.train.validate import validate
 
 
 class ManyValues(click.Option):
@@ -131,3 +133,16 @@ def training_options(command):
     for option in reversed(_OPTIONS):
         command = option(command)
     return command
+
+
+def validated_config(config_path, flags: dict) -> tuple[TrainConfig, int]:
+    """The configuration and world size, or every problem printed and exit code 2."""
+    try:
+        config = build_config(config_path, flags)
+        world = world_size_of(config)
+        validate(config, world)
+    except ConfigError as error:
+        for problem in error.problems:
+            click.echo(f"error: {problem}", err=True)
+        sys.exit(2)
+    return config, world
