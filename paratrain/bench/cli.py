@@ -5,6 +5,9 @@ from __future__ import annotations
 import click
 
 from paratrain.bench.collectives_cli import collectives
+from paratrain.bench.ddp import ddp
+from paratrain.bench.pipeline import pipeline
+from paratrain.bench.scaling import scaling
 
 
 @click.group()
@@ -13,3 +16,6 @@ def bench() -> None:
 
 
 bench.add_command(collectives)
+bench.add_command(ddp)
+bench.add_command(pipeline)
+bench.add_command(scaling)

@@ -18,7 +18,6 @@ from tqdm import tqdm
 
 from paratrain.data import shard
 from paratrain.mesh import Mesh
-from paratrain.models import count_parameters
 from paratrain.parallel.data import build_data_parallel
 from paratrain.train.config import TrainConfig
 from paratrain.parallel.pipeline.runtime import PipelineRuntime

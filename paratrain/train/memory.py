@@ -66,10 +66,10 @@ def estimate(config, world: int) -> list[StageMemory]:
         schedule = build_schedule(par.schedule, pp, par.microbatches, par.virtual_stages)
         counts = par.stage_layers or balanced_partition(_layer_costs(gpt), schedule.num_chunks)
         peaks = simulate(schedule).peak_in_flight
-        owner, chunks_of = schedule.owner, schedule.chunks_of
+        chunks_of = schedule.chunks_of
         microbatch = config.data.global_batch // (dp * par.microbatches)
     else:
-        counts, peaks, owner = [len(params)], [1], (lambda c: 0)
+        counts, peaks = [len(params)], [1]
         chunks_of = lambda r: [0]  # noqa: E731
         microbatch = config.data.global_batch // (dp * par.grad_accum)
     starts = [sum(counts[:c]) for c in range(len(counts))]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
