@@ -1,0 +1,90 @@
+"""Smoke tests of `paratrain bench ddp` and `paratrain bench scaling`: tiny models, a few steps,
+threads. They check what the commands report and how they refuse bad input, never speed."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from paratrain.bench.cli import bench
+from paratrain.bench.ddp import JSON_KEYS as DDP_KEYS
+from paratrain.bench.scaling import JSON_KEYS as SCALING_KEYS
+
+FAST = ["--launcher", "threads", "--steps", "2", "--warmup", "1"]
+
+
+def invoke(*args):
+    return CliRunner().invoke(bench, [str(a) for a in args])
+
+
+def test_bench_ddp_reports_every_mode_with_its_ratio_to_torch(tmp_path):
+    out = tmp_path / "ddp.json"
+    result = invoke("ddp", *FAST, "--models", "mlp,cnn-tiny", "--repeats", "1", "--batch-size", "8",
+                    "--json", out)
+    assert result.exit_code == 0, result.output
+    assert "vs torch" in result.output and "comm share" in result.output
+    records = json.loads(out.read_text())
+    assert [(r["model"], r["mode"]) for r in records] == [
+        (model, mode) for model in ("mlp", "cnn-tiny") for mode in ("naive", "ddp", "torch")
+    ]
+    for record in records:
+        assert set(record) == set(DDP_KEYS)
+        assert record["world_size"] == 2 and record["global_batch"] == 16
+        assert record["params"] > 0 and record["step_ms"] > 0
+        assert record["ratio_to_torch"] == pytest.approx(
+            record["step_ms"] / next(r["step_ms"] for r in records
+                                     if r["model"] == record["model"] and r["mode"] == "torch"))
+    assert all(r["ratio_to_torch"] == 1.0 for r in records if r["mode"] == "torch")
+
+
+def test_bench_ddp_without_torch_has_no_ratio_and_keeps_the_median_repeat(tmp_path):
+    out = tmp_path / "ddp.json"
+    result = invoke("ddp", *FAST, "--models", "mlp", "--modes", "ddp", "--repeats", "3", "--json", out)
+    assert result.exit_code == 0, result.output
+    (record,) = json.loads(out.read_text())
+    assert record["ratio_to_torch"] is None
+    assert record["step_ms"] == sorted(record["repeat_step_ms"])[1]
+
+
+def test_bench_scaling_measures_both_modes_against_one_rank(tmp_path):
+    out, plot = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    result = invoke("scaling", *FAST, "--max-nproc", "2", "--batch-size", "8", "--global-batch", "16",
+                    "--json", out, "--plot", plot)
+    assert result.exit_code == 0, result.output
+    assert "CPU cores" in result.output and "efficiency = t1/tN" in result.output
+    records = json.loads(out.read_text())
+    assert [(r["mode"], r["world_size"]) for r in records] == [
+        ("weak", 1), ("weak", 2), ("strong", 1), ("strong", 2)]
+    for record in records:
+        assert set(record) == set(SCALING_KEYS)
+    weak1, weak2, strong1, strong2 = records
+    assert weak1["speedup"] == weak1["efficiency"] == strong1["speedup"] == 1.0
+    assert (weak2["batch_per_rank"], weak2["global_batch"]) == (8, 16)
+    assert (strong2["batch_per_rank"], strong2["global_batch"]) == (8, 16)
+    assert weak2["efficiency"] == pytest.approx(weak1["iter_ms"] / weak2["iter_ms"])
+    assert strong2["efficiency"] == pytest.approx(strong2["speedup"] / 2)
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["scaling", "--max-nproc", "4", "--global-batch", "100"],
+     "100 is not divisible by world size 3; strong scaling needs a multiple of 12"),
+    (["scaling", "--nprocs", "1,two"], "'1,two' is not a comma-separated list of integers"),
+    (["scaling", "--nprocs", "0,2"], "world sizes must be positive integers"),
+    (["ddp", "--models", "cnn-tiny,resnet"], "unknown model 'resnet'; valid: mlp, cnn-tiny"),
+    (["ddp", "--modes", "ddp,fsdp"], "unknown mode 'fsdp'; valid: naive, ddp, torch"),
+    (["ddp", "--models", ","], "no model given"),
+    (["ddp", "--batch-size", "0"], "0 is not in the range x>=1"),
+])
+def test_bad_input_is_refused_before_any_rank_starts(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())  # click may wrap long messages
+
+
+def test_weak_scaling_alone_needs_no_divisible_global_batch(tmp_path):
+    out = tmp_path / "weak.json"
+    result = invoke("scaling", *FAST, "--mode", "weak", "--nprocs", "3", "--batch-size", "4",
+                    "--global-batch", "100", "--json", out)
+    assert result.exit_code == 0, result.output
+    assert [r["world_size"] for r in json.loads(out.read_text())] == [1, 3]
