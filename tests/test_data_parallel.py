@@ -123,3 +123,14 @@ def test_summary_reports_the_communication_split():
     assert summary["steps"] == 10
     assert summary["comm_ms"] > 0 and summary["compute_ms"] > 0
     assert summary["compute_ms"] <= summary["step_ms"]
+
+
+def train_twice(group, config):
+    return [train_rank(group, config)["summary"]["final_loss"] for _ in range(2)]
+
+
+def test_torch_ddp_can_be_built_twice_in_one_threads_world():
+    """The fabric hands each thread one gloo group, reused by every DDP built on it."""
+    config = make_config(**{"parallel.dp_mode": "torch", "steps": 3})
+    results = run(train_twice, 2, args=(config,), timeout=60)
+    assert results[0][0] == results[0][1] == results[1][0]

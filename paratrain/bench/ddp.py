@@ -59,9 +59,10 @@ class Run:
 
 def training_config(model: str, overrides: dict, dp_mode: str, global_batch: int, steps: int,
                     bucket_mb: float = 25.0) -> TrainConfig:
+    """What `paratrain train` would run with these flags; everything else at its default."""
     config = apply_overrides(TrainConfig(), {
         "model.name": model, "parallel.dp_mode": dp_mode, "data.global_batch": global_batch,
-        "steps": steps, "parallel.bucket_mb": bucket_mb, "log_every": steps,
+        "steps": steps, "parallel.bucket_mb": bucket_mb,
     })
     config.model.overrides = dict(overrides)
     return config

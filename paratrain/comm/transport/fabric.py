@@ -47,11 +47,12 @@ class Fabric:
         self._generation = 0
         self._results: dict[int, list[object]] = {}
         self._store = None  # torch.distributed store, if torch_process_group is used
+        self._torch_groups: dict[int, object] = {}  # rank -> its gloo process group
         self._children: dict[tuple[int, ...], Fabric] = {}  # subgroups' fabrics, by their ranks
 
     def torch_process_group(self, rank: int, timeout: float):
         """A gloo process group for this fabric's threads, for code that needs torch's own
-        (PyTorch's DDP). Built on first use, all threads meeting in one in-memory store."""
+        (PyTorch's DDP). Built once per rank, all threads meeting in one in-memory store."""
         from paratrain.comm.transport.threaded_gloo import threaded_gloo_group
 
         with self._cond:
@@ -59,7 +60,12 @@ class Fabric:
                 import torch.distributed as dist
 
                 self._store = dist.HashStore()
-        return threaded_gloo_group(self._store, rank, self.size, timeout)
+            group = self._torch_groups.get(rank)
+        if group is None:  # built outside the lock: every rank must reach the store at once
+            group = threaded_gloo_group(self._store, rank, self.size, timeout)
+            with self._cond:
+                self._torch_groups[rank] = group
+        return group
 
     def endpoint(self, rank: int) -> FabricTransport:
         if not 0 <= rank < self.size:
