@@ -15,6 +15,7 @@ The conventions are nccl-tests' (doc/PERFORMANCE.md there), so numbers compare d
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +36,9 @@ DTYPES = {
 REDUCING_OPS = ("all_reduce", "reduce_scatter", "reduce")
 ROOTED_OPS = ("broadcast", "reduce")
 ROOT = 0  # nccl-tests' default root
+
+
+BURSTS = 10  # timed bursts per algorithm and size, interleaved across algorithms
 
 
 def bus_factor(op: str, world_size: int) -> float | None:
@@ -121,15 +125,15 @@ def run_sweep(group, sweep: Sweep) -> SweepResult | None:
         for op, algos in sweep.plan:
             for count in sweep.counts_for(op):
                 case = _build_case(group, op, count, DTYPES[sweep.dtype], device)
+                progress.set_description(f"{op} {case.nbytes} B")
+                seconds = _time_interleaved(group, case, algos, sweep.warmup, sweep.iters, device)
                 for algo in algos:
-                    progress.set_description(f"{op} {algo} {case.nbytes} B")
-                    result.measurements.append(_measure(group, case, op, algo, sweep, device))
+                    result.measurements.append(_measure(group, case, op, algo, seconds[algo], sweep, device))
                     progress.update()
     return result if group.rank == 0 else None
 
 
-def _measure(group, case: _Case, op: str, algo: str, sweep: Sweep, device) -> Measurement:
-    seconds = _time_iterations(group, case, algo, sweep.warmup, sweep.iters, device)
+def _measure(group, case: _Case, op: str, algo: str, seconds: float, sweep: Sweep, device) -> Measurement:
     case.reset()
     case.call(algo)
     _synchronize(device)
@@ -147,21 +151,35 @@ def _measure(group, case: _Case, op: str, algo: str, sweep: Sweep, device) -> Me
     )
 
 
-def _time_iterations(group, case: _Case, algo: str, warmup: int, iters: int, device) -> float:
-    """Seconds per call on this rank. Buffers are not reset between calls, so in-place
-    reductions grow (to inf or wrapping integers): the timed work stays the same, and the
-    result is checked separately on fresh inputs."""
+def _time_interleaved(group, case: _Case, algos, warmup: int, iters: int, device) -> dict[str, float]:
+    """Seconds per call of each algorithm on this rank: the median over bursts of calls.
+
+    The iterations are run in bursts, the algorithms taking turns (in a rotating order), so
+    that a noisy moment on a shared machine falls on all of them alike instead of on
+    whichever happened to run then. Buffers are not reset between calls, so in-place
+    reductions grow (to inf, or wrapping integers): the timed work stays the same, and the
+    result is checked separately on fresh inputs.
+    """
     case.reset()
-    for _ in range(warmup):
-        case.call(algo)
-    # Start together, so no rank's clock includes waiting for a rank still warming up.
-    group.barrier(algo="native")
-    _synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        case.call(algo)
-    _synchronize(device)
-    return (time.perf_counter() - start) / iters
+    for algo in algos:
+        for _ in range(warmup):
+            case.call(algo)
+    bursts = min(iters, BURSTS)
+    per_burst = -(-iters // bursts)
+    per_call = {algo: [] for algo in algos}
+    for burst in range(bursts):
+        shift = burst % len(algos)
+        for algo in algos[shift:] + algos[:shift]:
+            # Start together, so no rank's clock includes waiting for a slower rank.
+            group.barrier(algo="native")
+            _synchronize(device)
+            start = time.perf_counter()
+            for _ in range(per_burst):
+                case.call(algo)
+            _synchronize(device)
+            per_call[algo].append((time.perf_counter() - start) / per_burst)
+    # The median burst: one burst hit by another program's time slice does not count.
+    return {algo: statistics.median(times) for algo, times in per_call.items()}
 
 
 def _synchronize(device: torch.device) -> None:

@@ -39,6 +39,8 @@ def header_lines(info: RunInfo) -> list[str]:
         f"  device {info.device}  torch {info.torch_version}",
         f"# memory copy bandwidth {info.copy_gbps:.2f} GB/s (dst.copy_(src), best of a few):"
         " the physical ceiling for busbw on one host",
+        "# time: per call on the slowest rank; each rank's figure is the median of interleaved bursts"
+        " (the algorithms take turns, so machine noise falls on all alike)",
     ]
 
 

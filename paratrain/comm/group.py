@@ -21,6 +21,7 @@ from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import CommTimeoutError, TransportTimeout
 from paratrain.comm.link import Link
 from paratrain.comm.ops import check_reduce_op, divide_, part_sizes
+from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.transport.base import P2POp
 
 DEFAULT_TIMEOUT_S = 300.0  # generous: a first NCCL call or a slow rank on a busy host is normal
@@ -104,6 +105,7 @@ class Group:
         self._collective_seq = 0
         self._p2p_seq = 0
         self._executor: ThreadPoolExecutor | None = None
+        self._scratch = ScratchPool()  # collectives run one at a time, so one pool serves all
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, transport={self.kind})"
@@ -178,7 +180,7 @@ class Group:
         seq = self._collective_seq
         link = Link(
             self.transport, op_name, seq, _USER_TAGS + seq % _USER_TAGS, self.timeout,
-            self.segment_bytes,
+            self.segment_bytes, self._scratch,
         )
 
         def execute():

@@ -6,12 +6,15 @@ from __future__ import annotations
 import torch
 
 from paratrain.comm.errors import CommTimeoutError, TransportTimeout
+from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.transport.base import P2POp
 
 
 class Link:
-    def __init__(self, transport, op_name: str, seq: int, tag: int, timeout: float, segment_bytes: int):
+    def __init__(self, transport, op_name: str, seq: int, tag: int, timeout: float, segment_bytes: int,
+                 scratch: ScratchPool | None = None):
         self.transport = transport
+        self.scratch = scratch if scratch is not None else ScratchPool()
         self.rank, self.size = transport.rank, transport.size
         self.op_name, self.seq, self.tag = op_name, seq, tag
         self.timeout = timeout

@@ -26,7 +26,7 @@ def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
     if link.rank != root:
         link.send(buf, root)
         return
-    staging = [torch.empty_like(buf) for _ in _others(link)]
+    staging = [link.scratch.get(("direct", peer), buf) for peer in _others(link)]
     link.wait(link.start([P2POp("recv", s, p) for s, p in zip(staging, _others(link))]))
     for part in staging:  # fold in rank order: the same order on every run
         combine_(buf, part, op)

@@ -90,7 +90,7 @@ def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: st
         link.send(input, layout.partner)
         link.recv(output, layout.partner)
         return
-    scratch = input.clone()
+    scratch = link.scratch.copy_of("hd", input)
     if layout.in_pair:
         link.recv(scratch, layout.partner, reduce=op)
     _halve(link, layout, scratch, op)

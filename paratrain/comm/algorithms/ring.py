@@ -50,7 +50,7 @@ def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
 
 
 def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: str) -> None:
-    scratch = input.clone()
+    scratch = link.scratch.copy_of("ring", input)
     reduce_scatter_inplace(link, scratch, op)
     output.copy_(_views(scratch, link.size)[link.rank])
 
@@ -79,7 +79,7 @@ def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
     """A pipelined chain towards the root: the farthest rank starts, each adds its own."""
     n, r = link.size, link.rank
     position = (r - root) % n
-    acc = buf if position == 0 else buf.clone()
+    acc = buf if position == 0 else link.scratch.copy_of("ring", buf)
     pieces = link.segments(acc)
     if position < n - 1:
         receives = link.start_recvs(pieces, (r + 1) % n, reduce=op)

@@ -27,7 +27,7 @@ def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
     """Mirror of broadcast: in round k ranks with bit k set send their partial result down."""
     n = link.size
     position = (link.rank - root) % n
-    acc = buf if position == 0 else buf.clone()
+    acc = buf if position == 0 else link.scratch.copy_of("tree", buf)
     mask = 1
     while mask < n:
         if position & mask:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from paratrain.comm.errors import TransportTimeout
 from paratrain.comm.ops import combine_, part_sizes
+from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.transport.base import P2POp
 
 # torch 2.13 renamed the tensor collectives; keep working on releases before the rename.
@@ -63,17 +64,23 @@ class TorchTransport:
         self.kind = "nccl" if "nccl" in backend and _cuda_available() else "gloo"
         # gloo moves bytes on its own threads: while one segment is reduced the next arrives.
         self.segment_bytes = 1 << 20
+        self._scratch = ScratchPool()
         # Where tensors the transport makes for itself (a barrier's token) should live.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")
 
-    def _staging(self, op: P2POp) -> torch.Tensor | None:
-        return torch.empty_like(op.tensor) if op.kind == "recv" and op.reduce else None
+    def _staging(self, op: P2POp, index: int) -> torch.Tensor | None:
+        """Where a reducing receive lands before it is combined. Only one batch of reducing
+        receives is ever in flight (each algorithm waits for one before starting the next),
+        so the buffers are reused by position in the batch."""
+        if op.kind != "recv" or not op.reduce:
+            return None
+        return self._scratch.get(("staging", index), op.tensor).view(op.tensor.shape)
 
     def start(self, ops: list[P2POp]) -> list:
         for op in ops:
             if not 0 <= op.peer < self.size:
                 raise ValueError(f"peer rank {op.peer} out of range for world size {self.size}")
-        stagings = [self._staging(op) for op in ops]
+        stagings = [self._staging(op, index) for index, op in enumerate(ops)]
         if ops and ops[0].tensor.is_cuda:
             # NCCL deadlocks on paired blocking sends; batch_isend_irecv posts them as a group.
             p2p = [
