@@ -28,6 +28,8 @@ class PipelineLink:
         self.group, self.num_chunks, self.microbatches = pp_group, num_chunks, microbatches
         self.verbose = verbose
         self._sends: list = []
+        self._sent_headers: dict[int, tuple] = {}  # chunk -> (dtype, shape) already announced
+        self._known_headers: dict[int, tuple] = {}  # chunk -> (dtype, shape) announced to us
 
     def _tag(self, direction, chunk, microbatch) -> int:
         return message_tag(direction, chunk, microbatch, self.num_chunks, self.microbatches)
@@ -39,19 +41,29 @@ class PipelineLink:
     def send_activation(self, tensor: torch.Tensor, peer: int, chunk: int, microbatch: int) -> None:
         """Send the input of `chunk` (the output of chunk-1) for `microbatch` to `peer`."""
         tag = self._tag(FORWARD, chunk, microbatch)
-        header = torch.full((_HEADER,), -1, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        signature = (tensor.dtype, tuple(tensor.shape))
+        announced = self._sent_headers.get(chunk)
+        if announced is None:
+            header = torch.full((_HEADER,), -1, dtype=torch.int64)
+            header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+            self._sends.append(self.group.isend(header, peer, tag))
+            self._sent_headers[chunk] = signature
+        elif announced != signature:
+            raise ValueError(f"activation into chunk {chunk} changed from {announced} to {signature}; "
+                             "a pipeline run needs one microbatch shape")
         self._log(f"send_forward chunk {chunk} mb {microbatch} -> rank {peer} {tuple(tensor.shape)}")
-        self._sends.append(self.group.isend(header, peer, tag))
         self._sends.append(self.group.isend(tensor.contiguous(), peer, tag))
 
     def recv_activation(self, peer: int, chunk: int, microbatch: int, device) -> torch.Tensor:
         tag = self._tag(FORWARD, chunk, microbatch)
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        self.group.recv(header, peer, tag)
-        dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-        buffer = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+        if chunk not in self._known_headers:
+            header = torch.empty(_HEADER, dtype=torch.int64)
+            self.group.recv(header, peer, tag)
+            ndim = int(header[1])
+            self._known_headers[chunk] = (_DTYPES[int(header[0])], header[2 : 2 + ndim].tolist())
+        dtype, shape = self._known_headers[chunk]
+        buffer = torch.empty(shape, dtype=dtype, device=device)
         self._log(f"recv_forward chunk {chunk} mb {microbatch} <- rank {peer} {tuple(buffer.shape)}")
         return self.group.recv(buffer, peer, tag)
 
