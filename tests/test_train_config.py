@@ -153,3 +153,20 @@ def test_check_passes_a_correct_pipeline_and_fails_an_impossible_tolerance():
     assert "PASS" in passed.output and "largest loss difference" in passed.output
     failed = CliRunner().invoke(main, args + ["--param-atol", "0", "--loss-rtol", "0"])
     assert failed.exit_code == 1 and "FAIL" in failed.output
+
+
+def test_train_runs_unchanged_under_torchrun(tmp_path):
+    """torchrun sets the world; `paratrain train` reads it instead of starting its own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "-m", "paratrain", "train", "--model", "mlp", "--steps", "3",
+         "--metrics-out", str(tmp_path / "m.json")],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "world 2 = dp 2 x pp 1 x tp 1 (torchrun)" in result.stdout
+    assert json.loads((tmp_path / "m.json").read_text())["summary"]["steps"] == 3

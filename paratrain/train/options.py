@@ -74,9 +74,10 @@ def build_config(config_path, flags: dict) -> TrainConfig:
 
 def world_size_of(config: TrainConfig) -> int:
     """Under torchrun, its world; else --nproc, which defaults to dp x pp x tp."""
-    if in_torchrun():
-        return int(os.environ["WORLD_SIZE"])
     par = config.parallel
+    if in_torchrun():
+        par.nproc = int(os.environ["WORLD_SIZE"])
+        return par.nproc
     if par.nproc is None:
         par.nproc = (par.dp or (1 if par.pp * par.tp > 1 else 2)) * par.pp * par.tp
     return par.nproc
