@@ -8,9 +8,11 @@
              backward, B computes only the input's gradient, so the previous stage can go on.
     W(m, c): the weight-gradient half: backpropagate into chunk c's parameters.
 
-The W pass here re-traverses the chunk's autograd graph with `inputs=parameters` (the graph is
-kept by B), so B + W costs somewhat more than one whole backward; zero-bubble schedules still
-move that work into the bubbles, and the measured bubble says how well.
+When the backward is split, B asks autograd only for the input's gradient, the cheap
+parameters' gradients and each linear layer's output gradient, and W does the linear layers'
+weight-gradient products from what B kept (weight_grad.py): B + W cost one backward. Where
+that split does not apply (activation checkpointing, sequence parallelism), W re-traverses the
+chunk's graph with `inputs=parameters` instead, which costs more.
 
 Each action's compute time is recorded, so the step's measured bubble (time not computing)
 can be set beside the schedule's theoretical one.
@@ -25,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.pipeline.pp_comms import PipelineLink
+from paratrain.parallel.pipeline.weight_grad import SplitBackward, supports
 
 
 class PipelineRuntime:
@@ -38,6 +41,9 @@ class PipelineRuntime:
         self.last_chunk = schedule.num_chunks - 1
         self.link = PipelineLink(pp_group, schedule.num_chunks, schedule.microbatches, verbose)
         self.actions = schedule.ranks[rank]
+        self.splitters = None
+        if schedule.split_backward and not checkpoint_activations and all(supports(c) for c in chunks.values()):
+            self.splitters = {c: SplitBackward(chunk) for c, chunk in chunks.items()}
         grad_op = "W" if schedule.split_backward else "B"
         # The last pass that produces each chunk's weight gradients: data parallelism may
         # reduce them only then (earlier passes accumulate without communicating).
@@ -58,7 +64,8 @@ class PipelineRuntime:
         chunk 0, `targets` to the owner of the last chunk. Returns the summed (already divided
         by the number of microbatches) loss on the last chunk's owner, and timings."""
         microbatches = self.schedule.microbatches
-        stash: dict[tuple[int, int], list] = {}  # (microbatch, chunk) -> [input, output, output grad]
+        # (microbatch, chunk) -> [input, output, output grad, linear records then what W needs]
+        stash: dict[tuple[int, int], list] = {}
         loss_sum, busy = 0.0, 0.0
         started = time.perf_counter()
         for action in self.actions:
@@ -72,21 +79,24 @@ class PipelineRuntime:
                     x = self.link.recv_activation(self.schedule.owner(c - 1), c, m, self.device)
                     x.requires_grad_()
                 begin = time.perf_counter()
-                out = self._forward(self.chunks[c], x)
+                with self.splitters[c].recording() if self.splitters else nullcontext([]) as records:
+                    out = self._forward(self.chunks[c], x)
                 if c == self.last_chunk:
                     out = self.loss_fn(out, targets[m]) / microbatches
                     loss_sum += out.item()
                 busy += time.perf_counter() - begin
-                stash[(m, c)] = [x, out, None]
+                stash[(m, c)] = [x, out, None, records]
                 if c != self.last_chunk and self.schedule.owner(c + 1) != self.rank:
                     self.link.send_activation(out.detach(), self.schedule.owner(c + 1), c + 1, m)
             elif action.op == "B":
-                x, out, _ = stash[(m, c)]
+                x, out, _, records = stash[(m, c)]
                 grad = self._output_grad(m, c, out, stash)
                 stash[(m, c)][2] = grad
                 begin = time.perf_counter()
                 with self._sync_if_final(action):
-                    if self.schedule.split_backward:
+                    if self.splitters:
+                        stash[(m, c)][3] = self.splitters[c].backward_input(out, grad, x if c > 0 else None, records)
+                    elif self.schedule.split_backward:
                         if c > 0:
                             torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
                     else:
@@ -97,11 +107,14 @@ class PipelineRuntime:
                 if not self.schedule.split_backward:
                     self._release(stash, m, c)
             else:  # "W"
-                x, out, grad = stash[(m, c)]
-                params = [p for p in self.chunks[c].parameters() if p.requires_grad]
+                x, out, grad, kept = stash[(m, c)]
                 begin = time.perf_counter()
                 with self._sync_if_final(action):
-                    torch.autograd.backward(out, grad, inputs=params)
+                    if self.splitters:
+                        SplitBackward.backward_weight(kept)
+                    else:
+                        params = [p for p in self.chunks[c].parameters() if p.requires_grad]
+                        torch.autograd.backward(out, grad, inputs=params)
                 busy += time.perf_counter() - begin
                 self._release(stash, m, c)
         self.link.wait_sends()
@@ -118,7 +131,7 @@ class PipelineRuntime:
     def _release(self, stash, m: int, c: int) -> None:
         """Drop what microbatch m held on chunk c, except an input the next chunk still needs."""
         entry = stash[(m, c)]
-        entry[1] = entry[2] = None
+        entry[1] = entry[2] = entry[3] = None
         if c == 0 or self.schedule.owner(c - 1) != self.rank:
             del stash[(m, c)]
 
