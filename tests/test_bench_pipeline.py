@@ -1,0 +1,35 @@
+"""`paratrain bench pipeline`: bad input is refused before launching; a tiny run reports both
+implementations with the ratio and bubble columns."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from paratrain.cli import main
+
+
+def test_bench_pipeline_rejects_bad_input_before_launching():
+    runner = CliRunner()
+    result = runner.invoke(main, ["bench", "pipeline", "--schedules", "1f1b,bogus"])
+    assert result.exit_code == 2 and "unknown schedule(s) bogus" in result.output
+    result = runner.invoke(main, ["bench", "pipeline", "--nproc", "1"])
+    assert result.exit_code == 2 and "at least 2 stages" in result.output
+    result = runner.invoke(main, ["bench", "pipeline", "--global-batch", "30", "--microbatches", "8"])
+    assert result.exit_code == 2 and "not divisible by 8 microbatches" in result.output
+
+
+def test_bench_pipeline_compares_ours_with_torch_pipelining(tmp_path):
+    out = tmp_path / "pp.json"
+    result = CliRunner().invoke(main, [
+        "bench", "pipeline", "--model", "gpt-tiny", "--schedules", "1f1b,zb-h1", "--microbatches", "2",
+        "--global-batch", "4", "--steps", "1", "--warmup", "0", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    records = json.loads(out.read_text())
+    assert {(r["impl"], r["schedule"]) for r in records} == {
+        ("paratrain", "1f1b"), ("torch.pipelining", "1f1b"), ("paratrain", "zb-h1")}
+    ours = next(r for r in records if r["impl"] == "paratrain" and r["schedule"] == "1f1b")
+    assert ours["ratio_to_torch"] > 0 and 0 <= ours["bubble_measured"] < 1
+    assert ours["bubble_theoretical"] == 1 / 3  # (p-1)/(m+p-1) with p=2, m=2
