@@ -1,4 +1,4 @@
-"""`python -m paratrain ...` (what `torchrun -m paratrain train ...` runs)."""
+"""`python -m paratrain ...` is the `paratrain` command (how auto-started servers are run)."""
 
 from paratrain.cli import main
 

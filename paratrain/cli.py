@@ -7,6 +7,7 @@ import click
 
 from paratrain import __version__
 from paratrain.bench.cli import bench
+from paratrain.frontend.cli import frontend, serve, top, worker
 from paratrain.parallel.pipeline.schedule_cli import schedule
 from paratrain.train.check import check
 from paratrain.train.cli import train
@@ -26,6 +27,10 @@ main.add_command(train)
 main.add_command(check)
 main.add_command(bench)
 main.add_command(schedule)
+main.add_command(serve)
+main.add_command(worker)
+main.add_command(top)
+main.add_command(frontend)
 
 if __name__ == "__main__":
     main()

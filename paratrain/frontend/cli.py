@@ -1,0 +1,91 @@
+"""`paratrain serve`, `paratrain worker`, `paratrain top` and `paratrain frontend ...`."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+_TOKEN = dict(envvar="PARATRAIN_TOKEN", default=None,
+              help="Shared secret; required to bind an address other than loopback [PARATRAIN_TOKEN].")
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Anything but loopback needs --token.")
+@click.option("--port", default=29700, show_default=True, type=int, help="Port (0: any free port).")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1), help="Workers in the world.")
+@click.option("--local-workers", is_flag=True,
+              help="Start the workers here with PyTorch's elastic launcher (else wait for `paratrain worker`s).")
+@click.option("--token", **_TOKEN)
+@click.option("--instruction-log", envvar=["PARATRAIN_INSTRUCTION_LOG", "GT_INSTRUCTION_LOG"],
+              type=click.Path(dir_okay=False), default=None,
+              help="Write one line per instruction to this file [PARATRAIN_INSTRUCTION_LOG, GT_INSTRUCTION_LOG].")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="Torch threads per local worker (default: cores / workers).")
+@click.option("--client-timeout", default=30.0, show_default=True,
+              help="Seconds without a heartbeat before a client is dropped and its tensors freed.")
+@click.option("--worker-timeout", default=5.0, show_default=True,
+              help="Seconds without a heartbeat before a worker is declared lost.")
+@click.option("--max-message-mb", default=1024, show_default=True, type=click.IntRange(1),
+              help="Largest message (one uploaded tensor) accepted, in MiB.")
+@click.option("--exit-with-pid", type=int, default=None, hidden=True)
+def serve(host, port, workers, local_workers, token, instruction_log, threads, client_timeout,
+          worker_timeout, max_message_mb, exit_with_pid):
+    """Run a frontend dispatcher: clients connect with `gt.connect("HOST:PORT")` (or
+    PARATRAIN_SERVER=HOST:PORT), workers with `paratrain worker --host HOST --port PORT`."""
+    from paratrain.frontend.server import serve as run
+
+    try:
+        run(host, port, workers, local_workers=local_workers, token=token, log_path=instruction_log,
+            threads=threads, exit_with_pid=exit_with_pid, client_timeout=client_timeout,
+            worker_timeout=worker_timeout, max_message_mb=max_message_mb)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="The dispatcher's address.")
+@click.option("--port", default=29700, show_default=True, type=int, help="The dispatcher's port.")
+@click.option("--token", **_TOKEN)
+@click.option("--threads", type=click.IntRange(1), default=None, help="Torch threads for this worker.")
+def worker(host, port, token, threads):
+    """Serve a dispatcher as one worker (one device). Start as many as `serve --workers` says;
+    under torchrun the workers' world is torchrun's, else the dispatcher forms it."""
+    from paratrain.frontend.worker import run_worker
+    from paratrain.launch import in_torchrun, init_process_group_from_env
+
+    group = init_process_group_from_env() if in_torchrun() else None
+    run_worker(f"{host}:{port}", token, group=group, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+               threads=threads)
+
+
+@click.command()
+@click.option("--server", envvar="PARATRAIN_SERVER", default="127.0.0.1:29700", show_default=True,
+              help="The dispatcher, HOST:PORT [PARATRAIN_SERVER].")
+@click.option("--token", **_TOKEN)
+@click.option("--interval", default=1.0, show_default=True, help="Seconds between updates.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+def top(server, token, interval, once):
+    """Live view of a dispatcher: per worker operations/s, busy %, queue depth and memory held;
+    per client instructions and tensors."""
+    from paratrain.frontend.top import run_top
+
+    run_top(server, token, interval, once)
+
+
+@click.group()
+def frontend():
+    """Tools for the single-controller frontend."""
+
+
+@frontend.command()
+@click.argument("log", type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", default="frontend_trace.json", show_default=True, help="Chrome trace to write.")
+def trace(log, output):
+    """Turn an instruction log into a Chrome trace (open it at ui.perfetto.dev): one track per
+    worker, one slice per instruction."""
+    from paratrain.frontend.log import write_chrome_trace
+
+    count = write_chrome_trace(log, output)
+    click.echo(f"wrote {count} instructions to {output}")

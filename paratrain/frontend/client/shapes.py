@@ -1,0 +1,80 @@
+"""Shape and dtype of an operation's results, known on the client before anything runs.
+
+The client runs the operation's own function (from `ops.py`, the one the worker will run) on
+meta tensors: no data, no compute, PyTorch's exact shape rules and error messages. A training
+loop repeats the same operations on the same shapes, so results are cached by the operation,
+its inputs' shapes and dtypes, and its other arguments (for elementwise operations a scalar
+operand counts only by its type: `x * lr` with a changing `lr` stays one cache entry).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.frontend.errors import FrontendError
+from paratrain.frontend.ops import DTYPE_NAMES, OPS, TORCH_DTYPES
+
+_CACHE: dict = {}
+_CACHE_LIMIT = 1 << 16  # distinct (op, shapes) signatures; a program with more starts over
+
+
+class ShapeError(FrontendError, ValueError):
+    """The operation cannot run on inputs of these shapes/dtypes (raised where it was written)."""
+
+
+def infer(name: str, args: list, targs: list, kwargs: dict) -> list[tuple[tuple, str]]:
+    """[(shape, dtype name), ...] for each result of `name(*args, **kwargs)`."""
+    op = OPS[name]
+    key = (name, _signature(args, op.elementwise), _hashable(kwargs))
+    try:
+        cached = _CACHE.get(key)
+    except TypeError:  # an argument we cannot hash: infer without the cache
+        key, cached = None, None
+    if cached is not None:
+        return cached
+    results = _run_on_meta(name, op, args, targs, kwargs)
+    if key is not None:
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.clear()
+        _CACHE[key] = results
+    return results
+
+
+def _run_on_meta(name, op, args, targs, kwargs):
+    meta_args = list(args)
+    for i in targs:
+        tensor = args[i]
+        meta_args[i] = torch.empty(tensor.shape, dtype=TORCH_DTYPES[tensor.dtype], device="meta")
+    extra = {"device": "meta"} if op.kind == "create" else {}
+    try:
+        with torch.no_grad():
+            result = op.fn(*meta_args, **kwargs, **extra)
+    except Exception as error:  # noqa: BLE001 - re-raised with the operation and its inputs named
+        shapes = ", ".join(f"{args[i].dtype}{list(args[i].shape)}" for i in targs)
+        raise ShapeError(f"{name}({shapes}): {error}") from None
+    if op.kind == "inplace":
+        result = meta_args[0]
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    return [(tuple(r.shape), DTYPE_NAMES[r.dtype]) for r in results]
+
+
+def _signature(args, elementwise: bool) -> tuple:
+    key = []
+    for arg in args:
+        if hasattr(arg, "_handle"):
+            key.append((arg.shape, arg.dtype))
+        elif elementwise and isinstance(arg, (bool, int, float)):
+            key.append(type(arg))
+        else:
+            key.append(_hashable(arg))
+    return tuple(key)
+
+
+def _hashable(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    if hasattr(value, "_handle"):
+        return (value.shape, value.dtype)
+    return value

@@ -1,0 +1,373 @@
+"""The client's tensor: a handle, a shape and a dtype. The values live on a worker.
+
+Every method issues one instruction (see `Session.call`) and returns at once; only the sync
+points (`item`, `numpy`, `tolist`, `print`, `float`, `bool`...) wait for the workers. Shapes
+are always known here, so `.shape` never waits.
+
+The client keeps a thin copy of the autograd graph (`_parents`: which inputs that require
+grad each result came from) to know after `backward()` which leaves have a gradient, so that
+`.grad` is None exactly where PyTorch's would be. The graph itself lives on the workers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paratrain.frontend.client import autograd
+from paratrain.frontend.ops import encode_index
+
+
+class Tensor:
+    __slots__ = ("_session", "_handle", "shape", "dtype", "_requires_grad", "_parents",
+                 "_has_grad", "_grad", "__weakref__")
+
+    def __init__(self, session, handle: int, shape: tuple, dtype: str, requires_grad: bool = False):
+        self._session, self._handle = session, handle
+        self.shape, self.dtype = tuple(shape), dtype
+        self._requires_grad = requires_grad
+        self._parents: tuple = ()
+        self._has_grad = False
+        self._grad: Tensor | None = None
+
+    def __del__(self):
+        try:
+            self._session.free(self._handle)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
+            pass
+
+    # ---- what it is -----------------------------------------------------------------------
+
+    def __repr__(self):
+        values = np.array2string(self.numpy(), separator=", ", prefix="tensor(")
+        extra = f", dtype={self.dtype}" if self.dtype != "float32" else ""
+        return f"tensor({values}{extra}{', requires_grad=True' if self.requires_grad else ''})"
+
+    __str__ = __repr__
+
+    def __format__(self, spec):
+        return format(self.item(), spec) if self.numel() == 1 else format(str(self), spec)
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    __hash__ = object.__hash__
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self._parents
+
+    # ---- values (sync points) ---------------------------------------------------------------
+
+    def numpy(self) -> np.ndarray:
+        (value,) = self._session.sync([self._handle])
+        return value
+
+    def item(self):
+        if self.numel() != 1:
+            raise ValueError(f"item() needs a tensor with one element, this one has shape {list(self.shape)}")
+        return self.numpy().reshape(()).item()
+
+    def tolist(self):
+        return self.numpy().tolist()
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __bool__(self):
+        return bool(self.item())
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.numpy()
+        return value.astype(dtype) if dtype is not None else value
+
+    # ---- autograd ---------------------------------------------------------------------------
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        self.requires_grad_(flag)
+
+    def requires_grad_(self, flag: bool = True) -> Tensor:
+        if self._parents and not flag:
+            raise RuntimeError("requires_grad can only be switched off on leaf tensors (use detach())")
+        if flag and not self.dtype.startswith(("float", "bfloat")):
+            raise RuntimeError(f"only floating-point tensors can require gradients, this one is {self.dtype}")
+        self._session.issue("requires_grad_", [], [self._handle, bool(flag)], [0], tensors=(self,))
+        self._requires_grad = bool(flag)
+        return self
+
+    def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
+        if not self.requires_grad:
+            raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
+        if gradient is None and self.numel() != 1:
+            raise RuntimeError(f"grad can be implicitly created only for scalar outputs (shape {list(self.shape)})")
+        args = [self._handle] if gradient is None else [self._handle, gradient._handle]
+        kwargs = {"retain_graph": True} if retain_graph else {}
+        self._session.issue("backward", [], args, list(range(len(args))), kwargs, tensors=(self,))
+        _mark_reached_leaves(self, keep_graph=retain_graph)
+
+    @property
+    def grad(self) -> Tensor | None:
+        if not self._has_grad:
+            return None
+        if self._grad is None:
+            handle = self._session.new_handle()
+            self._session.issue("grad", [handle], [self._handle], [0], tensors=(self,))
+            self._grad = Tensor(self._session, handle, self.shape, self.dtype)
+        return self._grad
+
+    @grad.setter
+    def grad(self, value) -> None:
+        if value is not None:
+            raise NotImplementedError("only `tensor.grad = None` is supported")
+        self._session.issue("set_grad_none", [], [self._handle], [0], tensors=(self,))
+        self._has_grad, self._grad = False, None
+
+    def detach(self) -> Tensor:
+        return self._call("detach")
+
+    @property
+    def data(self) -> Tensor:
+        """The same values, outside autograd (GT's `tensor.data.numpy()`)."""
+        return self.detach()
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        self._session.issue("set_data", [], [self._handle, value._handle], [0, 1], tensors=(self, value))
+
+    # ---- operators --------------------------------------------------------------------------
+
+    def _call(self, name, *args, **kwargs):
+        (result,) = self._session.call(name, [self, *args], kwargs)
+        return result
+
+    def _rcall(self, name, other):
+        (result,) = self._session.call(name, [other, self], {})
+        return result
+
+    def _inplace(self, name, *args, **kwargs) -> Tensor:
+        self._session.call(name, [self, *args], kwargs)
+        return self
+
+    def __add__(self, other): return self._call("add", other)
+    def __radd__(self, other): return self._rcall("add", other)
+    def __sub__(self, other): return self._call("sub", other)
+    def __rsub__(self, other): return self._rcall("sub", other)
+    def __mul__(self, other): return self._call("mul", other)
+    def __rmul__(self, other): return self._rcall("mul", other)
+    def __truediv__(self, other): return self._call("truediv", other)
+    def __rtruediv__(self, other): return self._rcall("truediv", other)
+    def __floordiv__(self, other): return self._call("floordiv", other)
+    def __mod__(self, other): return self._call("mod", other)
+    def __pow__(self, other): return self._call("pow", other)
+    def __rpow__(self, other): return self._rcall("pow", other)
+    def __matmul__(self, other): return self._call("matmul", other)
+    def __rmatmul__(self, other): return self._rcall("matmul", other)
+    def __neg__(self): return self._call("neg")
+    def __abs__(self): return self._call("abs")
+    def __lt__(self, other): return self._call("lt", other)
+    def __le__(self, other): return self._call("le", other)
+    def __gt__(self, other): return self._call("gt", other)
+    def __ge__(self, other): return self._call("ge", other)
+    def __eq__(self, other): return self._call("eq", other)
+    def __ne__(self, other): return self._call("ne", other)
+    def __iadd__(self, other): return self._inplace("add_", other)
+    def __isub__(self, other): return self._inplace("sub_", other)
+    def __imul__(self, other): return self._inplace("mul_", other)
+    def __itruediv__(self, other): return self._inplace("div_", other)
+
+    def __getitem__(self, index):
+        return self._call("getitem", *encode_index(index))
+
+    def __setitem__(self, index, value):
+        self._inplace("setitem", value, *encode_index(index))
+
+    # ---- methods ------------------------------------------------------------------------------
+
+    def matmul(self, other): return self._call("matmul", other)
+    def add(self, other): return self._call("add", other)
+    def sub(self, other): return self._call("sub", other)
+    def mul(self, other): return self._call("mul", other)
+    def div(self, other): return self._call("truediv", other)
+    def pow(self, exponent): return self._call("pow", exponent)
+    def relu(self): return self._call("relu")
+    def sigmoid(self): return self._call("sigmoid")
+    def tanh(self): return self._call("tanh")
+    def exp(self): return self._call("exp")
+    def log(self): return self._call("log")
+    def sqrt(self): return self._call("sqrt")
+    def rsqrt(self): return self._call("rsqrt")
+    def abs(self): return self._call("abs")
+    def neg(self): return self._call("neg")
+    def sin(self): return self._call("sin")
+    def cos(self): return self._call("cos")
+    def gelu(self, approximate: str = "none"): return self._call("gelu", approximate=approximate)
+    def silu(self): return self._call("silu")
+    def clamp(self, min=None, max=None): return self._call("clamp", min=min, max=max)
+    def tril(self, diagonal: int = 0): return self._call("tril", diagonal=diagonal)
+    def triu(self, diagonal: int = 0): return self._call("triu", diagonal=diagonal)
+    def masked_fill(self, mask, value): return self._call("masked_fill", mask, value)
+    def where(self, condition, other): return self._session.call("where", [condition, self, other])[0]
+
+    def softmax(self, dim: int = -1, axis: int | None = None):
+        return self._call("softmax", _axis(dim, axis))
+
+    def log_softmax(self, dim: int = -1, axis: int | None = None):
+        return self._call("log_softmax", _axis(dim, axis))
+
+    def sum(self, dim=None, keepdim: bool = False, *, axis=None, keepdims=None):
+        return self._call("sum", dim=_axis(dim, axis), keepdim=_keep(keepdim, keepdims))
+
+    def mean(self, dim=None, keepdim: bool = False, *, axis=None, keepdims=None):
+        return self._call("mean", dim=_axis(dim, axis), keepdim=_keep(keepdim, keepdims))
+
+    def var(self, dim=None, keepdim: bool = False, *, correction: int = 1, axis=None, keepdims=None):
+        return self._call("var", dim=_axis(dim, axis), keepdim=_keep(keepdim, keepdims), correction=correction)
+
+    def std(self, dim=None, keepdim: bool = False, *, correction: int = 1, axis=None, keepdims=None):
+        return self.var(dim, keepdim, correction=correction, axis=axis, keepdims=keepdims).sqrt()
+
+    def max(self, dim=None, keepdim: bool = False, *, axis=None, keepdims=None):
+        """No argument: the largest element. `axis=` (GT, numpy): the largest values along it.
+        `dim=` (PyTorch): (values, indices)."""
+        return self._extreme("max", dim, keepdim, axis, keepdims)
+
+    def min(self, dim=None, keepdim: bool = False, *, axis=None, keepdims=None):
+        return self._extreme("min", dim, keepdim, axis, keepdims)
+
+    def _extreme(self, name, dim, keepdim, axis, keepdims):
+        keep = _keep(keepdim, keepdims)
+        if dim is None and axis is None:
+            return self._call(f"{name}_all")
+        if axis is not None:
+            return self._call(f"a{name}", dim=axis, keepdim=keep)
+        return tuple(self._session.call(name, [self, dim], {"keepdim": keep}))
+
+    def argmax(self, dim=None, keepdim: bool = False):
+        return self._call("argmax", dim=dim, keepdim=keepdim)
+
+    def reshape(self, *shape):
+        return self._call("reshape", *_shape_args(shape))
+
+    view = reshape
+
+    def transpose(self, dim0: int = -2, dim1: int = -1):
+        """PyTorch's transpose(dim0, dim1); without arguments GT's: swap the last two axes."""
+        return self._call("transpose", dim0, dim1)
+
+    @property
+    def T(self):  # noqa: N802 - PyTorch's name
+        return self._call("permute", *reversed(range(self.ndim)))
+
+    @property
+    def mT(self):  # noqa: N802
+        return self._call("transpose", -2, -1)
+
+    def permute(self, *dims): return self._call("permute", *_shape_args(dims))
+    def unsqueeze(self, dim: int): return self._call("unsqueeze", dim)
+    def squeeze(self, dim: int | None = None): return self._call("squeeze", dim=dim)
+    def flatten(self, start_dim: int = 0, end_dim: int = -1): return self._call("flatten", start_dim=start_dim, end_dim=end_dim)
+    def expand(self, *shape): return self._call("expand", *_shape_args(shape))
+    def contiguous(self): return self._call("contiguous")
+    def clone(self): return self._call("clone")
+
+    def chunk(self, chunks: int, dim: int = 0):
+        return tuple(self._session.call("chunk", [self, chunks], {"dim": dim}))
+
+    def split(self, split_size, dim: int = 0):
+        return tuple(self._session.call("split", [self, split_size], {"dim": dim}))
+
+    def to(self, dtype=None, *args, **kwargs):
+        """Casts to a dtype; devices are the workers' business, so a device is ignored."""
+        if isinstance(dtype, str) and dtype in _DTYPES:
+            return self if dtype == self.dtype else self._call("to", dtype)
+        return self
+
+    def float(self): return self.to("float32")
+    def double(self): return self.to("float64")
+    def half(self): return self.to("float16")
+    def bfloat16(self): return self.to("bfloat16")
+    def long(self): return self.to("int64")
+
+    # in place
+    def add_(self, other): return self._inplace("add_", other)
+    def sub_(self, other): return self._inplace("sub_", other)
+    def mul_(self, other): return self._inplace("mul_", other)
+    def div_(self, other): return self._inplace("div_", other)
+    def zero_(self): return self._inplace("zero_")
+    def fill_(self, value): return self._inplace("fill_", value)
+    def copy_(self, source): return self._inplace("copy_", source)
+    def clamp_(self, min=None, max=None): return self._inplace("clamp_", min=min, max=max)
+    def masked_fill_(self, mask, value): return self._inplace("masked_fill_", mask, value)
+
+
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def from_numpy(array: np.ndarray, requires_grad: bool = False, *, session, placement=None) -> Tensor:
+    flags = {}
+    if requires_grad:
+        flags["rg"] = 1
+    worker = placement if placement is not None else session.placement
+    if worker is not None:
+        flags["w"] = worker
+    handle = session.upload(array, flags or None)
+    return Tensor(session, handle, array.shape, array.dtype.name, requires_grad)
+
+
+SPENT = (None,)  # the parents of a result whose graph backward has consumed (still not a leaf)
+
+
+def _mark_reached_leaves(root: Tensor, keep_graph: bool) -> None:
+    """After backward: the leaves the graph reaches have a gradient now; the graph is spent."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node._parents:
+            stack.extend(parent for parent in node._parents if parent is not None)
+            if not keep_graph:
+                node._parents = SPENT
+        elif node.requires_grad:
+            node._has_grad = True
+            node._grad = None  # a new backward may have made a new tensor: ask again
+
+
+def _axis(dim, axis):
+    return axis if axis is not None else dim
+
+
+def _keep(keepdim, keepdims):
+    return bool(keepdims) if keepdims is not None else bool(keepdim)
+
+
+def _shape_args(shape) -> list:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = shape[0]
+    return [int(s) for s in shape]

@@ -1,0 +1,243 @@
+"""Every operation the frontend can run, in one table.
+
+The same entry serves three places: the client runs `fn` on meta tensors to infer the
+result's shape and dtype at the line that made it, the dispatcher validates an instruction
+against it (known name, allowed keyword arguments), and a worker runs `fn` on real tensors.
+So a shape the client predicts is the shape the worker produces, by construction.
+
+An instruction on the wire is a list `[seq, op, outs, args, targs, kwargs, flags]`: `outs` are
+the client's handles for the results, `args` the positional arguments, `targs` the positions
+in `args` that hold tensor handles (the rest are plain values), `flags` a small map or nil
+(`ng`: run without autograd; `w`: the worker a created tensor goes to).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+def torch_dtype(name: str | None, default: torch.dtype | None = None) -> torch.dtype | None:
+    if name is None:
+        return default
+    if name not in TORCH_DTYPES:
+        raise TypeError(f"unknown dtype {name!r}; valid: {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class Op:
+    fn: Callable | None  # None: the executor implements it (uploads, autograd, optimizers)
+    kwargs: frozenset = frozenset()
+    kind: str = "compute"  # compute | create (placed by the client's context) | inplace | special
+    differentiable: bool = True
+    elementwise: bool = False  # a scalar operand changes only the dtype: shapes cache by its type
+
+
+def _op(fn, *kwargs, **options) -> Op:
+    return Op(fn, frozenset(kwargs), **options)
+
+
+# ---- how some arguments travel ---------------------------------------------------------------
+
+def encode_index(index) -> list:
+    """A Python index (ints, slices, None, Ellipsis, tensors) as msgpack-able items; tensors stay
+    in place for the caller to turn into handles."""
+    items = index if isinstance(index, tuple) else (index,)
+    encoded = []
+    for item in items:
+        if isinstance(item, slice):
+            encoded.append(["s", item.start, item.stop, item.step])
+        elif item is Ellipsis:
+            encoded.append(["e"])
+        elif item is None or isinstance(item, (bool, int)) or hasattr(item, "_handle"):
+            encoded.append(item)
+        else:
+            raise TypeError(f"unsupported index {item!r}: use ints, slices, None, ... or integer tensors")
+    return encoded
+
+
+def decode_index(items) -> tuple:
+    decoded = []
+    for item in items:
+        if isinstance(item, list) and item and item[0] == "s" and len(item) == 4:
+            decoded.append(slice(item[1], item[2], item[3]))
+        elif isinstance(item, list) and item == ["e"]:
+            decoded.append(Ellipsis)
+        elif item is None or isinstance(item, (bool, int, torch.Tensor)):
+            decoded.append(item)
+        else:
+            raise ValueError(f"malformed index item {item!r}")
+    return tuple(decoded)
+
+
+def _getitem(x, *items):
+    return x[decode_index(items)]
+
+
+def _setitem(x, value, *items):
+    x[decode_index(items)] = value
+
+
+def _dims(dim):
+    return tuple(dim) if isinstance(dim, list) else dim
+
+
+def _reduce(method: str):
+    def run(x, dim=None, keepdim=False):
+        if dim is None:
+            return getattr(x, method)()
+        return getattr(x, method)(_dims(dim), keepdim=keepdim)
+    return run
+
+
+def _max_with_indices(x, dim, keepdim=False):
+    values, indices = torch.max(x, dim, keepdim=keepdim)
+    return values, indices
+
+
+def _min_with_indices(x, dim, keepdim=False):
+    values, indices = torch.min(x, dim, keepdim=keepdim)
+    return values, indices
+
+
+def _creation(make):
+    """A creation op: `make(shape, dtype, device, **kwargs)`; the shape arrives as the args."""
+    def run(*shape, dtype=None, device="cpu", **kwargs):
+        return make(tuple(shape), torch_dtype(dtype, torch.float32), device, **kwargs)
+    return run
+
+
+def _to(x, dtype):
+    return x.to(torch_dtype(dtype))
+
+
+def _layer_norm(x, weight, bias, normalized_shape, eps=1e-5):
+    return F.layer_norm(x, tuple(normalized_shape), weight, bias, eps)
+
+
+_BINARY = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+    "floordiv": operator.floordiv, "pow": operator.pow, "mod": operator.mod,
+}
+_COMPARE = {
+    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+    "eq": operator.eq, "ne": operator.ne,
+}
+_UNARY = {
+    "neg": torch.neg, "abs": torch.abs, "relu": torch.relu, "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt, "sin": torch.sin, "cos": torch.cos, "silu": F.silu,
+}
+
+OPS: dict[str, Op] = {
+    **{name: _op(fn, elementwise=True) for name, fn in _BINARY.items()},
+    **{name: _op(fn, elementwise=True, differentiable=False) for name, fn in _COMPARE.items()},
+    **{name: _op(fn) for name, fn in _UNARY.items()},
+    "maximum": _op(torch.maximum), "minimum": _op(torch.minimum), "where": _op(torch.where),
+    "gelu": _op(F.gelu, "approximate"),
+    "softmax": _op(lambda x, dim: torch.softmax(x, dim)),
+    "log_softmax": _op(lambda x, dim: torch.log_softmax(x, dim)),
+    "clamp": _op(torch.clamp, "min", "max"),
+    "to": _op(_to),
+    "tril": _op(torch.tril, "diagonal"), "triu": _op(torch.triu, "diagonal"),
+    "masked_fill": _op(torch.Tensor.masked_fill),
+    "dropout": _op(F.dropout, "p", "training"),
+    "matmul": _op(torch.matmul),
+    # reductions (dim=None reduces everything)
+    "sum": _op(_reduce("sum"), "dim", "keepdim"), "mean": _op(_reduce("mean"), "dim", "keepdim"),
+    "amax": _op(_reduce("amax"), "dim", "keepdim"), "amin": _op(_reduce("amin"), "dim", "keepdim"),
+    "max_all": _op(torch.max), "min_all": _op(torch.min),
+    "max": _op(_max_with_indices, "keepdim"), "min": _op(_min_with_indices, "keepdim"),
+    "argmax": _op(torch.argmax, "dim", "keepdim", differentiable=False),
+    "var": _op(lambda x, dim=None, keepdim=False, correction=1: torch.var(x, _dims(dim), correction=correction, keepdim=keepdim), "dim", "keepdim", "correction"),
+    # shapes
+    "reshape": _op(lambda x, *shape: x.reshape(shape)),
+    "transpose": _op(torch.transpose), "permute": _op(lambda x, *dims: x.permute(dims)),
+    "unsqueeze": _op(torch.unsqueeze),
+    "squeeze": _op(lambda x, dim=None: x.squeeze() if dim is None else x.squeeze(dim), "dim"),
+    "flatten": _op(torch.flatten, "start_dim", "end_dim"),
+    "expand": _op(lambda x, *shape: x.expand(shape)),
+    "contiguous": _op(torch.Tensor.contiguous), "clone": _op(torch.clone),
+    "detach": _op(torch.Tensor.detach, differentiable=False),
+    "cat": _op(lambda *xs, dim=0: torch.cat(xs, dim), "dim"),
+    "stack": _op(lambda *xs, dim=0: torch.stack(xs, dim), "dim"),
+    "chunk": _op(torch.chunk, "dim"), "split": _op(torch.split, "dim"),
+    "getitem": _op(_getitem),
+    # neural-network functions
+    "cross_entropy": _op(F.cross_entropy, "ignore_index", "reduction", "label_smoothing"),
+    "mse_loss": _op(F.mse_loss, "reduction"),
+    "embedding": _op(lambda indices, weight: F.embedding(indices, weight)),
+    "layer_norm": _op(_layer_norm, "eps"),
+    "sdpa": _op(F.scaled_dot_product_attention, "is_causal", "scale"),
+    "zeros_like": _op(torch.zeros_like, differentiable=False),
+    "ones_like": _op(torch.ones_like, differentiable=False),
+    "randn_like": _op(torch.randn_like, differentiable=False),
+    # in place: no result handle, the first argument changes
+    "add_": _op(torch.Tensor.add_, kind="inplace"), "sub_": _op(torch.Tensor.sub_, kind="inplace"),
+    "mul_": _op(torch.Tensor.mul_, kind="inplace"), "div_": _op(torch.Tensor.div_, kind="inplace"),
+    "pow_": _op(torch.Tensor.pow_, kind="inplace"),
+    "zero_": _op(torch.Tensor.zero_, kind="inplace"), "fill_": _op(torch.Tensor.fill_, kind="inplace"),
+    "copy_": _op(torch.Tensor.copy_, kind="inplace"),
+    "clamp_": _op(torch.Tensor.clamp_, "min", "max", kind="inplace"),
+    "masked_fill_": _op(torch.Tensor.masked_fill_, kind="inplace"),
+    "setitem": _op(_setitem, kind="inplace"),
+    # creation: placed where the client's context says; the executor passes `device`
+    "randn": _op(_creation(lambda s, dt, dev: torch.randn(s, dtype=dt, device=dev)), "dtype", kind="create"),
+    "rand": _op(_creation(lambda s, dt, dev: torch.rand(s, dtype=dt, device=dev)), "dtype", kind="create"),
+    "zeros": _op(_creation(lambda s, dt, dev: torch.zeros(s, dtype=dt, device=dev)), "dtype", kind="create"),
+    "ones": _op(_creation(lambda s, dt, dev: torch.ones(s, dtype=dt, device=dev)), "dtype", kind="create"),
+    "full": _op(_creation(lambda s, dt, dev, value: torch.full(s, value, dtype=dt, device=dev)), "dtype", "value", kind="create"),
+    "uniform": _op(_creation(lambda s, dt, dev, low, high: torch.empty(s, dtype=dt, device=dev).uniform_(low, high)), "dtype", "low", "high", kind="create"),
+    "randint": _op(_creation(lambda s, dt, dev, low, high: torch.randint(low, high, s, device=dev)), "dtype", "low", "high", kind="create"),
+    "arange": _op(lambda start, end, step, dtype=None, device="cpu": torch.arange(start, end, step, dtype=torch_dtype(dtype), device=device), "dtype", kind="create"),
+    # implemented by the executor itself
+    "upload": _op(None, "dtype", "shape", "frame", kind="special"),
+    "free": _op(None, kind="special"),
+    "backward": _op(None, kind="special"),
+    "grad": _op(None, kind="special"),
+    "set_grad_none": _op(None, kind="special"),
+    "set_data": _op(None, kind="special"),
+    "requires_grad_": _op(None, kind="special"),
+    "optim_create": _op(None, "kind", "lr", "momentum", "weight_decay", "betas", "eps", "nesterov", "dampening", kind="special"),
+    "optim_step": _op(None, kind="special"),
+    "optim_zero_grad": _op(None, "set_to_none", kind="special"),
+    "optim_set_lr": _op(None, "lr", kind="special"),
+    "manual_seed": _op(None, kind="special"),
+}
+
+# What only the dispatcher may ask a worker to do (a client sending these is refused).
+INTERNAL_OPS = frozenset({"send", "recv", "bw_send", "bw_recv", "release"})
+
+
+def validate_kwargs(name: str, kwargs: dict) -> str | None:
+    """None if `kwargs` suit op `name`, else a one-line reason."""
+    op = OPS[name]
+    unknown = set(kwargs) - op.kwargs
+    if unknown:
+        return f"{name}: unexpected keyword argument(s) {', '.join(sorted(unknown))}"
+    for key, value in kwargs.items():
+        if not _plain(value):
+            return f"{name}: keyword argument {key!r} must be a number, bool, short string or list of them"
+    return None
+
+
+def _plain(value, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (bool, int, float)):
+        return True
+    if isinstance(value, str):
+        return len(value) <= 64
+    if isinstance(value, list) and depth == 0:
+        return len(value) <= 64 and all(_plain(item, 1) for item in value)
+    return False
