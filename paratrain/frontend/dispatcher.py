@@ -38,6 +38,7 @@ class WorkerState:
     rates: dict = field(default_factory=dict)  # ops_per_s, busy (fraction), from two heartbeats
     alive: bool = True
     welcomed: bool = False
+    serving: bool = False  # it has joined the world and sent its first heartbeat
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Dispatcher:
 
     @property
     def ready(self) -> bool:
-        return len(self.workers) == self.n_workers and all(w.welcomed for w in self.workers.values())
+        return len(self.workers) == self.n_workers and all(w.serving for w in self.workers.values())
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -164,6 +165,8 @@ class Dispatcher:
             worker.last_seen = time.monotonic()
             if kind == "hb":
                 self._heartbeat(worker, wire.field(header, "stats", dict))
+                if not worker.serving:
+                    self._worker_serving(worker)
             elif kind == "synced":
                 self._worker_synced(worker, header, frames)
             elif kind == "done" and self.log is not None:
@@ -251,7 +254,13 @@ class Dispatcher:
                 welcome["store"] = [None, self.store.port]
             self._send(worker.identity, welcome)
             worker.welcomed = True
-        self.say(f"all {self.n_workers} workers are here; serving clients at {self.address}")
+
+    def _worker_serving(self, worker: WorkerState) -> None:
+        """A worker's first heartbeat: it has joined the world. When all have, open to clients."""
+        worker.serving = True
+        if not self.ready:
+            return
+        self.say(f"all {self.n_workers} workers are serving; clients connect to {self.address}")
         if self.on_ready is not None:
             self.on_ready()
         for identity, pending in self.waiting_clients:
@@ -363,12 +372,12 @@ class Dispatcher:
 
     def _ping_workers(self) -> None:
         for worker in self.workers.values():
-            if worker.alive:
+            if worker.alive and worker.serving:
                 self._send(worker.identity, {"t": "ping"})
 
     def _check_liveness(self, now: float) -> None:
         for worker in self.workers.values():
-            if worker.alive and worker.welcomed and now - worker.last_seen > self.worker_timeout:
+            if worker.alive and worker.serving and now - worker.last_seen > self.worker_timeout:
                 worker.alive = False
                 self.say(f"worker {worker.rank} is lost: no heartbeat for {now - worker.last_seen:.1f}s")
                 for client in self.clients.values():
@@ -397,7 +406,7 @@ class Dispatcher:
         workers = []
         for rank in sorted(self.workers):
             worker = self.workers[rank]
-            workers.append({"rank": rank, "alive": worker.alive, **worker.info,
+            workers.append({**worker.info, "rank": rank, "alive": worker.alive,
                             "ops": worker.stats.get("ops", 0), "queue": worker.stats.get("queue", 0),
                             "memory": worker.stats.get("memory", 0),
                             "ops_per_s": worker.rates.get("ops_per_s", 0.0), "busy": worker.rates.get("busy", 0.0)})

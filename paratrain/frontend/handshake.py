@@ -26,7 +26,7 @@ def handshake(sock, role: str, token: str | None, fields: dict, timeout: float |
             sock.send(wire.encode({"t": "auth", "mac": wire.auth_mac(token, nonce, role)}))
         elif kind == "refused":
             raise AuthenticationError(f"{address} refused the connection: {reply.get('reason')}")
-        elif kind != "waiting":  # a worker waits here until the whole world has arrived
+        elif kind not in ("waiting", "ping"):  # a worker waits here for the whole world
             raise ProtocolError(f"unexpected {kind!r} from {address} while connecting")
 
 

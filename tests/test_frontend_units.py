@@ -1,0 +1,247 @@
+"""The frontend's parts without a server: wire format, op table, shape inference, the worker's
+executor and the dispatcher's router. Fast: no process is started."""
+
+import ast
+import pathlib
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from paratrain.frontend import wire
+from paratrain.frontend.client.shapes import ShapeError, infer
+from paratrain.frontend.dispatcher import Dispatcher
+from paratrain.frontend.executor import Executor
+from paratrain.frontend.ops import OPS, decode_index, encode_index, validate_kwargs
+from paratrain.frontend.routing import MAX_HANDLE, ClientTable, Router
+
+FRONTEND = pathlib.Path(__file__).parent.parent / "paratrain" / "frontend"
+
+
+class FakeTensor:
+    """What shape inference needs of a client tensor."""
+
+    _handle = 0
+
+    def __init__(self, shape, dtype="float32"):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+# ---- wire ------------------------------------------------------------------------------------
+
+def test_decode_rejects_what_is_not_a_msgpack_map():
+    for frame in (b"\x80\x04garbage", msgpack.packb([1, 2]), msgpack.packb({"no_type": 1}), b""):
+        with pytest.raises(wire.MalformedMessage):
+            wire.decode(frame)
+
+
+def test_decode_never_unpickles():
+    import pickle
+
+    payload = pickle.dumps({"t": "run", "ops": []})
+    with pytest.raises(wire.MalformedMessage):
+        wire.decode(payload)
+
+
+def test_decode_refuses_msgpack_extension_types():
+    frame = msgpack.packb({"t": "run", "x": msgpack.ExtType(1, b"abc")})
+    with pytest.raises(wire.MalformedMessage):
+        wire.decode(frame)
+
+
+def test_no_module_of_the_frontend_imports_pickle_or_uses_pyobj_sockets():
+    for path in FRONTEND.rglob("*.py"):
+        source = path.read_text()
+        tree = ast.parse(source)
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                    for alias in node.names} | {node.module for node in ast.walk(tree)
+                                                 if isinstance(node, ast.ImportFrom) and node.module}
+        assert not imported & {"pickle", "cPickle", "dill", "cloudpickle"}, path
+        for forbidden in ("recv_pyobj", "send_pyobj", "torch.load(", "pickle.loads"):
+            assert forbidden not in source, (path, forbidden)
+
+
+def test_hmac_answer_depends_on_token_nonce_and_role():
+    nonce = wire.new_nonce()
+    mac = wire.auth_mac("secret", nonce, "client")
+    assert wire.auth_ok("secret", nonce, "client", mac)
+    assert not wire.auth_ok("other", nonce, "client", mac)
+    assert not wire.auth_ok("secret", wire.new_nonce(), "client", mac)
+    assert not wire.auth_ok("secret", nonce, "worker", mac)
+    assert not wire.auth_ok("secret", nonce, "client", None)
+    assert "secret" not in mac
+
+
+def test_bfloat16_frames_widen_to_float32():
+    values = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)
+    raw = values.view(torch.int16).numpy().tobytes()
+    np.testing.assert_array_equal(wire.array_from_frame(raw, "bfloat16", [3]), [1.5, -2.0, 3.25])
+
+
+def test_frame_whose_size_disagrees_with_its_header_is_malformed():
+    with pytest.raises(wire.MalformedMessage, match="holds 2 elements"):
+        wire.array_from_frame(np.zeros(2, np.float32).tobytes(), "float32", [3])
+
+
+def test_dispatcher_refuses_a_public_address_without_a_token():
+    with pytest.raises(ValueError, match="give a token"):
+        Dispatcher("0.0.0.0", 0, 1)
+
+
+# ---- the op table -----------------------------------------------------------------------------
+
+def test_kwargs_outside_an_ops_allowlist_are_refused():
+    assert validate_kwargs("sum", {"dim": 1, "keepdim": True}) is None
+    assert "unexpected" in validate_kwargs("sum", {"out": 3})
+    assert "must be a number" in validate_kwargs("sum", {"dim": {"nested": 1}})
+
+
+def test_index_encoding_round_trips():
+    index = (slice(1, None, 2), None, Ellipsis, 3)
+    assert decode_index(encode_index(index)) == index
+
+
+@pytest.mark.parametrize("case", [
+    ("matmul", [(4, 3), (3, 5)], {}, [((4, 5), "float32")]),
+    ("add", [(4, 1), (1, 5)], {}, [((4, 5), "float32")]),
+    ("sum", [(4, 5)], {"dim": 1, "keepdim": True}, [((4, 1), "float32")]),
+    ("max", [(4, 5), 1], {"keepdim": False}, [((4,), "float32"), ((4,), "int64")]),
+    ("chunk", [(4, 6), 3], {"dim": 1}, [((4, 2), "float32")] * 3),
+    ("cross_entropy", [(8, 10), ((8,), "int64")], {}, [((), "float32")]),
+])
+def test_shape_inference_matches_pytorch(case):
+    name, inputs, kwargs, expected = case
+    args = [FakeTensor(*spec) if isinstance(spec, tuple) and isinstance(spec[0], tuple)
+            else FakeTensor(spec) if isinstance(spec, tuple) else spec for spec in inputs]
+    targs = [i for i, arg in enumerate(args) if isinstance(arg, FakeTensor)]
+    assert infer(name, args, targs, kwargs) == expected
+
+
+def test_shape_error_names_the_op_and_its_inputs():
+    with pytest.raises(ShapeError, match=r"matmul\(float32\[4, 3\], float32\[5, 6\]\)"):
+        infer("matmul", [FakeTensor((4, 3)), FakeTensor((5, 6))], [0, 1], {})
+
+
+# ---- the executor (a worker without its sockets) ----------------------------------------------
+
+def _run(executor, *instructions, frames=()):
+    executor.run_batch(1, [list(i) for i in instructions], list(frames), None)
+
+
+def test_executor_runs_autograd_and_an_optimizer_where_the_tensors_are():
+    executor = Executor(None, torch.device("cpu"))
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    _run(executor,
+         [1, "upload", [0], [], [], {"dtype": "float32", "shape": [2, 3], "frame": 0}, {"rg": 1}],
+         [2, "sum", [1], [0], [0], {}, None],
+         [3, "backward", [], [1], [0], {}, None],
+         [4, "optim_create", [2], [0], [0], {"kind": "sgd", "lr": 0.5}, None],
+         [5, "optim_step", [], [2], [0], {}, None],
+         frames=[memoryview(w).cast("B")])
+    errors, fetched, frames = executor.sync(1, [0])
+    assert errors == []
+    np.testing.assert_array_equal(np.frombuffer(frames[0], np.float32).reshape(2, 3), w - 0.5)
+
+
+def test_a_failed_instruction_poisons_its_results_and_reports_once():
+    executor = Executor(None, torch.device("cpu"))
+    _run(executor,
+         [1, "randn", [0], [2, 3], [], {}, None],
+         [2, "randint", [1], [4], [], {"low": 5, "high": 9, "dtype": None}, None],
+         [3, "embedding", [2], [1, 0], [0, 1], {}, None],  # indices 5..8 into 2 rows: fails
+         [4, "relu", [3], [2], [0], {}, None])
+    errors, fetched, _ = executor.sync(1, [3])
+    assert len(errors) == 1
+    seq, name, shapes, worker, message = errors[0]
+    assert (seq, name, shapes, worker) == (3, "embedding", ["int64[4]", "float32[2, 3]"], 0)
+    assert "index out of range" in message.lower()
+    assert fetched[0][1] is None and "index out of range" in fetched[0][2].lower()
+
+
+def test_drop_forgets_only_that_clients_tensors():
+    executor = Executor(None, torch.device("cpu"))
+    executor.run_batch(1, [[1, "ones", [0], [3], [], {}, None]], [], None)
+    executor.run_batch(2, [[1, "ones", [0], [3], [], {}, None]], [], None)
+    executor.drop(1)
+    assert executor.sync(2, [0])[1][0][1] == "float32"
+    assert executor.sync(1, [0])[1][0][1] is None
+
+
+# ---- the router (the dispatcher's placement) ------------------------------------------------------
+
+def _router(workers=2):
+    return Router(workers, lambda w: True)
+
+
+def test_creation_follows_the_clients_placement_and_ops_follow_their_first_input():
+    router, table = _router(), ClientTable(slot=1, home=0)
+    streams, _, errors = router.route(table, [
+        [1, "randn", [0], [4], [], {}, None],
+        [2, "randn", [1], [4], [], {}, {"w": 1}],
+        [3, "add", [2], [1, 0], [0, 1], {}, None],  # runs on worker 1; handle 0 moves there
+    ], [])
+    assert errors == []
+    assert [i[1] for i in streams[0]] == ["randn", "send"]
+    assert [i[1] for i in streams[1]] == ["randn", "recv", "add", "free"]
+    temp = streams[1][1][2][0]
+    assert temp >= MAX_HANDLE and streams[1][2][3] == [1, temp]
+    assert table.where[2] == (1,)
+
+
+def test_backward_across_workers_exchanges_gradients_newest_crossing_first():
+    router, table = _router(), ClientTable(slot=1, home=0)
+    streams, _, _ = router.route(table, [
+        [1, "randn", [0], [4], [], {}, {"rg": 1}],
+        [2, "randn", [1], [4], [], {}, {"w": 1, "rg": 1}],
+        [3, "mul", [2], [1, 0], [0, 1], {}, None],  # on 1, crossing 0: worker 0 -> 1
+        [4, "relu", [3], [0], [0], {}, None],
+        [5, "add", [4], [3, 2], [0, 1], {}, None],  # on 0, crossing 1: worker 1 -> 0
+        [6, "sum", [5], [4], [0], {}, None],
+        [7, "backward", [], [5], [0], {}, None],
+    ], [])
+    ops0 = [(i[1], i[5].get("t")) for i in streams[0]]
+    ops1 = [(i[1], i[5].get("t")) for i in streams[1]]
+    assert ops0[-3:] == [("backward", None), ("bw_send", 1), ("bw_recv", 0)]
+    assert ops1[-2:] == [("bw_recv", 1), ("bw_send", 0)]
+    assert streams[0][-3][6]["retain"] == 1
+
+
+def test_freeing_the_last_handle_of_a_graph_releases_its_crossings():
+    router, table = _router(), ClientTable(slot=1, home=0)
+    router.route(table, [
+        [1, "randn", [0], [4], [], {}, {"rg": 1}],
+        [2, "randn", [1], [4], [], {}, {"w": 1}],
+        [3, "add", [2], [1, 0], [0, 1], {}, None],
+    ], [])
+    assert len(router.crossings) == 1
+    streams, _, _ = router.route(table, [[4, "free", [], [2], [], {}, None]], [])
+    assert router.crossings == {}
+    assert [i[1] for i in streams[0]] == ["release"]
+    assert sorted(i[1] for i in streams[1]) == ["free", "release"]
+
+
+@pytest.mark.parametrize("instruction, reason", [
+    ([1, "os.system", [0], [], [], {}, None], "unknown operation"),
+    ([1, "send", [], [0], [0], {}, None], "unknown operation"),  # dispatcher-only
+    ([1, "relu", [1], [99], [0], {}, None], "not a tensor of this client"),
+    ([1, "sum", [1], [0], [0], {"out": 1}, None], "unexpected keyword"),
+    ([1, "relu", [0], [0], [0], {}, None], "already in use"),
+    ([1, "relu", [1], [0], [5], {}, None], "outside the arguments"),
+    ("not a list", "must be a list"),
+])
+def test_router_refuses_bad_instructions_with_a_reason(instruction, reason):
+    router, table = _router(), ClientTable(slot=1, home=0)
+    router.route(table, [[0, "randn", [0], [2], [], {}, None]], [])
+    streams, _, errors = router.route(table, [instruction], [])
+    assert len(errors) == 1 and reason in errors[0][4]
+    assert not streams
+
+
+def test_results_of_a_refused_instruction_are_skipped_without_a_second_error():
+    router, table = _router(), ClientTable(slot=1, home=0)
+    _, _, errors = router.route(table, [
+        [1, "relu", [1], [99], [0], {}, None],
+        [2, "exp", [2], [1], [0], {}, None],
+    ], [])
+    assert len(errors) == 1 and table.refused[2] == table.refused[1]
