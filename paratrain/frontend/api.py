@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import threading
 
 import numpy as np
 
@@ -63,11 +64,15 @@ def connect(address: str | None = None, token: str | None = None) -> Session:
 
 def start(workers: int = 1, token: str | None = None) -> Session:
     """Start a dispatcher and `workers` workers on this machine and connect to them."""
+    from paratrain.frontend.client.shapes import warm_up
     from paratrain.frontend.server import LocalServer
 
     if _defaults.session is not None and not _defaults.session.closed:
         raise RuntimeError(f"already connected to {_defaults.session.address}; call disconnect() first")
+    warming = threading.Thread(target=warm_up, name="frontend-warm-up", daemon=True)
+    warming.start()
     _defaults.server = LocalServer.start(workers, token=token)
+    warming.join()
     _defaults.session = Session(_defaults.server.address, token=token)
     return _defaults.session
 

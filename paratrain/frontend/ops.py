@@ -155,6 +155,8 @@ OPS: dict[str, Op] = {
     "masked_fill": _op(torch.Tensor.masked_fill),
     "dropout": _op(F.dropout, "p", "training"),
     "matmul": _op(torch.matmul),
+    # x @ weight + bias for a weight stored [in, out] (GT's layout), as one fused addmm
+    "linear": _op(lambda x, weight, bias=None: F.linear(x, weight.t(), bias)),
     # reductions (dim=None reduces everything)
     "sum": _op(_reduce("sum"), "dim", "keepdim"), "mean": _op(_reduce("mean"), "dim", "keepdim"),
     "amax": _op(_reduce("amax"), "dim", "keepdim"), "amin": _op(_reduce("amin"), "dim", "keepdim"),

@@ -32,6 +32,11 @@ def binary_cross_entropy(predicted, target, eps: float = 1e-7):
     return -(target * (predicted + eps).log() + (1 - target) * (1 - predicted + eps).log()).mean()
 
 
+def linear(x, weight, bias=None):
+    """x @ weight + bias, with `weight` stored [in_features, out_features] (GT's layout)."""
+    return _call("linear", [x, weight, bias])
+
+
 def embedding(indices, weight):
     return _call("embedding", [indices, weight])
 

@@ -15,7 +15,7 @@ import numpy as np
 from paratrain.frontend.client import functional
 from paratrain.frontend.client.autograd import no_grad
 from paratrain.frontend.client.functional import (  # noqa: F401 - GT exposes these on nn
-    binary_cross_entropy, cross_entropy, dropout, embedding, gelu, layer_norm, log_softmax,
+    binary_cross_entropy, cross_entropy, dropout, embedding, gelu, layer_norm, linear, log_softmax,
     mse_loss, relu, scaled_dot_product_attention, sigmoid, silu, softmax, tanh,
 )
 from paratrain.frontend.client.tensor import Tensor
@@ -123,8 +123,7 @@ class Linear(Module):
         self.bias = Parameter(api.uniform((out_features,), -bound, bound, dtype=dtype)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = x @ self.weight
-        return y + self.bias if self.bias is not None else y
+        return functional.linear(x, self.weight, self.bias)
 
 
 class Embedding(Module):

@@ -59,7 +59,6 @@ class Session:
         self._seq = 0
         self._batch: list = []
         self._frames: list = []
-        self._frees: list[int] = []
         self._issued: dict[int, tuple] = {}  # seq -> (op, input shapes, (file, line)) until a sync
         self._unsynced = 0
         self.closed = False
@@ -142,14 +141,21 @@ class Session:
             )
 
     def free(self, handle: int) -> None:
-        if not self.closed:
-            self._frees.append(handle)
+        """Called when a tensor is garbage: the free goes into the stream where the program
+        dropped it, so the worker reuses that memory at once (as PyTorch's allocator would)."""
+        if self.closed:
+            return
+        batch = self._batch
+        if batch and batch[-1][1] == "free":
+            batch[-1][3].append(handle)
+        else:
+            batch.append([0, "free", [], [handle], [], {}, None])
 
     # ---- sending and syncing --------------------------------------------------------------
 
     def flush(self) -> None:
         """Send what is queued without waiting for it."""
-        if not self._batch and not self._frees:
+        if not self._batch:
             return
         self._send(None, [])
         self._unsynced += 1
@@ -176,15 +182,12 @@ class Session:
         return values
 
     def _send(self, token, fetch) -> None:
-        ops = self._batch
-        if self._frees:
-            ops.append([0, "free", [], self._frees, [], {}, None])
-            self._frees = []
+        ops, self._batch = self._batch, []
         header = {"t": "run", "ops": ops, "sync": token, "fetch": fetch}
         try:
             self.sock.send_multipart([wire.encode(header), *self._frames], copy=False)
         finally:
-            self._batch, self._frames = [], []
+            self._frames = []
 
     def _await(self, token: int):
         while True:

@@ -40,6 +40,13 @@ def infer(name: str, args: list, targs: list, kwargs: dict) -> list[tuple[tuple,
     return results
 
 
+def warm_up() -> None:
+    """PyTorch loads its Python meta kernels on the first elementwise meta op (about a second
+    here); doing one now, while workers start, keeps that second off the program's first line."""
+    with torch.no_grad():
+        torch.empty(1, device="meta") + torch.empty(1, device="meta")
+
+
 def _run_on_meta(name, op, args, targs, kwargs):
     meta_args = list(args)
     for i in targs:
