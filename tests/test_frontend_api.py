@@ -20,7 +20,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LocalServer.start(1, extra_args=("--client-timeout", "3"))
+    srv = LocalServer.start(1, extra_args=("--client-timeout", "3", "--max-message-mb", "1"))
     yield srv
     srv.stop()
 
@@ -383,3 +383,61 @@ def test_a_departed_client_has_its_tensors_freed(client, server):
         assert before - after >= 4 * 1024 * 1024
     finally:
         monitor.close()
+
+
+def test_a_killed_client_has_its_tensors_freed_after_its_heartbeats_stop(server):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from paratrain.frontend.top import Monitor
+
+    program = (f"import paratrain.frontend as gt, time\ngt.connect({server.address!r})\n"
+               "x = gt.zeros(1024, 1024); x.sum().item(); print('ready', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    monitor = Monitor(server.address)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(1.2)
+        assert any(c["tensors"] >= 1 for c in monitor.stats()["clients"])
+        held = monitor.stats()["workers"][0]["memory"]
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        time.sleep(5.5)  # the server's --client-timeout is 3 s; then a heartbeat reports memory
+        assert held - monitor.stats()["workers"][0]["memory"] >= 4 * 1024 * 1024
+    finally:
+        monitor.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_uploads_over_the_message_limit_fail_at_the_client_and_oversized_messages_are_dropped(client, server):
+    with pytest.raises(ValueError, match="over the server's message limit of 1 MiB"):
+        gt.from_numpy(np.zeros((600, 600), np.float32))  # 1.4 MiB
+    with raw_client(server.address) as (sock, _):
+        sock.send(b"x" * (2 << 20))  # ZeroMQ drops the connection that sent it
+        assert not sock.poll(1500)
+    assert gt.from_numpy(np.ones((10, 10), np.float32)).sum().item() == 100.0
+
+
+def test_bench_frontend_reports_both_times_and_writes_records(server, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from paratrain.cli import main as paratrain_cli
+
+    out = tmp_path / "frontend.json"
+    result = CliRunner().invoke(paratrain_cli, ["bench", "frontend", "--server", server.address, "--sizes", "8x16,4x8",
+                                                "--repeats", "1", "--steps", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "one streamed instruction" in result.output and "ratio" in result.output
+    records = json.loads(out.read_text())
+    assert [(r["batch"], r["hidden"]) for r in records] == [(8, 16), (4, 8)]
+    for record in records:
+        assert {"workers", "frontend_ms", "torch_ms", "ratio"} <= set(record)
+        assert record["frontend_ms"] > 0 and record["torch_ms"] > 0
+        assert record["ratio"] == pytest.approx(record["frontend_ms"] / record["torch_ms"])

@@ -74,6 +74,8 @@ def start(workers: int = 1, token: str | None = None) -> Session:
     _defaults.server = LocalServer.start(workers, token=token)
     warming.join()
     _defaults.session = Session(_defaults.server.address, token=token)
+    process = _defaults.server.process
+    _defaults.session.server_alive = lambda: process.poll() is None
     return _defaults.session
 
 

@@ -29,9 +29,10 @@ _TOKEN = dict(envvar="PARATRAIN_TOKEN", default=None,
               help="Seconds without a heartbeat before a worker is declared lost.")
 @click.option("--max-message-mb", default=1024, show_default=True, type=click.IntRange(1),
               help="Largest message (one uploaded tensor) accepted, in MiB.")
+@click.option("--quiet", is_flag=True, help="Print only warnings (refusals, lost workers).")
 @click.option("--exit-with-pid", type=int, default=None, hidden=True)
 def serve(host, port, workers, local_workers, token, instruction_log, threads, client_timeout,
-          worker_timeout, max_message_mb, exit_with_pid):
+          worker_timeout, max_message_mb, quiet, exit_with_pid):
     """Run a frontend dispatcher: clients connect with `gt.connect("HOST:PORT")` (or
     PARATRAIN_SERVER=HOST:PORT), workers with `paratrain worker --host HOST --port PORT`."""
     from paratrain.frontend.server import serve as run
@@ -39,7 +40,7 @@ def serve(host, port, workers, local_workers, token, instruction_log, threads, c
     try:
         run(host, port, workers, local_workers=local_workers, token=token, log_path=instruction_log,
             threads=threads, exit_with_pid=exit_with_pid, client_timeout=client_timeout,
-            worker_timeout=worker_timeout, max_message_mb=max_message_mb)
+            worker_timeout=worker_timeout, max_message_mb=max_message_mb, quiet=quiet)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
 

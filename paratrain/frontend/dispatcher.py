@@ -75,6 +75,7 @@ class Dispatcher:
                 "(--token or PARATRAIN_TOKEN)"
             )
         self.n_workers, self.token, self.quiet = workers, token, quiet
+        self.max_message_mb = max_message_mb
         self.client_timeout, self.worker_timeout = client_timeout, worker_timeout
         self.context = zmq.Context()
         self.sock = self.context.socket(zmq.ROUTER)
@@ -108,8 +109,9 @@ class Dispatcher:
     def ready(self) -> bool:
         return len(self.workers) == self.n_workers and all(w.serving for w in self.workers.values())
 
-    def say(self, text: str) -> None:
-        if not self.quiet:
+    def say(self, text: str, warning: bool = False) -> None:
+        """A line on stderr; `quiet` keeps only warnings (what a user must know of)."""
+        if warning or not self.quiet:
             print(f"paratrain serve: {text}", file=sys.stderr, flush=True)
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -147,7 +149,7 @@ class Dispatcher:
             header = wire.decode(body[0].bytes if body else b"")
             self._handle(identity, header, body[1:])
         except wire.MalformedMessage as error:
-            self.say(f"dropped a malformed message from peer {identity.hex()}: {error}")
+            self.say(f"dropped a malformed message from peer {identity.hex()}: {error}", warning=True)
             self._send(identity, {"t": "error", "message": f"malformed message: {error}"})
 
     def _handle(self, identity: bytes, header: dict, frames: list) -> None:
@@ -180,7 +182,7 @@ class Dispatcher:
         elif kind in ("hello", "auth"):
             self._authenticate(identity, kind, header)
         else:
-            self.say(f"refused {kind!r} from an unauthenticated peer {identity.hex()}")
+            self.say(f"refused {kind!r} from an unauthenticated peer {identity.hex()}", warning=True)
             self._send(identity, {"t": "refused", "reason": "say hello (and authenticate) first"})
 
     # ---- joining --------------------------------------------------------------------------
@@ -189,7 +191,7 @@ class Dispatcher:
         if kind == "hello":
             role = header.get("role")
             if role not in ("client", "worker", "monitor") or header.get("v") != wire.PROTOCOL_VERSION:
-                self.say(f"refused a hello with role {role!r}, protocol {header.get('v')!r}")
+                self.say(f"refused a hello with role {role!r}, protocol {header.get('v')!r}", warning=True)
                 self._send(identity, {"t": "refused", "reason": f"unknown role {role!r} or protocol version"})
                 return
             pending = Pending(role, {k: v for k, v in header.items() if k not in ("t", "v", "role")})
@@ -205,7 +207,7 @@ class Dispatcher:
                 return
             if not wire.auth_ok(self.token, pending.nonce, pending.role, header.get("mac")):
                 del self.pending[identity]
-                self.say(f"refused a {pending.role} connection: wrong token (HMAC mismatch)")
+                self.say(f"refused a {pending.role} connection: wrong token (HMAC mismatch)", warning=True)
                 self._send(identity, {"t": "refused", "reason": "wrong token"})
                 return
         self._admit(identity, self.pending[identity])
@@ -231,7 +233,7 @@ class Dispatcher:
             rank = free[0] if free else None
         if not isinstance(rank, int) or rank in taken or not 0 <= rank < self.n_workers:
             self.say(f"refused a worker (rank {info.get('rank')!r}): this dispatcher has {self.n_workers} "
-                     f"worker slots, taken: {sorted(taken)}")
+                     f"worker slots, taken: {sorted(taken)}", warning=True)
             self._send(identity, {"t": "refused", "reason": "no free worker slot"})
             return
         self.workers[rank] = WorkerState(identity, rank, info, time.monotonic())
@@ -278,7 +280,7 @@ class Dispatcher:
         self.by_secret[secret] = client
         self.by_slot[slot] = client
         self._send(identity, {"t": "welcome", "client": slot, "secret": secret, "workers": self.n_workers,
-                              "home": home, "log": self.log is not None,
+                              "home": home, "log": self.log is not None, "max_message_mb": self.max_message_mb,
                               "devices": [self.workers[r].info.get("device") for r in sorted(self.workers)]})
 
     def _least_busy_worker(self) -> int:
@@ -379,7 +381,7 @@ class Dispatcher:
         for worker in self.workers.values():
             if worker.alive and worker.serving and now - worker.last_seen > self.worker_timeout:
                 worker.alive = False
-                self.say(f"worker {worker.rank} is lost: no heartbeat for {now - worker.last_seen:.1f}s")
+                self.say(f"worker {worker.rank} is lost: no heartbeat for {now - worker.last_seen:.1f}s", warning=True)
                 for client in self.clients.values():
                     if client.sync is not None and worker.rank in client.sync["waiting"]:
                         client.sync["errors"].append(

@@ -114,7 +114,7 @@ class Router:
             stream_frames[workers[0]].append(frames[frame])
             kwargs["frame"] = len(stream_frames[workers[0]]) - 1
         if name == "backward":
-            self._backward(seq, instr, workers[0], crossed, streams)
+            self._backward(seq, instr, workers[0], crossed, streams, table)
         else:
             for worker in workers:
                 self._emit(streams, worker, instr, table, shapes)
@@ -187,14 +187,14 @@ class Router:
         args[i] = temp
         return {crossing}
 
-    def _backward(self, seq, instr, worker, crossed, streams) -> None:
+    def _backward(self, seq, instr, worker, crossed, streams, table) -> None:
         if crossed:
             instr[6] = {**(instr[6] or {}), "retain": 1}  # later crossings traverse it again
-        self._emit(streams, worker, instr, None)
+        self._emit(streams, worker, instr, table)
         for crossing in sorted(crossed, reverse=True):
             link = self.crossings[crossing]
-            self._emit(streams, link.dst, [seq, "bw_send", [], [], [], {"t": crossing, "to": link.src}, None], None)
-            self._emit(streams, link.src, [seq, "bw_recv", [], [], [], {"t": crossing, "src": link.dst}, None], None)
+            self._emit(streams, link.dst, [seq, "bw_send", [], [], [], {"t": crossing, "to": link.src}, None], table)
+            self._emit(streams, link.src, [seq, "bw_recv", [], [], [], {"t": crossing, "src": link.dst}, None], table)
 
     def _optim_create(self, table, instr, streams) -> None:
         seq, name, outs, args, targs, kwargs, flags = instr

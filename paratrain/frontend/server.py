@@ -35,10 +35,10 @@ def default_threads(workers: int) -> int:
 def serve(host: str = "127.0.0.1", port: int = 0, workers: int = 1, *, local_workers: bool = False,
           token: str | None = None, log_path: str | None = None, threads: int | None = None,
           exit_with_pid: int | None = None, client_timeout: float = 30.0,
-          worker_timeout: float = 5.0, max_message_mb: int = 1024) -> None:
+          worker_timeout: float = 5.0, max_message_mb: int = 1024, quiet: bool = False) -> None:
     dispatcher = Dispatcher(host, port, workers, token=token, log_path=log_path,
                             client_timeout=client_timeout, worker_timeout=worker_timeout,
-                            max_message_mb=max_message_mb)
+                            max_message_mb=max_message_mb, quiet=quiet)
     dispatcher.on_ready = lambda: print(f"{READY_MARK} {dispatcher.address}", flush=True)
     dispatcher.say(f"listening on {dispatcher.address}, waiting for {workers} worker(s)"
                    + (" (starting them here)" if local_workers else ""))
@@ -106,6 +106,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _pass_through(stream) -> None:
+    for line in stream:
+        sys.stdout.write(line)
+
+
 class LocalServer:
     """A dispatcher and its workers in a child process of this one."""
 
@@ -116,7 +121,7 @@ class LocalServer:
     def start(cls, workers: int = 1, *, token: str | None = None, timeout: float = 180.0,
               extra_args: tuple = ()) -> LocalServer:
         command = [sys.executable, "-m", "paratrain", "serve", "--workers", str(workers),
-                   "--local-workers", "--port", "0", "--exit-with-pid", str(os.getpid()), *extra_args]
+                   "--local-workers", "--port", "0", "--exit-with-pid", str(os.getpid()), "--quiet", *extra_args]
         env = dict(os.environ)
         if token:
             env["PARATRAIN_TOKEN"] = token
@@ -127,7 +132,11 @@ class LocalServer:
             if ready:
                 line = process.stdout.readline()
                 if line.startswith(READY_MARK):
+                    # Whatever the server (or a worker) prints later passes through, so that a
+                    # full pipe never blocks it.
+                    threading.Thread(target=_pass_through, args=(process.stdout,), daemon=True).start()
                     return cls(process, line.split()[1])
+                sys.stdout.write(line)
             if process.poll() is not None:
                 raise RuntimeError(f"the frontend server exited with code {process.returncode} before it "
                                    "was ready (its messages are above)")
@@ -143,5 +152,4 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+

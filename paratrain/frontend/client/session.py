@@ -54,6 +54,8 @@ class Session:
             raise
         self.slot, self.n_workers, self.home = welcome["client"], welcome["workers"], welcome["home"]
         self.devices, self.logging = welcome.get("devices", []), bool(welcome.get("log"))
+        self.max_message_bytes = int(welcome.get("max_message_mb", wire.DEFAULT_MAX_MESSAGE_MB)) << 20
+        self.server_alive = lambda: True  # set by whoever started the server, to fail fast
         self.placement: int | None = None  # the worker new tensors go to (None: home)
         self._next_handle = 0
         self._seq = 0
@@ -110,19 +112,30 @@ class Session:
         return outs
 
     def issue(self, name: str, outs: list[int], args: list, targs: list, kwargs: dict | None = None,
-              flags: dict | None = None, tensors: tuple = ()) -> None:
-        """Issue an instruction whose results the caller describes itself (grad, uploads...)."""
+              flags: dict | None = None, tensors: tuple = (), results: tuple = ()) -> None:
+        """Issue an instruction whose results the caller makes itself (grad, uploads...)."""
         self._check_open()
-        self._append(name, outs, args, targs, kwargs or {}, flags, tensors, ())
+        self._append(name, outs, args, targs, kwargs or {}, flags, tensors, results)
 
-    def upload(self, array: np.ndarray, flags: dict | None) -> int:
-        """Queue a numpy array's bytes for a new tensor; -> its handle."""
+    def upload(self, array: np.ndarray, flags: dict | None, requires_grad: bool = False):
+        """Queue a numpy array's bytes for a new tensor; -> the tensor."""
+        from paratrain.frontend.client.tensor import Tensor
+
         array = np.ascontiguousarray(array)
-        handle = self.new_handle()
-        kwargs = {"dtype": wire.numpy_dtype_name(array), "shape": list(array.shape), "frame": len(self._frames)}
+        if not array.dtype.isnative:
+            array = array.astype(array.dtype.newbyteorder("="))
+        if array.nbytes > self.max_message_bytes:
+            raise ValueError(
+                f"a {array.nbytes / 2**20:.1f} MiB array is over the server's message limit of "
+                f"{self.max_message_bytes >> 20} MiB (paratrain serve --max-message-mb); create it on the "
+                "workers (gt.randn, gt.zeros...) or upload it in pieces"
+            )
+        dtype = wire.numpy_dtype_name(array)
+        tensor = Tensor(self, self.new_handle(), array.shape, dtype, requires_grad)
+        kwargs = {"dtype": dtype, "shape": list(array.shape), "frame": len(self._frames)}
         self._frames.append(memoryview(array).cast("B") if array.size else b"")
-        self.issue("upload", [handle], [], [], kwargs, flags)
-        return handle
+        self.issue("upload", [tensor._handle], [], [], kwargs, flags, results=(tensor,))
+        return tensor
 
     def _append(self, name, outs, args, targs, kwargs, flags, inputs, results) -> None:
         if self.logging:  # the instruction log shows every handle's shape
@@ -190,12 +203,18 @@ class Session:
             self._frames = []
 
     def _await(self, token: int):
+        waited = 0.0
         while True:
-            if not self.sock.poll(int(self.timeout * 1000), zmq.POLLIN):
-                raise DispatcherUnreachable(
-                    f"no answer from the dispatcher at {self.address} within {self.timeout:g}s "
-                    "(PARATRAIN_TIMEOUT sets the limit)"
-                )
+            if not self.sock.poll(1000, zmq.POLLIN):
+                waited += 1.0
+                if not self.server_alive():
+                    raise FrontendError(f"the frontend server at {self.address} has exited (its messages are above)")
+                if waited >= self.timeout:
+                    raise DispatcherUnreachable(
+                        f"no answer from the dispatcher at {self.address} within {self.timeout:g}s "
+                        "(PARATRAIN_TIMEOUT sets the limit)"
+                    )
+                continue
             frames = self.sock.recv_multipart(copy=False)
             reply = wire.decode(frames[0].bytes)
             if reply["t"] == "synced" and reply.get("token") == token:

@@ -135,9 +135,9 @@ class Tensor:
         if not self._has_grad:
             return None
         if self._grad is None:
-            handle = self._session.new_handle()
-            self._session.issue("grad", [handle], [self._handle], [0], tensors=(self,))
-            self._grad = Tensor(self._session, handle, self.shape, self.dtype)
+            self._grad = Tensor(self._session, self._session.new_handle(), self.shape, self.dtype)
+            self._session.issue("grad", [self._grad._handle], [self._handle], [0], tensors=(self,),
+                                results=(self._grad,))
         return self._grad
 
     @grad.setter
@@ -335,8 +335,7 @@ def from_numpy(array: np.ndarray, requires_grad: bool = False, *, session, place
     worker = placement if placement is not None else session.placement
     if worker is not None:
         flags["w"] = worker
-    handle = session.upload(array, flags or None)
-    return Tensor(session, handle, array.shape, array.dtype.name, requires_grad)
+    return session.upload(array, flags or None, requires_grad)
 
 
 SPENT = (None,)  # the parents of a result whose graph backward has consumed (still not a leaf)
