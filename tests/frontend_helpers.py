@@ -8,13 +8,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import zmq
 
 from paratrain.frontend import wire
 from paratrain.frontend.handshake import handshake
-from paratrain.frontend.server import READY_MARK
 
 PYTHON_M_PARATRAIN = [sys.executable, "-m", "paratrain"]
 
@@ -23,22 +21,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def wait_ready(process: subprocess.Popen, timeout: float = 120.0) -> str:
-    """Read the server's stdout until it says it is ready; -> its address."""
-    import select
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 0.5)
-        if ready:
-            line = process.stdout.readline()
-            if line.startswith(READY_MARK):
-                return line.split()[1]
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}")
-    raise TimeoutError("server not ready")
 
 
 def stop(process: subprocess.Popen, timeout: float = 20.0) -> None:

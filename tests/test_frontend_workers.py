@@ -16,9 +16,9 @@ import torch
 from click.testing import CliRunner
 
 import paratrain.frontend as gt
-from frontend_helpers import PYTHON_M_PARATRAIN, free_port, stop, wait_ready
+from frontend_helpers import PYTHON_M_PARATRAIN, free_port, stop
 from paratrain.cli import main as paratrain_cli
-from paratrain.frontend.server import LocalServer
+from paratrain.frontend.server import LocalServer, wait_until_ready
 
 RTOL, ATOL = 1e-5, 1e-6  # same kernels and inputs as the reference: float32 rounding at most
 
@@ -146,7 +146,7 @@ def test_a_killed_worker_fails_its_clients_at_their_next_sync_and_the_rest_go_on
     workers = [subprocess.Popen([*PYTHON_M_PARATRAIN, "worker", "--port", str(port), "--threads", "1"])
                for _ in range(2)]
     try:
-        address = wait_ready(serve)
+        address = wait_until_ready(serve, 120)
         first, second = gt.Session(address), gt.Session(address)
         assert {first.home, second.home} == {0, 1}
         doomed = second if second.home == 1 else first

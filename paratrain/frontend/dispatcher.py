@@ -17,49 +17,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-
 import zmq
 
 from paratrain.frontend import wire
 from paratrain.frontend.log import InstructionLog
+from paratrain.frontend.peers import ClientState, Pending, WorkerState
 from paratrain.frontend.routing import ClientTable, Router
 
 PING_S = 1.0
-
-
-@dataclass
-class WorkerState:
-    identity: bytes
-    rank: int
-    info: dict  # host, pid, device
-    last_seen: float
-    stats: dict = field(default_factory=dict)
-    rates: dict = field(default_factory=dict)  # ops_per_s, busy (fraction), from two heartbeats
-    alive: bool = True
-    welcomed: bool = False
-    serving: bool = False  # it has joined the world and sent its first heartbeat
-
-
-@dataclass
-class ClientState:
-    identity: bytes
-    table: ClientTable
-    info: dict
-    secret: bytes
-    last_seen: float
-    instructions: int = 0
-    dirty: set = field(default_factory=set)  # workers given work since the last sync
-    sync: dict | None = None  # the sync in progress
-
-
-@dataclass
-class Pending:
-    """A peer that said hello and has not yet proved itself."""
-
-    role: str
-    info: dict
-    nonce: bytes | None = None
 
 
 class Dispatcher:
@@ -166,7 +131,7 @@ class Dispatcher:
         elif worker := self._worker_by_identity(identity):
             worker.last_seen = time.monotonic()
             if kind == "hb":
-                self._heartbeat(worker, wire.field(header, "stats", dict))
+                worker.heartbeat(wire.field(header, "stats", dict))
                 if not worker.serving:
                     self._worker_serving(worker)
             elif kind == "synced":
@@ -362,16 +327,6 @@ class Dispatcher:
 
     # ---- liveness -----------------------------------------------------------------------------
 
-    def _heartbeat(self, worker: WorkerState, stats: dict) -> None:
-        previous, now = worker.stats, time.monotonic()
-        if previous:
-            span = max(now - previous["at"], 1e-6)
-            worker.rates = {
-                "ops_per_s": (stats.get("ops", 0) - previous.get("ops", 0)) / span,
-                "busy": min(1.0, (stats.get("busy_s", 0) - previous.get("busy_s", 0)) / span),
-            }
-        worker.stats = {**stats, "at": now}
-
     def _ping_workers(self) -> None:
         for worker in self.workers.values():
             if worker.alive and worker.serving:
@@ -405,18 +360,9 @@ class Dispatcher:
     # ---- monitoring -----------------------------------------------------------------------
 
     def stats(self) -> dict:
-        workers = []
-        for rank in sorted(self.workers):
-            worker = self.workers[rank]
-            workers.append({**worker.info, "rank": rank, "alive": worker.alive,
-                            "ops": worker.stats.get("ops", 0), "queue": worker.stats.get("queue", 0),
-                            "memory": worker.stats.get("memory", 0),
-                            "ops_per_s": worker.rates.get("ops_per_s", 0.0), "busy": worker.rates.get("busy", 0.0)})
-        clients = [{"client": c.table.slot, "pid": c.info.get("pid"), "name": c.info.get("name"),
-                    "instructions": c.instructions, "tensors": len(c.table.where)}
-                   for c in self.clients.values()]
         return {"t": "stats", "address": self.address, "uptime_s": time.time() - self.started,
-                "workers": workers, "clients": clients}
+                "workers": [self.workers[rank].snapshot() for rank in sorted(self.workers)],
+                "clients": [client.snapshot() for client in self.clients.values()]}
 
     # ---- helpers ------------------------------------------------------------------------------
 

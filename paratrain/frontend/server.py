@@ -106,6 +106,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def wait_until_ready(process: subprocess.Popen, timeout: float) -> str:
+    """Read a `paratrain serve` child's stdout until it says it is ready; -> its address.
+    Later output passes through to ours, so that a full pipe never blocks the server."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 0.5)
+        if ready:
+            line = process.stdout.readline()
+            if line.startswith(READY_MARK):
+                threading.Thread(target=_pass_through, args=(process.stdout,), daemon=True).start()
+                return line.split()[1]
+            sys.stdout.write(line)
+        if process.poll() is not None:
+            raise RuntimeError(f"the frontend server exited with code {process.returncode} before it "
+                               "was ready (its messages are above)")
+    raise TimeoutError(f"the frontend server was not ready within {timeout:g}s")
+
+
 def _pass_through(stream) -> None:
     for line in stream:
         sys.stdout.write(line)
@@ -126,23 +144,13 @@ class LocalServer:
         if token:
             env["PARATRAIN_TOKEN"] = token
         process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([process.stdout], [], [], 0.5)
-            if ready:
-                line = process.stdout.readline()
-                if line.startswith(READY_MARK):
-                    # Whatever the server (or a worker) prints later passes through, so that a
-                    # full pipe never blocks it.
-                    threading.Thread(target=_pass_through, args=(process.stdout,), daemon=True).start()
-                    return cls(process, line.split()[1])
-                sys.stdout.write(line)
-            if process.poll() is not None:
-                raise RuntimeError(f"the frontend server exited with code {process.returncode} before it "
-                                   "was ready (its messages are above)")
-        process.kill()
-        process.wait()
-        raise TimeoutError(f"the frontend server with {workers} worker(s) was not ready within {timeout:g}s")
+        try:
+            address = wait_until_ready(process, timeout)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        return cls(process, address)
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.process.poll() is None:
