@@ -70,9 +70,13 @@ def worker(host, port, token, threads):
 def top(server, token, interval, once):
     """Live view of a dispatcher: per worker operations/s, busy %, queue depth and memory held;
     per client instructions and tensors."""
+    from paratrain.frontend.errors import FrontendError
     from paratrain.frontend.top import run_top
 
-    run_top(server, token, interval, once)
+    try:
+        run_top(server, token, interval, once)
+    except FrontendError as error:
+        raise click.ClickException(str(error)) from None
 
 
 @click.group()
