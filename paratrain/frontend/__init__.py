@@ -17,7 +17,8 @@ from paratrain.frontend.api import (
     minimum, ones, ones_like, rand, randint, randn, randn_like, session, stack, start, tensor,
     uniform, where, worker, zeros, zeros_like,
 )
-from paratrain.frontend.client import functional, nn, optim
+from paratrain.frontend.client import functional, nn, optim, pipeline, signal
+from paratrain.frontend.client.signal import ShardConfig, SignalConfig, load_config, register_config
 from paratrain.frontend.client.autograd import enable_grad, is_grad_enabled, no_grad
 from paratrain.frontend.client.functional import (
     cross_entropy, gelu, layer_norm, log_softmax, relu, sigmoid, softmax, tanh,
@@ -28,6 +29,7 @@ from paratrain.frontend.client.tensor import Tensor
 from paratrain.frontend.errors import (
     AuthenticationError, DispatcherUnreachable, FrontendError, ProtocolError, RemoteError,
 )
+from paratrain.frontend.signals import ConfigError
 
 float32, float64, float16, bfloat16 = "float32", "float64", "float16", "bfloat16"
 int64, int32, int16, int8, uint8 = "int64", "int32", "int16", "int8", "uint8"

@@ -38,6 +38,17 @@ class _Defaults:
                 start(self.workers)
         return self.session
 
+    def connected(self, session: Session) -> Session:
+        """A new default session: it takes the signal configuration GT_CONFIG / PARATRAIN_CONFIG
+        names, if one does."""
+        from paratrain.frontend.client.signal import load_config
+
+        self.session = session
+        path = os.environ.get("PARATRAIN_CONFIG") or os.environ.get("GT_CONFIG")
+        if path:
+            load_config(path, session)
+        return session
+
     def close(self) -> None:
         if self.session is not None:
             self.session.close()
@@ -58,8 +69,7 @@ def connect(address: str | None = None, token: str | None = None) -> Session:
         raise ValueError("connect() needs an address HOST:PORT (or PARATRAIN_SERVER)")
     if _defaults.session is not None and not _defaults.session.closed:
         raise RuntimeError(f"already connected to {_defaults.session.address}; call disconnect() first")
-    _defaults.session = Session(address, token=token or os.environ.get("PARATRAIN_TOKEN"))
-    return _defaults.session
+    return _defaults.connected(Session(address, token=token or os.environ.get("PARATRAIN_TOKEN")))
 
 
 def start(workers: int = 1, token: str | None = None) -> Session:
@@ -73,10 +83,10 @@ def start(workers: int = 1, token: str | None = None) -> Session:
     warming.start()
     _defaults.server = LocalServer.start(workers, token=token)
     warming.join()
-    _defaults.session = Session(_defaults.server.address, token=token)
+    session = Session(_defaults.server.address, token=token)
     process = _defaults.server.process
-    _defaults.session.server_alive = lambda: process.poll() is None
-    return _defaults.session
+    session.server_alive = lambda: process.poll() is None
+    return _defaults.connected(session)
 
 
 def disconnect() -> None:

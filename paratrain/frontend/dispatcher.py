@@ -19,7 +19,7 @@ import sys
 import time
 import zmq
 
-from paratrain.frontend import wire
+from paratrain.frontend import signals, wire
 from paratrain.frontend.log import InstructionLog
 from paratrain.frontend.peers import ClientState, Pending, WorkerState
 from paratrain.frontend.routing import ClientTable, Router
@@ -124,6 +124,8 @@ class Dispatcher:
             client.last_seen = time.monotonic()
             if kind == "run":
                 self._run(client, header, frames)
+            elif kind == "config":
+                self._configure(client, header)
             elif kind == "bye":
                 self._drop_client(client, "said bye")
             else:
@@ -271,6 +273,15 @@ class Dispatcher:
         if token is not None:
             self._start_sync(client, token, fetch)
 
+    def _configure(self, client: ClientState, header: dict) -> None:
+        """A client's signal configuration, checked against this dispatcher's workers."""
+        try:
+            client.table.signals = signals.parse(header.get("signals"), self.n_workers)
+        except signals.ConfigError as error:
+            self._send(client.identity, {"t": "error", "message": str(error)})
+            return
+        self._send(client.identity, {"t": "configured", "signals": sorted(client.table.signals)})
+
     def _forward(self, slot: int, streams: dict, stream_frames: dict) -> None:
         for worker, ops in streams.items():
             message = {"t": "run", "slot": slot, "ops": ops, "log": self.log is not None}
@@ -278,20 +289,29 @@ class Dispatcher:
 
     def _start_sync(self, client: ClientState, token: int, fetch: list) -> None:
         sync = client.sync
-        sync["token"], sync["order"] = token, fetch
+        sync["token"], sync["order"], sync["stats"] = token, fetch, {}
         table, by_worker = client.table, {}
         for handle in fetch:
+            reason = None
             if handle in table.refused:
-                sync["fetched"][handle] = ([handle, None, table.refused[handle]], None)
-            elif not isinstance(handle, int) or handle not in table.where or len(table.where[handle]) != 1:
-                sync["fetched"][handle] = ([handle, None, f"handle {handle!r} is not a tensor of this client"], None)
-            else:
-                by_worker.setdefault(table.where[handle][0], []).append(handle)
+                reason = table.refused[handle]
+            elif not isinstance(handle, int) or handle not in table.where or table.meta.get(handle) is None:
+                reason = f"handle {handle!r} is not a tensor of this client"
+            if reason is not None:
+                sync["fetched"][handle] = {"meta": [handle, None, reason]}
+                continue
+            placement = table.where[handle]
+            holders = placement.workers if placement.split is not None else placement.workers[:1]
+            shape, dtype = table.meta[handle]
+            sync["fetched"][handle] = {"meta": [handle, dtype, list(shape), len(holders), placement.split],
+                                       "holders": list(holders), "parts": {}}
+            for worker in holders:
+                by_worker.setdefault(worker, []).append(handle)
         for worker in client.dirty | set(by_worker):
             if not self._is_alive(worker):
                 sync["errors"].append([-1, "sync", [], worker, f"worker {worker} is lost (no heartbeat)"])
                 for handle in by_worker.get(worker, []):
-                    sync["fetched"][handle] = ([handle, None, f"worker {worker} is lost"], None)
+                    sync["fetched"][handle] = {"meta": [handle, None, f"worker {worker} is lost"]}
                 continue
             self._send(self.workers[worker].identity,
                        {"t": "sync", "slot": table.slot, "token": token, "fetch": by_worker.get(worker, [])})
@@ -305,9 +325,15 @@ class Dispatcher:
             return  # the client left meanwhile
         sync = client.sync
         sync["errors"].extend(wire.field(header, "errors", list))
+        sync["stats"][worker.rank] = header.get("stats") or {}
         tensor_frames = iter(frames)
         for meta in wire.field(header, "fetched", list):
-            sync["fetched"][meta[0]] = (meta, next(tensor_frames) if meta[1] is not None else None)
+            entry = sync["fetched"].get(meta[0])
+            frame = next(tensor_frames) if meta[1] is not None else None
+            if meta[1] is None:
+                sync["fetched"][meta[0]] = {"meta": [meta[0], None, meta[2]]}
+            elif entry is not None and "parts" in entry:
+                entry["parts"][worker.rank] = frame
         sync["waiting"].discard(worker.rank)
         self._finish_sync_if_done(client)
 
@@ -317,12 +343,13 @@ class Dispatcher:
             return
         metas, frames = [], []
         for handle in sync["order"]:
-            meta, frame = sync["fetched"].get(handle, ([handle, None, "not fetched"], None))
-            metas.append(meta)
-            if frame is not None:
-                frames.append(frame)
+            entry = sync["fetched"].get(handle, {"meta": [handle, None, "not fetched"]})
+            metas.append(entry["meta"])
+            if entry["meta"][1] is not None:
+                frames.extend(entry["parts"][worker] for worker in entry["holders"])
         errors = sorted(sync["errors"], key=lambda error: error[0])
-        self._send(client.identity, {"t": "synced", "token": sync["token"], "errors": errors, "fetched": metas}, frames)
+        self._send(client.identity, {"t": "synced", "token": sync["token"], "errors": errors, "fetched": metas,
+                                     "stats": sync.get("stats", {})}, frames)
         client.sync = None
 
     # ---- liveness -----------------------------------------------------------------------------

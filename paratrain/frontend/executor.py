@@ -14,11 +14,13 @@ from the transfer's number, and the sender continues backward from the original 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 
+from paratrain.frontend.collective_ops import CollectiveOps
 from paratrain.frontend.ops import DTYPE_NAMES, OPS, TORCH_DTYPES, torch_dtype
+from paratrain.parallel.tensor.tp_comms import all_gather_along
 
 HANDLE_BITS = 32
 _HEADER = 16  # int64 slots: ndim (or a negative code), dims..., dtype, requires_grad
@@ -27,9 +29,10 @@ _DTYPE_CODES = list(TORCH_DTYPES.values())
 MAX_ERRORS_KEPT = 64  # per client between two syncs: the first ones explain the rest
 
 
-class Executor:
+class Executor(CollectiveOps):
     def __init__(self, group, device: torch.device):
         self.group = group  # None for a world of one worker
+        self.groups = {}  # worker tuple -> Group, for collectives over some workers
         self.device = device
         self.rank = group.rank if group is not None else 0
         self.tensors: dict[int, object] = {}  # tensors, and optimizers under their handle
@@ -37,7 +40,9 @@ class Executor:
         self.errors: dict[int, list] = defaultdict(list)
         self.boundary: dict[int, torch.Tensor] = {}  # transfer -> the received leaf
         self.pending: dict[int, torch.Tensor] = {}  # transfer -> the sent tensor
+        self.mailbox: dict[int, deque] = defaultdict(deque)  # tag -> what this worker sent itself
         self.executed = 0
+        self.wait_s = 0.0  # time spent waiting for another worker's tensor (a pipeline's bubble)
 
     # ---- running a batch ----------------------------------------------------------------
 
@@ -164,8 +169,7 @@ class Executor:
 
     def _op_backward(self, base, outs, args, kwargs, flags, frames):
         loss, gradient = args[0], args[1] if len(args) > 1 else None
-        retain = bool(kwargs.get("retain_graph")) or bool(flags and flags.get("retain"))
-        loss.backward(gradient, retain_graph=retain)
+        loss.backward(gradient, retain_graph=bool(kwargs.get("retain_graph")))
 
     def _op_grad(self, base, outs, args, kwargs, flags, frames):
         grad = args[0].grad
@@ -183,7 +187,7 @@ class Executor:
         args[0].requires_grad_(bool(args[1]))
 
     def _op_manual_seed(self, base, outs, args, kwargs, flags, frames):
-        torch.manual_seed(int(args[0]))
+        torch.manual_seed(int(args[0]) + self.rank)  # worker r draws from seed + r
 
     def _op_optim_create(self, base, outs, args, kwargs, flags, frames):
         options = {k: v for k, v in kwargs.items() if k != "kind" and v is not None}
@@ -221,18 +225,31 @@ class Executor:
         self.tensors[base + outs[0]] = tensor
 
     def _op_bw_send(self, base, outs, args, kwargs, flags, frames):
+        """Send the gradient of a crossing's copy to each worker it came from (whole, or the
+        receiver's part when the crossing's gradient travels split)."""
         leaf = self.boundary.get(kwargs["t"])
-        if leaf is None or leaf.grad is None:
-            self._send_header_only(kwargs["to"], _grad_tag(kwargs["t"]), _NO_GRAD)
-            return
-        self._send_tensor(leaf.grad, kwargs["to"], _grad_tag(kwargs["t"]), False)
-        leaf.grad = None  # the next backward through this boundary starts from zero
+        grad = leaf.grad if leaf is not None else None
+        tag = _grad_tag(kwargs["t"])
+        for receiver, index in kwargs["to"]:
+            if grad is None:
+                self._send_header_only(receiver, tag, _NO_GRAD)
+            elif kwargs["parts"]:
+                self._send_tensor(torch.tensor_split(grad, kwargs["parts"], dim=kwargs["axis"])[index], receiver, tag, False)
+            else:
+                self._send_tensor(grad, receiver, tag, False)
+        if leaf is not None:
+            leaf.grad = None  # the next backward through this crossing starts from zero
+            if not kwargs.get("retain", True):
+                del self.boundary[kwargs["t"]]
 
     def _op_bw_recv(self, base, outs, args, kwargs, flags, frames):
         grad, _ = self._recv_tensor(kwargs["src"], _grad_tag(kwargs["t"]))
-        source = self.pending.get(kwargs["t"])
+        if grad is not None and kwargs.get("gather"):  # the gradient travelled in parts
+            grad = all_gather_along(grad, self.groups[tuple(kwargs["gather"])], kwargs["axis"], length=kwargs["length"])
+        retain = kwargs.get("retain", True)
+        source = self.pending.get(kwargs["t"]) if retain else self.pending.pop(kwargs["t"], None)
         if grad is not None and source is not None:
-            torch.autograd.backward(source, grad, retain_graph=True)
+            torch.autograd.backward(source, grad, retain_graph=retain)
 
     def _op_release(self, base, outs, args, kwargs, flags, frames):
         for transfer in args:
@@ -248,18 +265,20 @@ class Executor:
             header[1 : 1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         header[-2] = _DTYPE_CODES.index(tensor.dtype)
         header[-1] = int(requires_grad)
-        self.group.send(header, peer, tag)
+        self._p2p_send(header, peer, tag)
         if tensor.numel():
-            self.group.send(tensor.detach().contiguous(), peer, tag)
+            self._p2p_send(tensor.detach().contiguous(), peer, tag)
 
     def _send_header_only(self, peer: int, tag: int, code: int) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         header[0] = code
-        self.group.send(header, peer, tag)
+        self._p2p_send(header, peer, tag)
 
     def _recv_tensor(self, peer: int, tag: int):
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self.group.recv(header, peer, tag)
+        waiting = time.perf_counter()
+        self._p2p_recv(header, peer, tag)
+        self.wait_s += time.perf_counter() - waiting
         values = header.tolist()
         if values[0] == _NO_GRAD:
             return None, False
@@ -268,8 +287,20 @@ class Executor:
         shape = values[1 : 1 + values[0]]
         tensor = torch.empty(shape, dtype=_DTYPE_CODES[values[-2]], device=self.device)
         if tensor.numel():
-            self.group.recv(tensor, peer, tag)
+            self._p2p_recv(tensor, peer, tag)
         return tensor, bool(values[-1])
+
+    def _p2p_send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        if peer == self.rank:  # to itself: the receive comes later in this same stream
+            self.mailbox[tag].append(tensor.clone())
+        else:
+            self.group.send(tensor, peer, tag)
+
+    def _p2p_recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        if peer == self.rank:
+            tensor.copy_(self.mailbox[tag].popleft())
+        else:
+            self.group.recv(tensor, peer, tag)
 
 
 def _grad_tag(transfer: int) -> int:

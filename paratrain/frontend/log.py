@@ -25,25 +25,26 @@ class InstructionLog:
         self.pending: dict[int, str] = {}
         self.ids = count()
 
-    def describe(self, worker: int, instr: list, table, shapes) -> int:
-        """Remember what `instr` is until its worker says when it ran; -> its log id."""
+    def describe(self, worker: int, instr: list, table, note: str = "") -> int:
+        """Remember what `instr` is until its worker says when it ran; -> its log id. `note`
+        says, for sharded work, the signal and the pattern (the collective it caused)."""
         seq, name, outs, args, targs, kwargs, flags = instr
         slot = table.slot if table is not None else "-"
-        known = table.shapes if table is not None else {}
-        if shapes:
-            inputs = [f"h{args[i]}:{s}" for i, s in zip(targs, shapes[0])]
-            outputs = [f"h{h}:{s}" for h, s in zip(outs, shapes[1])]
-        else:
-            inputs = [f"h{args[i]}:{known.get(args[i], '?')}" for i in targs]
-            outputs = [f"h{h}" for h in outs]
+        known = table.meta if table is not None else {}
+        inputs = [_handle(args[i], known) for i in targs]
+        outputs = [_handle(h, known) for h in outs]
         if name in ("send", "bw_send"):
-            outputs.append(f"t{kwargs['t']} -> worker {kwargs['to']}")
+            targets = kwargs["to"] if name == "send" else [to for to, _ in kwargs["to"]]
+            outputs.append(f"t{kwargs['t']} -> worker {targets}")
         elif name in ("recv", "bw_recv"):
             inputs.append(f"t{kwargs['t']} <- worker {kwargs['src']}")
         elif name in ("free", "release"):
             inputs = [("t" if name == "release" else "h") + str(h) for h in args]
+        if "g" in kwargs:
+            note = f"{note} group {kwargs['g']}".strip()
+        op = f"{name} {note}" if note else name
         log_id = next(self.ids)
-        self.pending[log_id] = f"client {slot} | {name} | {' '.join(inputs)} | {' '.join(outputs)} | worker {worker}"
+        self.pending[log_id] = f"client {slot} | {op} | {' '.join(inputs)} | {' '.join(outputs)} | worker {worker}"
         return log_id
 
     def complete(self, timings: list) -> None:
@@ -54,6 +55,11 @@ class InstructionLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _handle(handle, known) -> str:
+    meta = known.get(handle)
+    return f"h{handle}:{meta[1]}{list(meta[0])}" if meta else f"h{handle}"
 
 
 def chrome_trace(log_path: str) -> dict:
@@ -71,9 +77,9 @@ def chrome_trace(log_path: str) -> dict:
             start_us = float(started) * 1e6
             first = start_us if first is None else min(first, start_us)
             events.append({
-                "name": op, "cat": client, "ph": "X", "ts": start_us, "dur": float(duration) * 1e3,
+                "name": op.split(" ")[0], "cat": client, "ph": "X", "ts": start_us, "dur": float(duration) * 1e3,
                 "pid": 0, "tid": int(worker.split()[-1]),
-                "args": {"client": client, "inputs": inputs, "outputs": outputs},
+                "args": {"client": client, "op": op, "inputs": inputs, "outputs": outputs},
             })
     for event in events:
         event["ts"] -= first or 0.0

@@ -207,7 +207,9 @@ OPS: dict[str, Op] = {
     # implemented by the executor itself
     "upload": _op(None, "dtype", "shape", "frame", kind="special"),
     "free": _op(None, kind="special"),
-    "backward": _op(None, kind="special"),
+    "backward": _op(None, "retain_graph", "local", kind="special"),
+    "cross_backward": _op(None, kind="special"),  # a pipeline stage's share of backward
+    "reshard": _op(None, "signal", kind="special"),  # gt.signal.tensor
     "grad": _op(None, kind="special"),
     "set_grad_none": _op(None, kind="special"),
     "set_data": _op(None, kind="special"),
@@ -219,8 +221,9 @@ OPS: dict[str, Op] = {
     "manual_seed": _op(None, kind="special"),
 }
 
-# What only the dispatcher may ask a worker to do (a client sending these is refused).
-INTERNAL_OPS = frozenset({"send", "recv", "bw_send", "bw_recv", "release"})
+# What only the dispatcher asks a worker to do (not in OPS: a client sending these is refused):
+# send, recv, bw_send, bw_recv, release (crossings); make_group, tp_f, tp_g, tp_scatter,
+# tp_gather, tp_broadcast, vp_embedding, vp_cross_entropy, alias (sharded execution).
 
 
 def validate_kwargs(name: str, kwargs: dict) -> str | None:

@@ -1,16 +1,20 @@
 """From one client's instructions to work for each worker.
 
 For every instruction the router checks it (a known operation, handles this client owns,
-allowed arguments), decides where it runs, and appends it to that worker's stream:
+allowed arguments), infers its results' shapes itself (the same meta-tensor inference the
+client runs: nothing a client claims about shapes is trusted), decides where it runs, and
+appends it to each of those workers' streams:
 
-- a created tensor goes to the worker the client's context names, or the client's home worker;
-- any other operation runs where its first tensor input lives; inputs that live elsewhere are
-  first moved there, worker to worker (`send` on one stream, `recv` on the other);
-- `backward` of a loss whose graph crossed workers becomes the local backward followed by one
-  gradient exchange per crossing (`bw_send` / `bw_recv`), newest crossing first.
+- a created tensor goes where the client's signal says (split or replicated over its
+  workers), or to `gt.worker(k)`, or to the client's home worker;
+- any other operation runs on its signal's workers, or where its first tensor input lives;
+  inputs that live elsewhere are moved there first (see `moves.py`), and inputs whose layout
+  does not suit the operation change layout on the way (see `sharding.py`);
+- `backward` of a loss whose graph crossed workers is the local backward followed by every
+  crossing's gradient exchange, newest first; a pipeline issues them stage by stage instead.
 
-Streams are built in one global order and each worker runs its own in order, so every `send`
-meets its `recv` and no two workers ever wait for each other.
+Streams are built in one global order and each worker runs its own in order, so every send
+meets its receive and every collective its partners.
 """
 
 from __future__ import annotations
@@ -18,23 +22,33 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from paratrain.frontend import moves
+from paratrain.frontend.client.shapes import ShapeError, infer
 from paratrain.frontend.ops import OPS, validate_kwargs
+from paratrain.frontend.sharding import Placement, Unsupported, local_shapes, plan
+from paratrain.frontend.wire import _NUMPY_OF
 
 MAX_HANDLE = 1 << 31  # client handles live below this; the router's temporaries above
-CLIENT_FLAGS = frozenset({"ng", "w", "rg", "sh"})
+CLIENT_FLAGS = frozenset({"ng", "w", "rg", "s"})
+RANDOM_CREATION = frozenset({"randn", "rand", "uniform", "randint"})
+# These run where their first input lives, whatever signal is active: they act on it in place.
+STAY = frozenset({"grad", "set_grad_none", "requires_grad_", "set_data", "detach"}) | {
+    name for name, op in OPS.items() if op.kind == "inplace"}
 
 
 class Refused(Exception):
     """The dispatcher will not run this instruction; the text says why."""
 
 
-@dataclass
-class Crossing:
-    """A tensor sent from one worker to another, kept while a graph may still need its gradient."""
+class MetaTensor:
+    """A tensor as shape inference sees it: a shape and a dtype."""
 
-    src: int
-    dst: int
-    refs: int = 0  # live client handles whose autograd graph goes through it
+    _handle = 0
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
 
 
 @dataclass
@@ -43,11 +57,46 @@ class ClientTable:
 
     slot: int
     home: int
-    where: dict = field(default_factory=dict)  # handle -> tuple of workers
-    crossings: dict = field(default_factory=dict)  # handle -> frozenset of crossing ids
+    where: dict = field(default_factory=dict)  # handle -> Placement
+    meta: dict = field(default_factory=dict)  # handle -> (global shape, dtype); None for optimizers
+    crossings: dict = field(default_factory=dict)  # handle -> frozenset of crossing ids in its graph
+    direct: dict = field(default_factory=dict)  # handle -> the crossing that made it (gt.signal.tensor)
     refused: dict = field(default_factory=dict)  # handle -> why its instruction was refused
-    shapes: dict = field(default_factory=dict)  # handle -> "float32[4, 8]" (only when logging)
+    signals: dict = field(default_factory=dict)  # name -> Signal
     next_temp: int = MAX_HANDLE
+
+
+class _Job:
+    """One instruction being routed: where its pieces go, and the temporaries it made."""
+
+    def __init__(self, router, table, seq, streams, no_grad):
+        self.router, self.table, self.seq, self.streams = router, table, seq, streams
+        self.flags = {"ng": 1} if no_grad else None
+        self.temps: list[int] = []
+
+    def emit(self, worker: int, instr: list, note: str = "") -> None:
+        self.router.emit(self.streams, worker, instr, self.table, note)
+
+    def on_all(self, workers, name, outs, args, targs, kwargs, note="", flags=None) -> None:
+        flags = flags if flags is not None else self.flags
+        for worker in workers:
+            self.emit(worker, [self.seq, name, list(outs), list(args), list(targs), dict(kwargs), flags], note)
+
+    def temp(self, placement: Placement, meta) -> int:
+        handle = self.table.next_temp
+        self.table.next_temp += 1
+        self.table.where[handle], self.table.meta[handle] = placement, meta
+        self.temps.append(handle)
+        return handle
+
+    def free_temps(self) -> None:
+        for handle in self.temps:
+            placement = self.table.where.pop(handle)
+            self.table.meta.pop(handle, None)
+            self.table.crossings.pop(handle, None)
+            for worker in placement.workers:
+                if self.router.is_alive(worker):
+                    self.emit(worker, [self.seq, "free", [], [handle], [], {}, None])
 
 
 class Router:
@@ -55,8 +104,9 @@ class Router:
         self.n_workers = n_workers
         self.is_alive = is_alive  # worker -> bool
         self.log = log  # InstructionLog or None
-        self.crossings: dict[int, Crossing] = {}
+        self.crossings: dict[int, moves.Crossing] = {}
         self.next_crossing = 0
+        self.groups: set[tuple] = set()  # worker sets that have a process group for collectives
 
     def route(self, table: ClientTable, ops: list, frames: list):
         """-> ({worker: [instr, ...]}, {worker: [frame, ...]}, [error, ...])."""
@@ -81,47 +131,31 @@ class Router:
 
     def _route_one(self, table, instr, streams, stream_frames, frames) -> None:
         seq, name, outs, args, targs, kwargs, flags = self._check(table, instr)
-        shapes = flags.pop("sh", None) if flags else None
+        flags = flags or {}
+        job = _Job(self, table, seq, streams, bool(flags.get("ng")))
         if name == "free":
-            self._free(table, seq, args, streams)
+            self._free(job, args)
             return
-        if name == "optim_create":
-            self._optim_create(table, instr, streams)
-            return
-        op = OPS[name]
-        inputs = [args[i] for i in targs]
-        if name == "manual_seed":
-            workers = tuple(w for w in range(self.n_workers) if self.is_alive(w))
-        elif not inputs:  # a new tensor: where the client's context says
-            workers = (self._target(flags, table),)
-        else:
-            workers = table.where[inputs[0]]
-            if len(workers) > 1 and not name.startswith("optim_"):
-                raise Refused(f"{name}: handle {inputs[0]} is an optimizer, not a tensor")
-        for worker in workers:
-            self._alive(worker)
-        crossed = set()
-        if inputs and not name.startswith("optim_"):
-            target = workers[0]
-            for i in targs[1:]:  # inputs that live elsewhere move to the target first
-                crossed |= self._bring(table, seq, args, i, target, streams)
-            for handle in inputs:
-                crossed |= table.crossings.get(handle, frozenset())
-        if name == "upload":
-            frame = kwargs.get("frame")
-            if not isinstance(frame, int) or not 0 <= frame < len(frames):
-                raise Refused(f"upload: frame {frame!r} is not among the message's {len(frames)} tensor frames")
-            stream_frames[workers[0]].append(frames[frame])
-            kwargs["frame"] = len(stream_frames[workers[0]]) - 1
-        if name == "backward":
-            self._backward(seq, instr, workers[0], crossed, streams, table)
-        else:
-            for worker in workers:
-                self._emit(streams, worker, instr, table, shapes)
-        self._record_results(table, op, outs, args, targs, workers, crossed, shapes)
-        temporaries = [args[i] for i in targs if args[i] >= MAX_HANDLE]
-        if temporaries:  # copies brought for this instruction: free them right after it
-            self._emit(streams, workers[0], [seq, "free", [], temporaries, [], {}, None], table)
+        signal = table.signals.get(flags.get("s")) if flags.get("s") is not None else None
+        try:
+            if name == "optim_create":
+                self._optim_create(job, outs, args, targs, kwargs)
+            elif name in ("optim_step", "optim_zero_grad", "optim_set_lr"):
+                job.on_all(table.where[args[0]].workers, name, outs, args, targs, kwargs)
+            elif name == "manual_seed":
+                job.on_all([w for w in range(self.n_workers) if self.is_alive(w)], name, outs, args, targs, kwargs)
+            elif not targs:
+                self._create(job, name, outs, args, kwargs, flags, signal, frames, stream_frames)
+            elif name == "backward":
+                self._backward(job, args, targs, kwargs)
+            elif name == "cross_backward":
+                self._cross_backward(job, args[0])
+            elif name == "reshard":
+                self._reshard(job, outs[0], args[0], kwargs)
+            else:
+                self._compute(job, name, outs, args, targs, kwargs, signal)
+        finally:
+            job.free_temps()
 
     def _check(self, table: ClientTable, instr):
         if not _is_instruction(instr):
@@ -157,93 +191,295 @@ class Router:
                 raise Refused(f"{name}: handle {handle!r} is not a tensor of this client")
         return seq, name, outs, args, targs, kwargs, flags
 
-    def _target(self, flags, table: ClientTable) -> int:
-        worker = flags.get("w") if flags else None
+    # ---- operations on tensors ------------------------------------------------------------
+
+    def _compute(self, job, name, outs, args, targs, kwargs, signal) -> None:
+        table = job.table
+        first = table.where[args[targs[0]]]
+        workers = first.workers if signal is None or name in STAY else signal.workers
+        self._check_alive(workers)
+        for i in targs:
+            if table.where[args[i]].workers != workers:
+                if OPS[name].kind == "inplace" and i == targs[0]:
+                    raise Refused(f"{name}: the tensor changed in place lives on other workers")
+                args[i] = self._move(job, args[i], workers)
+        out_metas = self._infer(table, name, args, targs, kwargs)
+        if OPS[name].kind != "inplace":
+            table.meta.update(zip(outs, out_metas))  # known before emitting: the log shows them
+        shapes = {i: table.meta[args[i]][0] for i in targs}
+        splits = {i: table.where[args[i]].split for i in targs}
+        try:
+            steps = plan(name, args, targs, kwargs, shapes, splits, [m[0] for m in out_metas], len(workers))
+        except Unsupported as error:
+            raise Refused(f"{name}: {error}") from None
+        inputs = list(args)  # the handles as they were, for steps after the operation
+        for i, conversion in steps.convert.items():
+            args[i] = self._convert(job, args[i], conversion, workers)
+        op_args = list(args) + [None] * max(0, max(steps.args, default=-1) + 1 - len(args))
+        for position, value in steps.args.items():
+            op_args[position] = value
+        op_targs = [i for i in targs if i not in steps.args]
+        op_kwargs = dict(steps.kwargs) if steps.replace_kwargs else {**kwargs, **steps.kwargs}
+        op_name = steps.op or name
+        if op_name.startswith("vp_"):
+            self._ensure_group(job, workers)
+            op_kwargs["g"] = list(workers)
+        placement_note = self._note(workers, signal, steps.note)
+        results = list(outs) if not steps.post else [job.temp(Placement(workers, None), out_metas[0])]
+        job.on_all(workers, op_name, results, op_args, op_targs, op_kwargs, placement_note)
+        if steps.post:
+            self._post(job, steps.post, results[0], outs[0], inputs, workers, out_metas[0])
+        crossed = frozenset().union(*(table.crossings.get(args[i], frozenset()) for i in targs))
+        targets = list(outs) if OPS[name].kind != "inplace" else [inputs[targs[0]]]
+        splits_out = steps.outs if OPS[name].kind != "inplace" else [table.where[inputs[targs[0]]].split]
+        for handle, meta, split in zip(targets, out_metas, splits_out):
+            if OPS[name].kind != "inplace":
+                table.where[handle], table.meta[handle] = Placement(workers, split), meta
+            self._add_crossings(table, handle, crossed)
+
+    def _post(self, job, post, current, final, inputs, workers, meta) -> None:
+        """The steps after a partial result: all-reduce, scale, add a bias."""
+        self._ensure_group(job, workers)
+        for index, step in enumerate(post):
+            last = index == len(post) - 1
+            target = final if last else job.temp(Placement(workers, None), meta)
+            if step[0] == "g":
+                job.on_all(workers, "tp_g", [target], [current], [0], {"g": list(workers)}, "all-reduce")
+            elif step[0] == "scale":
+                job.on_all(workers, "mul", [target], [current, step[1]], [0], {})
+            else:
+                job.on_all(workers, "add", [target], [current, inputs[step[1]]], [0, 1], {})
+            current = target
+
+    def _convert(self, job, handle, conversion, workers) -> int:
+        """A temporary copy of `handle` in the layout `conversion` asks for, on `workers`."""
+        table = job.table
+        meta = table.meta[handle]
+        self._ensure_group(job, workers)
+        group = list(workers)
+        if conversion[0] == "f":
+            temp = job.temp(Placement(workers, None), meta)
+            job.on_all(workers, "tp_f", [temp], [handle], [0], {"g": group}, "f: all-reduce in backward")
+        elif conversion[0] == "scatter":
+            temp = job.temp(Placement(workers, conversion[1]), meta)
+            job.on_all(workers, "tp_scatter", [temp], [handle], [0], {"g": group, "axis": conversion[1]},
+                       f"scatter along {conversion[1]}")
+        else:
+            axis = conversion[1]
+            temp = job.temp(Placement(workers, None), meta)
+            job.on_all(workers, "tp_gather", [temp], [handle], [0],
+                       {"g": group, "axis": axis, "length": meta[0][axis]}, f"all-gather along {axis}")
+        table.crossings[temp] = table.crossings.get(handle, frozenset())
+        return temp
+
+    def _move(self, job, handle, workers, grad_split=None) -> int:
+        """A replicated copy of `handle` on `workers` (a split tensor is gathered first)."""
+        table = job.table
+        source = table.where[handle]
+        if source.split is not None:
+            handle = self._convert(job, handle, ("gather", source.split), source.workers)
+        self._check_alive(source.workers)
+        meta = table.meta[handle]
+        crossing = moves.Crossing(source.workers, tuple(workers))
+        if grad_split is not None:
+            crossing.grad_split, crossing.length = grad_split, meta[0][grad_split]
+            self._ensure_group(job, source.workers)
+        crossing_id = self.next_crossing
+        self.next_crossing += 1
+        self.crossings[crossing_id] = crossing
+        temp = job.temp(Placement(tuple(workers), None), meta)
+        moves.emit_forward(lambda w, i: job.emit(w, i, "crossing"), job.seq, crossing_id, crossing, handle, temp)
+        table.crossings[temp] = table.crossings.get(handle, frozenset()) | {crossing_id}
+        return temp
+
+    def _infer(self, table, name, args, targs, kwargs) -> list:
+        metas = list(args)
+        for i in targs:
+            meta = table.meta[args[i]]
+            if meta is None:
+                raise Refused(f"{name}: handle {args[i]} is an optimizer, not a tensor")
+            metas[i] = MetaTensor(*meta)
+        if name in ("grad", "set_grad_none", "requires_grad_", "set_data", "backward", "cross_backward"):
+            return [table.meta[args[targs[0]]]] if name == "grad" else []
+        try:
+            return infer(name, metas, targs, kwargs)
+        except ShapeError as error:
+            raise Refused(str(error)) from None
+
+    # ---- making tensors ---------------------------------------------------------------------
+
+    def _create(self, job, name, outs, args, kwargs, flags, signal, frames, stream_frames) -> None:
+        table = job.table
+        if name == "upload":
+            meta = (tuple(kwargs.get("shape") or ()), kwargs.get("dtype"))
+            if meta[1] not in _NUMPY_OF or not all(isinstance(s, int) and s >= 0 for s in meta[0]):
+                raise Refused("upload: dtype or shape is malformed")
+        else:
+            (meta,) = self._infer(table, name, args, [], kwargs)
+        placement = self._placement_for(job.table, flags, signal, meta[0])
+        self._check_alive(placement.workers)
+        table.meta[outs[0]] = meta
+        flags_out = {**(job.flags or {}), **({"rg": 1} if flags.get("rg") else {})} or None
+        note = self._note(placement.workers, signal, "")
+        if name == "upload":
+            self._upload(job, outs[0], kwargs, flags_out, placement, frames, stream_frames, note)
+        elif placement.split is not None:
+            if name == "arange":
+                raise Refused("arange: a split signal cannot create it (create it replicated, then gt.signal.tensor)")
+            for worker, local in zip(placement.workers, local_shapes(meta[0], placement)):
+                job.emit(worker, [job.seq, name, list(outs), list(local), [], dict(kwargs), flags_out], note)
+        elif name in RANDOM_CREATION and len(placement.workers) > 1:
+            # Drawn once and broadcast: replicas must hold the same values.
+            self._ensure_group(job, placement.workers)
+            job.emit(placement.workers[0], [job.seq, name, list(outs), list(args), [], dict(kwargs), job.flags], note)
+            job.on_all(placement.workers, "tp_broadcast", outs, [], [],
+                       {"g": list(placement.workers), "shape": list(meta[0]), "dtype": meta[1]},
+                       "broadcast: replicas draw once", flags_out)
+        else:
+            job.on_all(placement.workers, name, outs, args, [], kwargs, note, flags_out)
+        table.where[outs[0]], table.meta[outs[0]] = placement, meta
+
+    def _placement_for(self, table, flags, signal, shape) -> Placement:
+        if signal is not None:
+            return signal_placement(signal, shape)
+        worker = flags.get("w")
         if worker is None:
-            return table.home
+            return Placement((table.home,))
         if not isinstance(worker, int) or not 0 <= worker < self.n_workers:
             raise Refused(f"worker {worker!r} does not exist (there are {self.n_workers})")
-        return worker
+        return Placement((worker,))
 
-    def _alive(self, worker: int) -> None:
-        if not self.is_alive(worker):
-            raise Refused(f"worker {worker} is lost (no heartbeat); tensors that lived there are gone")
+    def _upload(self, job, handle, kwargs, flags, placement, frames, stream_frames, note) -> None:
+        frame = kwargs.get("frame")
+        if not isinstance(frame, int) or not 0 <= frame < len(frames):
+            raise Refused(f"upload: frame {frame!r} is not among the message's {len(frames)} tensor frames")
+        shape = tuple(kwargs["shape"])
+        pieces = [frames[frame]] * len(placement.workers)
+        shapes = [shape] * len(placement.workers)
+        if placement.split is not None:
+            array = np.frombuffer(frames[frame], dtype=_NUMPY_OF[kwargs["dtype"]]).reshape(shape)
+            parts = np.array_split(array, len(placement.workers), axis=placement.split)
+            pieces = [np.ascontiguousarray(part).tobytes() for part in parts]
+            shapes = [part.shape for part in parts]
+        for worker, piece, local in zip(placement.workers, pieces, shapes):
+            stream_frames[worker].append(piece)
+            local_kwargs = {**kwargs, "shape": list(local), "frame": len(stream_frames[worker]) - 1}
+            job.emit(worker, [job.seq, "upload", [handle], [], [], local_kwargs, flags], note)
 
-    # ---- moving tensors -----------------------------------------------------------------
+    # ---- autograd and pipelines ---------------------------------------------------------------
 
-    def _bring(self, table, seq, args, i, target, streams) -> set:
-        handle = args[i]
-        (source,) = table.where[handle][:1]
-        if source == target:
-            return set()
-        self._alive(source)
-        crossing = self.next_crossing
-        self.next_crossing += 1
-        self.crossings[crossing] = Crossing(source, target)
-        temp = table.next_temp
-        table.next_temp += 1
-        self._emit(streams, source, [seq, "send", [], [handle], [0], {"to": target, "t": crossing}, None], table)
-        self._emit(streams, target, [seq, "recv", [temp], [], [], {"src": source, "t": crossing}, None], table)
-        args[i] = temp
-        return {crossing}
+    def _backward(self, job, args, targs, kwargs) -> None:
+        table = job.table
+        loss = table.where[args[0]]
+        if loss.split is not None:
+            raise Refused("backward: the tensor is split over workers; reduce it (sum, mean) first")
+        for i in targs[1:]:
+            if table.where[args[i]].workers != loss.workers or table.where[args[i]].split is not None:
+                args[i] = self._move(job, args[i], loss.workers)
+        crossed = frozenset().union(*(table.crossings.get(args[i], frozenset()) for i in targs))
+        local = bool(kwargs.pop("local", False))
+        if crossed and not local:
+            kwargs["retain_graph"] = True  # later gradient exchanges traverse this graph again
+        job.on_all(loss.workers, "backward", [], args, targs, kwargs)
+        if not local:
+            for crossing in sorted(crossed, reverse=True):
+                moves.emit_backward(job.emit, job.seq, crossing, self.crossings[crossing], keep_graph=True)
 
-    def _backward(self, seq, instr, worker, crossed, streams, table) -> None:
-        if crossed:
-            instr[6] = {**(instr[6] or {}), "retain": 1}  # later crossings traverse it again
-        self._emit(streams, worker, instr, table)
-        for crossing in sorted(crossed, reverse=True):
-            link = self.crossings[crossing]
-            self._emit(streams, link.dst, [seq, "bw_send", [], [], [], {"t": crossing, "to": link.src}, None], table)
-            self._emit(streams, link.src, [seq, "bw_recv", [], [], [], {"t": crossing, "src": link.dst}, None], table)
+    def _cross_backward(self, job, handle) -> None:
+        crossing = job.table.direct.get(handle)
+        if crossing is None or crossing not in self.crossings:
+            raise Refused("cross_backward: this tensor was not moved between workers by gt.signal.tensor")
+        moves.emit_backward(job.emit, job.seq, crossing, self.crossings[crossing], keep_graph=False)
 
-    def _optim_create(self, table, instr, streams) -> None:
-        seq, name, outs, args, targs, kwargs, flags = instr
+    def _reshard(self, job, out, handle, kwargs) -> None:
+        """gt.signal.tensor: `handle` laid out as the signal says (moved, split or gathered)."""
+        table = job.table
+        target = table.signals.get(kwargs.get("signal"))
+        if target is None:
+            raise Refused(f"signal {kwargs.get('signal')!r} is not in this client's configuration")
+        shape, dtype = table.meta[handle]
+        placement = signal_placement(target, shape)
+        source = table.where[handle]
+        current, crossing = handle, None
+        if source.workers != placement.workers:
+            grad_split = self._backward_layout(table, target, source, shape)
+            current = self._move(job, current, placement.workers, grad_split)
+            crossing = self.next_crossing - 1
+        elif source.split not in (None, placement.split):
+            current = self._convert(job, current, ("gather", source.split), source.workers)
+        if placement.split is not None and table.where[current].split != placement.split:
+            current = self._convert(job, current, ("scatter", placement.split), placement.workers)
+        job.on_all(placement.workers, "alias", [out], [current], [0], {}, self._note(placement.workers, target, "reshard"))
+        table.where[out], table.meta[out] = placement, (shape, dtype)
+        self._add_crossings(table, out, table.crossings.get(current, frozenset()))
+        if crossing is not None:
+            table.direct[out] = crossing
+
+    def _backward_layout(self, table, target, source, shape) -> int | None:
+        """The axis a moved tensor's gradient travels back split along (its `backward` signal)."""
+        if target.backward is None:
+            return None
+        layout = table.signals[target.backward]
+        if layout.workers != source.workers:
+            raise Refused(f"signal {target.name}: its backward signal {layout.name} is on workers "
+                          f"{list(layout.workers)}, but the tensor comes from {list(source.workers)}")
+        return signal_placement(layout, shape).split
+
+    # ---- optimizers, groups, bookkeeping -----------------------------------------------------
+
+    def _optim_create(self, job, outs, args, targs, kwargs) -> None:
+        table = job.table
         by_worker = defaultdict(list)
         for i in targs:
-            by_worker[table.where[args[i]][0]].append(args[i])
+            if table.meta[args[i]] is None:
+                raise Refused(f"optim_create: handle {args[i]} is not a tensor")
+            for worker in table.where[args[i]].workers:
+                by_worker[worker].append(args[i])
+        self._check_alive(by_worker)
         for worker, params in by_worker.items():
-            self._alive(worker)
-            self._emit(streams, worker, [seq, name, outs, params, list(range(len(params))), kwargs, flags], table)
-        table.where[outs[0]] = tuple(by_worker) or (table.home,)
+            job.emit(worker, [job.seq, "optim_create", list(outs), params, list(range(len(params))), dict(kwargs), None])
+        table.where[outs[0]], table.meta[outs[0]] = Placement(tuple(by_worker) or (table.home,)), None
 
-    # ---- bookkeeping ----------------------------------------------------------------------
+    def _ensure_group(self, job, workers) -> None:
+        """Collectives over `workers` need a process group of just them; make it once."""
+        workers = tuple(workers)
+        if len(workers) > 1 and workers not in self.groups:
+            self.groups.add(workers)
+            job.on_all(workers, "make_group", [], [], [], {"g": list(workers)})
 
-    def _record_results(self, table, op, outs, args, targs, workers, crossed, shapes) -> None:
-        crossed = frozenset(crossed)
-        targets = list(outs)
-        if op.kind == "inplace" and targs:
-            targets.append(args[targs[0]])
-        for handle in targets:
-            table.where[handle] = workers
-            if crossed:
-                before = table.crossings.get(handle, frozenset())
-                for crossing in crossed - before:
-                    self.crossings[crossing].refs += 1
-                table.crossings[handle] = before | crossed
-        if shapes and self.log is not None:
-            for handle, shape in zip(outs, shapes[1]):
-                table.shapes[handle] = shape
+    def _add_crossings(self, table, handle, crossed) -> None:
+        if not crossed:
+            return
+        before = table.crossings.get(handle, frozenset())
+        if handle < MAX_HANDLE:  # only client handles keep a crossing alive
+            for crossing in crossed - before:
+                self.crossings[crossing].refs += 1
+        table.crossings[handle] = before | crossed
 
-    def _free(self, table, seq, handles, streams) -> None:
+    def _free(self, job, handles) -> None:
+        table = job.table
         by_worker = defaultdict(list)
         for handle in handles:
             table.refused.pop(handle, None)
-            table.shapes.pop(handle, None)
-            workers = table.where.pop(handle, ())
-            for worker in workers:
+            table.meta.pop(handle, None)
+            table.direct.pop(handle, None)
+            placement = table.where.pop(handle, None)
+            for worker in placement.workers if placement else ():
                 by_worker[worker].append(handle)
-            self._unref(table.crossings.pop(handle, ()), streams)
+            self._unref(table.crossings.pop(handle, ()), job.streams)
         for worker, owned in by_worker.items():
             if self.is_alive(worker):
-                self._emit(streams, worker, [seq, "free", [], owned, [], {}, None], table)
+                job.emit(worker, [job.seq, "free", [], owned, [], {}, None])
 
     def _unref(self, crossings, streams) -> None:
         for crossing in crossings:
-            link = self.crossings[crossing]
+            link = self.crossings.get(crossing)
+            if link is None:
+                continue
             link.refs -= 1
             if link.refs <= 0:
                 del self.crossings[crossing]
-                for worker in {link.src, link.dst}:
+                for worker in set(link.src) | set(link.dst):
                     if self.is_alive(worker):
                         streams[worker].append([-1, "release", [], [crossing], [], {}, None])
 
@@ -255,12 +491,32 @@ class Router:
         table.crossings.clear()
         return streams
 
-    def _emit(self, streams, worker, instr, table, shapes=None) -> None:
+    def _check_alive(self, workers) -> None:
+        for worker in workers:
+            if not self.is_alive(worker):
+                raise Refused(f"worker {worker} is lost (no heartbeat); tensors that lived there are gone")
+
+    def _note(self, workers, signal, pattern: str) -> str:
+        if len(workers) == 1 and signal is None:
+            return ""
+        text = f"[{signal.name}] " if signal is not None else ""
+        return text + (pattern or "")
+
+    def emit(self, streams, worker, instr, table, note: str = "") -> None:
         if self.log is not None:
             flags = instr[6] = dict(instr[6] or {})
-            flags["L"] = self.log.describe(worker, instr, table, shapes)
+            flags["L"] = self.log.describe(worker, instr, table, note)
         streams[worker].append(instr)
 
 
 def _is_instruction(instr) -> bool:
     return isinstance(instr, list) and len(instr) == 7
+
+
+def signal_placement(signal, shape) -> Placement:
+    """Where a tensor of `shape` created in `signal`'s region lives."""
+    if signal.axis is None or len(signal.workers) == 1:
+        return Placement(signal.workers)
+    if not -len(shape) <= signal.axis < len(shape):
+        raise Refused(f"signal {signal.name}: axis {signal.axis} is out of range for a tensor of shape {list(shape)}")
+    return Placement(signal.workers, signal.axis % len(shape))

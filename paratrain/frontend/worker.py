@@ -186,7 +186,7 @@ class _WorkerLoop:
         if kind == "sync":
             errors, fetched, tensor_frames = self.executor.sync(slot, header["fetch"])
             reply = {"t": "synced", "slot": slot, "token": header["token"], "errors": errors,
-                     "fetched": fetched}
+                     "fetched": fetched, "stats": {"busy_s": self.busy_s, "wait_s": self.executor.wait_s}}
             return [wire.encode(reply), *tensor_frames]
         self.executor.drop(slot)
         return None

@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from paratrain.frontend import wire
-from paratrain.frontend.client import autograd, shapes
+from paratrain.frontend.client import autograd, shapes, signal
 from paratrain.frontend.errors import (
     DispatcherUnreachable, FrontendError, ProtocolError, RemoteError,
 )
@@ -57,6 +57,8 @@ class Session:
         self.max_message_bytes = int(welcome.get("max_message_mb", wire.DEFAULT_MAX_MESSAGE_MB)) << 20
         self.server_alive = lambda: True  # set by whoever started the server, to fail fast
         self.placement: int | None = None  # the worker new tensors go to (None: home)
+        self.signal_config: dict = {}  # what configure() last sent (signal name -> settings)
+        self.worker_stats: dict = {}  # per worker, as of the last sync: busy_s, wait_s (cumulative)
         self._next_handle = 0
         self._seq = 0
         self._batch: list = []
@@ -138,8 +140,9 @@ class Session:
         return tensor
 
     def _append(self, name, outs, args, targs, kwargs, flags, inputs, results) -> None:
-        if self.logging:  # the instruction log shows every handle's shape
-            flags = {**(flags or {}), "sh": [[_describe(t) for t in inputs], [_describe(t) for t in results]]}
+        region = signal.current()
+        if region is not None:
+            flags = {**(flags or {}), "s": region}
         self._seq += 1
         self._issued[self._seq] = (name, [_describe(t) for t in inputs], _caller())
         self._batch.append([self._seq, name, outs, args, targs, kwargs, flags])
@@ -187,12 +190,35 @@ class Session:
         errors = reply.get("errors") or []
         if errors:
             raise self._remote_error(errors, issued)
+        self.worker_stats = {int(k): v for k, v in (reply.get("stats") or {}).items()}
         values, frame_iter = [], iter(frames)
-        for handle, dtype, detail in reply.get("fetched") or []:
+        for handle, dtype, detail, *layout in reply.get("fetched") or []:
             if dtype is None:
                 raise FrontendError(f"cannot read tensor h{handle}: {detail}")
-            values.append(wire.array_from_frame(next(frame_iter).buffer, dtype, detail))
+            values.append(_assemble(frame_iter, dtype, detail, *layout))
         return values
+
+    def configure(self, signals: dict) -> list[str]:
+        """Send a signal configuration (checked by the dispatcher against its workers);
+        -> the signal names. Raises ConfigError with one line per problem."""
+        from paratrain.frontend.signals import ConfigError
+
+        self.flush()
+        self.sock.send(wire.encode({"t": "config", "signals": signals}))
+        while True:
+            reply = self._receive_one()
+            if reply["t"] == "configured":
+                return reply["signals"]
+            if reply["t"] == "error":
+                raise ConfigError(reply["message"].splitlines())
+
+    def _receive_one(self) -> dict:
+        waited = 0.0
+        while not self.sock.poll(1000, zmq.POLLIN):
+            waited += 1.0
+            if not self.server_alive() or waited >= self.timeout:
+                raise DispatcherUnreachable(f"no answer from the dispatcher at {self.address}")
+        return wire.decode(self.sock.recv_multipart()[0])
 
     def _send(self, token, fetch) -> None:
         ops, self._batch = self._batch, []
@@ -267,6 +293,23 @@ def _plain(arg, session):
 
         return from_numpy(arg, session=session)
     return arg
+
+
+def _assemble(frames, dtype, shape, parts=1, axis=None) -> np.ndarray:
+    """A fetched tensor from its parts (a split tensor comes as one part per worker)."""
+    if parts == 1:
+        return wire.array_from_frame(next(frames).buffer, dtype, shape)
+    pieces, lengths = [], _part_lengths(shape[axis], parts)
+    for length in lengths:
+        local = list(shape)
+        local[axis] = length
+        pieces.append(wire.array_from_frame(next(frames).buffer, dtype, local))
+    return np.concatenate(pieces, axis=axis)
+
+
+def _part_lengths(length: int, parts: int) -> list[int]:
+    base, extra = divmod(length, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def _floating(dtype: str) -> bool:

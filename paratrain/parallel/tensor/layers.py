@@ -164,15 +164,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_layout = {"weight": (0, 1, self.vocab_size)}
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        if self.group.size == 1:
-            return F.embedding(idx_BT, self.weight)
-        local_BT = idx_BT - self.vocab_start
-        outside_BT = (local_BT < 0) | (local_BT >= self.num_embeddings)
-        partial_BTD = F.embedding(local_BT.masked_fill(outside_BT, 0), self.weight)
-        partial_BTD = partial_BTD.masked_fill(outside_BT.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_sequence(partial_BTD, self.group)  # x_B(T/tp)D
-        return reduce_from_parallel(partial_BTD, self.group)
+        return vocab_parallel_embedding(idx_BT, self.weight, self.group, self.vocab_start, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return (
@@ -180,6 +172,21 @@ class VocabParallelEmbedding(nn.Module):
             f"of {self.vocab_size}, embedding_dim={self.embedding_dim}, "
             f"sequence_parallel={self.sequence_parallel}"
         )
+
+
+def vocab_parallel_embedding(idx_BT: torch.Tensor, weight_shard: torch.Tensor, group, vocab_start: int,
+                             sequence_parallel: bool = False) -> torch.Tensor:
+    """The lookup of ids in a table whose rows [vocab_start, vocab_start + len) this rank holds:
+    zeros for ids outside it, then the sum over ranks (each id is in exactly one range)."""
+    if group.size == 1:
+        return F.embedding(idx_BT, weight_shard)
+    local_BT = idx_BT - vocab_start
+    outside_BT = (local_BT < 0) | (local_BT >= weight_shard.shape[0])
+    partial_BTD = F.embedding(local_BT.masked_fill(outside_BT, 0), weight_shard)
+    partial_BTD = partial_BTD.masked_fill(outside_BT.unsqueeze(-1), 0.0)
+    if sequence_parallel:
+        return reduce_scatter_sequence(partial_BTD, group)  # x_B(T/tp)D
+    return reduce_from_parallel(partial_BTD, group)
 
 
 class SequenceShardedEmbedding(nn.Module):

@@ -153,6 +153,44 @@ def reduce_from_parallel(x: torch.Tensor, group) -> torch.Tensor:
     return x if group.size == 1 else _ReduceFromParallel.apply(x, group)
 
 
+# ---- a replicated tensor and its parts, along any dimension ------------------------------
+
+
+class _SplitToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim, ctx.length = group, dim, x.shape[dim]
+        return torch.tensor_split(x, group.size, dim=dim)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad.contiguous(), ctx.group, ctx.dim, length=ctx.length), None, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim, length):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_along(x.contiguous(), group, dim, length=length)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.tensor_split(grad, ctx.group.size, dim=ctx.dim)[ctx.group.rank].contiguous(), None, None, None
+
+
+def split_to_parallel(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Replicated -> this rank's part of `dim` (part_sizes' parts, so any length splits).
+    Every rank's gradient of its part is whole, so backward gathers them."""
+    return x if group.size == 1 else _SplitToParallel.apply(x, group, dim)
+
+
+def gather_from_parallel(x: torch.Tensor, group, dim: int, length: int) -> torch.Tensor:
+    """Parts of `dim` (`length` long in all) -> the whole tensor on every rank (Megatron's
+    gather). Downstream work is replicated, so each rank's gradient is whole: backward keeps
+    this rank's part. (gather_sequence reduce-scatters instead: there the gradient is partial.)"""
+    return x if group.size == 1 else _GatherFromParallel.apply(x, group, dim, length)
+
+
 # ---- sequence parallelism --------------------------------------------------------------
 
 
