@@ -26,6 +26,7 @@ HANDLE_BITS = 32
 _HEADER = 16  # int64 slots: ndim (or a negative code), dims..., dtype, requires_grad
 _NO_GRAD, _POISONED = -1, -2
 _DTYPE_CODES = list(TORCH_DTYPES.values())
+MAX_SENDS_IN_FLIGHT = 64
 MAX_ERRORS_KEPT = 64  # per client between two syncs: the first ones explain the rest
 
 
@@ -41,6 +42,7 @@ class Executor(CollectiveOps):
         self.boundary: dict[int, torch.Tensor] = {}  # transfer -> the received leaf
         self.pending: dict[int, torch.Tensor] = {}  # transfer -> the sent tensor
         self.mailbox: dict[int, deque] = defaultdict(deque)  # tag -> what this worker sent itself
+        self.in_flight: deque = deque()  # sends posted and not yet waited for
         self.executed = 0
         self.wait_s = 0.0  # time spent waiting for another worker's tensor (a pipeline's bubble)
 
@@ -120,6 +122,7 @@ class Executor(CollectiveOps):
     def sync(self, slot: int, fetch: list[int]) -> tuple[list, list, list]:
         """Errors since the last sync, and the fetched tensors as (handle, dtype, shape) + bytes."""
         base = slot << HANDLE_BITS
+        self.wait_sends()
         errors = self.errors.pop(slot, [])
         meta, frames = [], []
         for handle in fetch:
@@ -291,10 +294,20 @@ class Executor(CollectiveOps):
         return tensor, bool(values[-1])
 
     def _p2p_send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        """Posted, not waited for (as paratrain's pipeline does): the stream goes on while the
+        message travels. A leaf may change in place (an optimizer step), so it travels as a copy."""
         if peer == self.rank:  # to itself: the receive comes later in this same stream
             self.mailbox[tag].append(tensor.clone())
-        else:
-            self.group.send(tensor, peer, tag)
+            return
+        if tensor.is_leaf:
+            tensor = tensor.clone()
+        self.in_flight.append(self.group.isend(tensor, peer, tag))
+        if len(self.in_flight) > MAX_SENDS_IN_FLIGHT:
+            self.in_flight.popleft().wait()
+
+    def wait_sends(self) -> None:
+        while self.in_flight:
+            self.in_flight.popleft().wait()
 
     def _p2p_recv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         if peer == self.rank:

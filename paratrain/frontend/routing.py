@@ -63,6 +63,7 @@ class ClientTable:
     direct: dict = field(default_factory=dict)  # handle -> the crossing that made it (gt.signal.tensor)
     refused: dict = field(default_factory=dict)  # handle -> why its instruction was refused
     signals: dict = field(default_factory=dict)  # name -> Signal
+    entered: dict = field(default_factory=dict)  # (handle, workers) -> its f(handle), until a backward
     next_temp: int = MAX_HANDLE
 
 
@@ -82,21 +83,27 @@ class _Job:
         for worker in workers:
             self.emit(worker, [self.seq, name, list(outs), list(args), list(targs), dict(kwargs), flags], note)
 
-    def temp(self, placement: Placement, meta) -> int:
+    def temp(self, placement: Placement, meta, keep: bool = False) -> int:
+        """A handle for an intermediate tensor, freed after this instruction unless `keep`."""
         handle = self.table.next_temp
         self.table.next_temp += 1
         self.table.where[handle], self.table.meta[handle] = placement, meta
-        self.temps.append(handle)
+        if not keep:
+            self.temps.append(handle)
         return handle
 
     def free_temps(self) -> None:
+        """One free per worker for all the temporaries this instruction made there."""
+        by_worker = defaultdict(list)
         for handle in self.temps:
             placement = self.table.where.pop(handle)
             self.table.meta.pop(handle, None)
             self.table.crossings.pop(handle, None)
             for worker in placement.workers:
-                if self.router.is_alive(worker):
-                    self.emit(worker, [self.seq, "free", [], [handle], [], {}, None])
+                by_worker[worker].append(handle)
+        for worker, handles in by_worker.items():
+            if self.router.is_alive(worker):
+                self.emit(worker, [self.seq, "free", [], handles, [], {}, None])
 
 
 class Router:
@@ -135,8 +142,11 @@ class Router:
         job = _Job(self, table, seq, streams, bool(flags.get("ng")))
         if name == "free":
             self._free(job, args)
+            job.free_temps()
             return
         signal = table.signals.get(flags.get("s")) if flags.get("s") is not None else None
+        if name in ("backward", "cross_backward") or name.startswith("optim_"):
+            self._forget_entered(job)  # an f belongs to one forward: never across a backward
         try:
             if name == "optim_create":
                 self._optim_create(job, outs, args, targs, kwargs)
@@ -258,7 +268,13 @@ class Router:
         self._ensure_group(job, workers)
         group = list(workers)
         if conversion[0] == "f":
-            temp = job.temp(Placement(workers, None), meta)
+            # One f per tensor and forward: its consumers (Q, K and V of one input) then share
+            # one all-reduce in backward, as Megatron's fused QKV does.
+            key = (handle, tuple(workers))
+            if key in table.entered:
+                return table.entered[key]
+            temp = job.temp(Placement(workers, None), meta, keep=True)
+            table.entered[key] = temp
             job.on_all(workers, "tp_f", [temp], [handle], [0], {"g": group}, "f: all-reduce in backward")
         elif conversion[0] == "scatter":
             temp = job.temp(Placement(workers, conversion[1]), meta)
@@ -456,8 +472,16 @@ class Router:
                 self.crossings[crossing].refs += 1
         table.crossings[handle] = before | crossed
 
+    def _forget_entered(self, job, handles=None) -> None:
+        """Free the cached f's (of `handles`, or all of them)."""
+        table = job.table
+        for key in [k for k in table.entered if handles is None or k[0] in handles]:
+            job.temps.append(table.entered.pop(key))
+
     def _free(self, job, handles) -> None:
         table = job.table
+        if table.entered:
+            self._forget_entered(job, set(handles))
         by_worker = defaultdict(list)
         for handle in handles:
             table.refused.pop(handle, None)
