@@ -13,7 +13,7 @@ from paratrain.frontend import wire
 from paratrain.frontend.client.shapes import ShapeError, infer
 from paratrain.frontend.dispatcher import Dispatcher
 from paratrain.frontend.executor import Executor
-from paratrain.frontend.ops import OPS, decode_index, encode_index, validate_kwargs
+from paratrain.frontend.ops import decode_index, encode_index, validate_kwargs
 from paratrain.frontend.routing import MAX_HANDLE, ClientTable, Router
 
 FRONTEND = pathlib.Path(__file__).parent.parent / "paratrain" / "frontend"

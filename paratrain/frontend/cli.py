@@ -94,3 +94,23 @@ def trace(log, output):
 
     count = write_chrome_trace(log, output)
     click.echo(f"wrote {count} instructions to {output}")
+
+
+@frontend.command()
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.option("--workers", type=click.IntRange(1), default=None,
+              help="Check against this many workers (default: as many as the file names).")
+def explain(config, workers):
+    """Print what a signal configuration (GT's YAML schema) does: per signal its workers and
+    layout, and the worker layout drawn as stages x tensor-parallel ranks."""
+    from paratrain.frontend import signals
+    from paratrain.frontend.explain import describe, draw
+
+    try:
+        parsed = signals.parse(signals.load(config), workers)
+    except signals.ConfigError as error:
+        for problem in error.problems:
+            click.echo(f"error: {problem}", err=True)
+        raise SystemExit(2) from None
+    for line in describe(parsed) + draw(parsed):
+        click.echo(line)

@@ -20,93 +20,23 @@ meets its receive and every collective its partners.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from paratrain.frontend import moves
 from paratrain.frontend.client.shapes import ShapeError, infer
+from paratrain.frontend.creation import CreationRoutes, signal_placement
+from paratrain.frontend.jobs import MAX_HANDLE, ClientTable, Job, MetaTensor, Refused
 from paratrain.frontend.ops import OPS, validate_kwargs
-from paratrain.frontend.sharding import Placement, Unsupported, local_shapes, plan
-from paratrain.frontend.wire import _NUMPY_OF
+from paratrain.frontend.sharding import Placement, Unsupported, plan
 
-MAX_HANDLE = 1 << 31  # client handles live below this; the router's temporaries above
+__all__ = ["MAX_HANDLE", "ClientTable", "Refused", "Router"]
+
 CLIENT_FLAGS = frozenset({"ng", "w", "rg", "s"})
-RANDOM_CREATION = frozenset({"randn", "rand", "uniform", "randint"})
 # These run where their first input lives, whatever signal is active: they act on it in place.
 STAY = frozenset({"grad", "set_grad_none", "requires_grad_", "set_data", "detach"}) | {
     name for name, op in OPS.items() if op.kind == "inplace"}
 
 
-class Refused(Exception):
-    """The dispatcher will not run this instruction; the text says why."""
-
-
-class MetaTensor:
-    """A tensor as shape inference sees it: a shape and a dtype."""
-
-    _handle = 0
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tuple(shape), dtype
-
-
-@dataclass
-class ClientTable:
-    """What the dispatcher knows of one client's tensors."""
-
-    slot: int
-    home: int
-    where: dict = field(default_factory=dict)  # handle -> Placement
-    meta: dict = field(default_factory=dict)  # handle -> (global shape, dtype); None for optimizers
-    crossings: dict = field(default_factory=dict)  # handle -> frozenset of crossing ids in its graph
-    direct: dict = field(default_factory=dict)  # handle -> the crossing that made it (gt.signal.tensor)
-    refused: dict = field(default_factory=dict)  # handle -> why its instruction was refused
-    signals: dict = field(default_factory=dict)  # name -> Signal
-    entered: dict = field(default_factory=dict)  # (handle, workers) -> its f(handle), until a backward
-    next_temp: int = MAX_HANDLE
-
-
-class _Job:
-    """One instruction being routed: where its pieces go, and the temporaries it made."""
-
-    def __init__(self, router, table, seq, streams, no_grad):
-        self.router, self.table, self.seq, self.streams = router, table, seq, streams
-        self.flags = {"ng": 1} if no_grad else None
-        self.temps: list[int] = []
-
-    def emit(self, worker: int, instr: list, note: str = "") -> None:
-        self.router.emit(self.streams, worker, instr, self.table, note)
-
-    def on_all(self, workers, name, outs, args, targs, kwargs, note="", flags=None) -> None:
-        flags = flags if flags is not None else self.flags
-        for worker in workers:
-            self.emit(worker, [self.seq, name, list(outs), list(args), list(targs), dict(kwargs), flags], note)
-
-    def temp(self, placement: Placement, meta, keep: bool = False) -> int:
-        """A handle for an intermediate tensor, freed after this instruction unless `keep`."""
-        handle = self.table.next_temp
-        self.table.next_temp += 1
-        self.table.where[handle], self.table.meta[handle] = placement, meta
-        if not keep:
-            self.temps.append(handle)
-        return handle
-
-    def free_temps(self) -> None:
-        """One free per worker for all the temporaries this instruction made there."""
-        by_worker = defaultdict(list)
-        for handle in self.temps:
-            placement = self.table.where.pop(handle)
-            self.table.meta.pop(handle, None)
-            self.table.crossings.pop(handle, None)
-            for worker in placement.workers:
-                by_worker[worker].append(handle)
-        for worker, handles in by_worker.items():
-            if self.router.is_alive(worker):
-                self.emit(worker, [self.seq, "free", [], handles, [], {}, None])
-
-
-class Router:
+class Router(CreationRoutes):
     def __init__(self, n_workers: int, is_alive, log=None):
         self.n_workers = n_workers
         self.is_alive = is_alive  # worker -> bool
@@ -139,7 +69,7 @@ class Router:
     def _route_one(self, table, instr, streams, stream_frames, frames) -> None:
         seq, name, outs, args, targs, kwargs, flags = self._check(table, instr)
         flags = flags or {}
-        job = _Job(self, table, seq, streams, bool(flags.get("ng")))
+        job = Job(self, table, seq, streams, bool(flags.get("ng")))
         if name == "free":
             self._free(job, args)
             job.free_temps()
@@ -234,7 +164,8 @@ class Router:
         if op_name.startswith("vp_"):
             self._ensure_group(job, workers)
             op_kwargs["g"] = list(workers)
-        placement_note = self._note(workers, signal, steps.note)
+        layout = f"-> {Placement(workers, steps.outs[0]).describe()}" if steps.outs and len(workers) > 1 else ""
+        placement_note = self._note(workers, signal, f"{steps.note} {layout}".strip())
         results = list(outs) if not steps.post else [job.temp(Placement(workers, None), out_metas[0])]
         job.on_all(workers, op_name, results, op_args, op_targs, op_kwargs, placement_note)
         if steps.post:
@@ -321,66 +252,6 @@ class Router:
             return infer(name, metas, targs, kwargs)
         except ShapeError as error:
             raise Refused(str(error)) from None
-
-    # ---- making tensors ---------------------------------------------------------------------
-
-    def _create(self, job, name, outs, args, kwargs, flags, signal, frames, stream_frames) -> None:
-        table = job.table
-        if name == "upload":
-            meta = (tuple(kwargs.get("shape") or ()), kwargs.get("dtype"))
-            if meta[1] not in _NUMPY_OF or not all(isinstance(s, int) and s >= 0 for s in meta[0]):
-                raise Refused("upload: dtype or shape is malformed")
-        else:
-            (meta,) = self._infer(table, name, args, [], kwargs)
-        placement = self._placement_for(job.table, flags, signal, meta[0])
-        self._check_alive(placement.workers)
-        table.meta[outs[0]] = meta
-        flags_out = {**(job.flags or {}), **({"rg": 1} if flags.get("rg") else {})} or None
-        note = self._note(placement.workers, signal, "")
-        if name == "upload":
-            self._upload(job, outs[0], kwargs, flags_out, placement, frames, stream_frames, note)
-        elif placement.split is not None:
-            if name == "arange":
-                raise Refused("arange: a split signal cannot create it (create it replicated, then gt.signal.tensor)")
-            for worker, local in zip(placement.workers, local_shapes(meta[0], placement)):
-                job.emit(worker, [job.seq, name, list(outs), list(local), [], dict(kwargs), flags_out], note)
-        elif name in RANDOM_CREATION and len(placement.workers) > 1:
-            # Drawn once and broadcast: replicas must hold the same values.
-            self._ensure_group(job, placement.workers)
-            job.emit(placement.workers[0], [job.seq, name, list(outs), list(args), [], dict(kwargs), job.flags], note)
-            job.on_all(placement.workers, "tp_broadcast", outs, [], [],
-                       {"g": list(placement.workers), "shape": list(meta[0]), "dtype": meta[1]},
-                       "broadcast: replicas draw once", flags_out)
-        else:
-            job.on_all(placement.workers, name, outs, args, [], kwargs, note, flags_out)
-        table.where[outs[0]], table.meta[outs[0]] = placement, meta
-
-    def _placement_for(self, table, flags, signal, shape) -> Placement:
-        if signal is not None:
-            return signal_placement(signal, shape)
-        worker = flags.get("w")
-        if worker is None:
-            return Placement((table.home,))
-        if not isinstance(worker, int) or not 0 <= worker < self.n_workers:
-            raise Refused(f"worker {worker!r} does not exist (there are {self.n_workers})")
-        return Placement((worker,))
-
-    def _upload(self, job, handle, kwargs, flags, placement, frames, stream_frames, note) -> None:
-        frame = kwargs.get("frame")
-        if not isinstance(frame, int) or not 0 <= frame < len(frames):
-            raise Refused(f"upload: frame {frame!r} is not among the message's {len(frames)} tensor frames")
-        shape = tuple(kwargs["shape"])
-        pieces = [frames[frame]] * len(placement.workers)
-        shapes = [shape] * len(placement.workers)
-        if placement.split is not None:
-            array = np.frombuffer(frames[frame], dtype=_NUMPY_OF[kwargs["dtype"]]).reshape(shape)
-            parts = np.array_split(array, len(placement.workers), axis=placement.split)
-            pieces = [np.ascontiguousarray(part).tobytes() for part in parts]
-            shapes = [part.shape for part in parts]
-        for worker, piece, local in zip(placement.workers, pieces, shapes):
-            stream_frames[worker].append(piece)
-            local_kwargs = {**kwargs, "shape": list(local), "frame": len(stream_frames[worker]) - 1}
-            job.emit(worker, [job.seq, "upload", [handle], [], [], local_kwargs, flags], note)
 
     # ---- autograd and pipelines ---------------------------------------------------------------
 
@@ -537,10 +408,3 @@ def _is_instruction(instr) -> bool:
     return isinstance(instr, list) and len(instr) == 7
 
 
-def signal_placement(signal, shape) -> Placement:
-    """Where a tensor of `shape` created in `signal`'s region lives."""
-    if signal.axis is None or len(signal.workers) == 1:
-        return Placement(signal.workers)
-    if not -len(shape) <= signal.axis < len(shape):
-        raise Refused(f"signal {signal.name}: axis {signal.axis} is out of range for a tensor of shape {list(shape)}")
-    return Placement(signal.workers, signal.axis % len(shape))

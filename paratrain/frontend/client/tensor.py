@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from paratrain.frontend.client import autograd
 from paratrain.frontend.ops import encode_index
 
 
