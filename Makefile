@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dp test bench-collectives install clean
+.PHONY: demo demo-dp demo-frontend test bench-collectives install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ demo-dp: $(STAMP)
 	@echo "   takes half of every batch; gradient buckets are all-reduced while backward still runs."
 	$(BIN)/paratrain train --model cnn --nproc 2 --launcher processes --dp-mode ddp \
 		--steps 80 --global-batch 128 --optimizer adamw --lr 0.003 --log-every 20
+
+# The GT seed's demo through the single-controller frontend: one client program drives 8
+# workers, TP=2 within each of 4 pipeline stages (examples/tuning_demo/sharding_config.yaml).
+demo-frontend: $(STAMP)
+	@echo "== One client program drives 8 workers (processes): the GT seed's GPT split TP=2 x PP=4 by"
+	@echo "   examples/tuning_demo/sharding_config.yaml, trained with the 1F1B schedule and AdamW."
+	@echo "   Each step prints the loss, the step time, and the bubble the workers measured."
+	$(BIN)/python examples/tuning_demo/train.py --small --steps 30
 
 # A short sweep of our collectives against gloo's own.
 bench-collectives: $(STAMP)

@@ -37,14 +37,15 @@ def reference_losses():
     return reference_run(config)[0]
 
 
-def _frontend_losses(server, config_name, microbatches, schedule="1f1b"):
+def _frontend_losses(server, config_name, microbatches, schedule="1f1b", virtual_stages=1):
     import paratrain.frontend as gt
     from train import train
 
     gt.connect(server.address)
     try:
         record = train(os.path.join(DEMO, config_name), "small", steps=STEPS, global_batch=GLOBAL_BATCH,
-                       microbatches=microbatches, schedule=schedule, lr=LR, overrides=OVERRIDES, log=lambda line: None)
+                       microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages, lr=LR,
+                       overrides=OVERRIDES, log=lambda line: None)
     finally:
         gt.disconnect()
     return record["losses"]
@@ -54,14 +55,16 @@ def _relative(ours, reference):
     return max(abs(a - b) / abs(b) for a, b in zip(ours, reference))
 
 
-@pytest.mark.parametrize("config_name, microbatches, schedule", [
-    ("sharding_config.yaml", 4, "1f1b"),
-    ("tp4_pp2.yaml", 4, "1f1b"),
-    ("tp1_pp8.yaml", 8, "gpipe"),
-    ("dp8.yaml", 2, "1f1b"),
+@pytest.mark.parametrize("config_name, microbatches, schedule, virtual_stages", [
+    ("sharding_config.yaml", 4, "1f1b", 1),
+    ("sharding_config.yaml", 4, "interleaved-1f1b", 2),
+    ("tp4_pp2.yaml", 4, "1f1b", 1),
+    ("tp1_pp8.yaml", 8, "gpipe", 1),
+    ("dp8.yaml", 2, "1f1b", 1),
 ])
-def test_the_demo_trains_like_one_process_from_any_layout(server, reference_losses, config_name, microbatches, schedule):
-    losses = _frontend_losses(server, config_name, microbatches, schedule)
+def test_the_demo_trains_like_one_process_from_any_layout(server, reference_losses, config_name, microbatches,
+                                                          schedule, virtual_stages):
+    losses = _frontend_losses(server, config_name, microbatches, schedule, virtual_stages)
     assert len(losses) == STEPS
     assert _relative(losses, reference_losses) <= 1e-5, (losses, reference_losses)
     assert losses[-1] < losses[0]

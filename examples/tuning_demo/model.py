@@ -10,8 +10,9 @@ created inside a named region, and the YAML file says what each region means.
     head                 the output projection (split on the vocabulary)
     data, targets        where a microbatch's tokens and targets are uploaded
 
-The number of stages is the number of `pp_stage<s>` signals in the configuration; layers are
-spread evenly over them, the embedding on the first and the head on the last. The attention is
+The number of stages is the number of `pp_stage<s>` signals in the configuration. The layers are
+cut into `stages x virtual` chunks (virtual > 1 for the interleaved schedule), chunk c living on
+stage c mod stages; the embedding is on the first chunk and the head on the last. The attention is
 real causal self-attention (PyTorch's scaled_dot_product_attention on each worker's heads).
 
 Parameters are laid out like paratrain's own GPT (`paratrain/models/gpt.py`) in GT's [in, out]
@@ -109,36 +110,37 @@ class Block(gt.nn.Module):
 
 
 class SignalGPT(gt.nn.Module):
-    def __init__(self, shape: Shape, stages: int, weights: dict | None = None):
+    def __init__(self, shape: Shape, stages: int, weights: dict | None = None, virtual: int = 1):
         super().__init__()
-        if shape.n_layer % stages:
-            raise ValueError(f"{shape.n_layer} layers do not split evenly over {stages} stages")
-        self.shape, self.stages = shape, stages
+        chunks = stages * virtual
+        if shape.n_layer % chunks:
+            raise ValueError(f"{shape.n_layer} layers do not split evenly into {chunks} chunks ({stages} stages x {virtual})")
+        self.shape, self.stages, self.chunks = shape, stages, chunks
+        self.per_chunk = shape.n_layer // chunks
         param = _Parameters(weights)
         D, V = shape.d_model, shape.vocab_size
         self.tok_emb = param("tok_emb.weight", "embed", (V, D))
         self.pos_emb = param("pos_emb.weight", "pp_stage0", (shape.block_size, D))
-        per_stage = shape.n_layer // stages
-        self.blocks = [Block(shape, i, i // per_stage, param) for i in range(shape.n_layer)]
-        last = f"pp_stage{stages - 1}"
+        self.blocks = [Block(shape, i, (i // self.per_chunk) % stages, param) for i in range(shape.n_layer)]
+        last = self.stage_signal(chunks - 1)
         self.ln_f_w, self.ln_f_b = param("ln_f.weight", last, (D,), "ones"), param("ln_f.bias", last, (D,), "zeros")
         self.head = param("head.weight", "head", (D, V))
 
-    def stage_signal(self, stage: int) -> str:
-        return f"pp_stage{stage}"
+    def stage_signal(self, chunk: int) -> str:
+        """The region a chunk runs in: its stage's."""
+        return f"pp_stage{chunk % self.stages}"
 
-    def chunk_forward(self, stage: int, x):
-        """Stage `stage`'s part: token ids -> activations on the first, -> logits on the last."""
-        if stage == 0:
+    def chunk_forward(self, chunk: int, x):
+        """Chunk `chunk` of the model: token ids -> activations on the first, -> logits on the last."""
+        if chunk == 0:
             B, T = x.shape
             with gt.signal.context("pp_stage0"):
                 positions = gt.arange(T)
                 x = F.embedding(x, self.tok_emb) + F.embedding(positions, self.pos_emb)
-        per_stage = self.shape.n_layer // self.stages
-        for block in self.blocks[stage * per_stage:(stage + 1) * per_stage]:
+        for block in self.blocks[chunk * self.per_chunk:(chunk + 1) * self.per_chunk]:
             x = block(x)
-        if stage == self.stages - 1:
-            with gt.signal.context(f"pp_stage{stage}"):
+        if chunk == self.chunks - 1:
+            with gt.signal.context(self.stage_signal(chunk)):
                 x = F.layer_norm(x, self.shape.d_model, self.ln_f_w, self.ln_f_b)
             with gt.signal.context("head"):
                 x = x @ self.head  # logits split on the vocabulary

@@ -43,8 +43,8 @@ def workers_named(config: dict) -> int:
 
 
 def train(config, preset: str = "small", *, steps: int = 20, global_batch: int = 16, microbatches: int = 8,
-          schedule: str = "1f1b", lr: float = 3e-3, seed: int = 0, init: str = "paratrain",
-          overrides: dict | None = None, log=print) -> dict:
+          schedule: str = "1f1b", virtual_stages: int = 1, lr: float = 3e-3, seed: int = 0,
+          init: str = "paratrain", overrides: dict | None = None, log=print) -> dict:
     """Train through the frontend; -> per-step losses, step times and measured bubbles."""
     from paratrain.train.setup import build_seeded_model
 
@@ -56,9 +56,9 @@ def train(config, preset: str = "small", *, steps: int = 20, global_batch: int =
         gt.gpu_workers(workers_named(raw))
     gt.load_config(raw)
     stages = stages_in(raw)
-    pipeline = build_schedule(schedule, stages, microbatches)
+    pipeline = build_schedule(schedule, stages, microbatches, virtual_stages=virtual_stages)
     weights = weights_from_paratrain(build_seeded_model(model_name, overrides, seed)) if init == "paratrain" else None
-    model = SignalGPT(shape, stages, weights)
+    model = SignalGPT(shape, stages, weights, virtual=pipeline.virtual_stages)
     optimizer = gt.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     dataset = build_dataset("tokens", seed, vocab_size=shape.vocab_size, block_size=shape.block_size)
     session = gt.session()
@@ -112,10 +112,12 @@ def _measured_bubble(before: dict, after: dict, elapsed: float) -> float:
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(1))
 @click.option("--global-batch", default=16, show_default=True, type=click.IntRange(1))
 @click.option("--microbatches", default=8, show_default=True, type=click.IntRange(1))
-@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["gpipe", "1f1b"]))
+@click.option("--schedule", default="1f1b", show_default=True, type=click.Choice(["gpipe", "1f1b", "interleaved-1f1b"]))
+@click.option("--virtual-stages", default=2, show_default=True, type=click.IntRange(1),
+              help="Chunks per stage for interleaved-1f1b.")
 @click.option("--lr", default=3e-3, show_default=True, type=float)
 @click.option("--seed", default=0, show_default=True, type=int)
-def main(config_path, small, steps, global_batch, microbatches, schedule, lr, seed):
+def main(config_path, small, steps, global_batch, microbatches, schedule, virtual_stages, lr, seed):
     """Train the seed's GPT through the frontend (TP=2 x PP=4 on 8 workers by default)."""
     if global_batch % microbatches:
         raise click.BadParameter(f"--global-batch {global_batch} must divide into {microbatches} microbatches")
@@ -123,7 +125,8 @@ def main(config_path, small, steps, global_batch, microbatches, schedule, lr, se
     os.environ.pop("PARATRAIN_CONFIG", None)
     preset = "small" if small else "seed"
     record = train(config_path, preset, steps=steps, global_batch=global_batch, microbatches=microbatches,
-                   schedule=schedule, lr=lr, seed=seed, init="paratrain" if small else "workers")
+                   schedule=schedule, virtual_stages=virtual_stages if schedule == "interleaved-1f1b" else 1,
+                   lr=lr, seed=seed, init="paratrain" if small else "workers")
     times = sorted(record["step_s"][1:] or record["step_s"])
     click.echo(f"median step {times[len(times) // 2] * 1e3:.0f} ms; loss {record['losses'][0]:.4f} -> "
                f"{record['losses'][-1]:.4f}; mean bubble {sum(record['bubble']) / len(record['bubble']):.1%} "

@@ -270,7 +270,11 @@ class Executor(CollectiveOps):
         header[-1] = int(requires_grad)
         self._p2p_send(header, peer, tag)
         if tensor.numel():
-            self._p2p_send(tensor.detach().contiguous(), peer, tag)
+            # A leaf (a parameter) may change in place, by an optimizer step, while its message
+            # is in flight: it travels as a copy. Activations and gradients are not changed.
+            payload = tensor.detach().contiguous()
+            self._p2p_send(payload.clone() if tensor.is_leaf and payload.data_ptr() == tensor.data_ptr() else payload,
+                           peer, tag)
 
     def _send_header_only(self, peer: int, tag: int, code: int) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
@@ -295,12 +299,10 @@ class Executor(CollectiveOps):
 
     def _p2p_send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Posted, not waited for (as paratrain's pipeline does): the stream goes on while the
-        message travels. A leaf may change in place (an optimizer step), so it travels as a copy."""
+        message travels."""
         if peer == self.rank:  # to itself: the receive comes later in this same stream
             self.mailbox[tag].append(tensor.clone())
             return
-        if tensor.is_leaf:
-            tensor = tensor.clone()
         self.in_flight.append(self.group.isend(tensor, peer, tag))
         if len(self.in_flight) > MAX_SENDS_IN_FLIGHT:
             self.in_flight.popleft().wait()

@@ -51,9 +51,12 @@ class Job:
         self.router.emit(self.streams, worker, instr, self.table, note)
 
     def on_all(self, workers, name, outs, args, targs, kwargs, note="", flags=None) -> None:
+        """The same instruction on each of `workers` (its parts are shared: nothing changes them
+        once emitted, and each worker's copy is encoded separately)."""
         flags = flags if flags is not None else self.flags
+        outs, args, targs = list(outs), list(args), list(targs)
         for worker in workers:
-            self.emit(worker, [self.seq, name, list(outs), list(args), list(targs), dict(kwargs), flags], note)
+            self.emit(worker, [self.seq, name, outs, args, targs, kwargs, flags], note)
 
     def temp(self, placement: Placement, meta, keep: bool = False) -> int:
         """A handle for an intermediate tensor, freed after this instruction unless `keep`."""

@@ -164,13 +164,15 @@ class Router(CreationRoutes):
         if op_name.startswith("vp_"):
             self._ensure_group(job, workers)
             op_kwargs["g"] = list(workers)
-        layout = f"-> {Placement(workers, steps.outs[0]).describe()}" if steps.outs and len(workers) > 1 else ""
-        placement_note = self._note(workers, signal, f"{steps.note} {layout}".strip())
+        placement_note = ""
+        if self.log is not None:
+            layout = f"-> {Placement(workers, steps.outs[0]).describe()}" if steps.outs and len(workers) > 1 else ""
+            placement_note = self._note(workers, signal, f"{steps.note} {layout}".strip())
         results = list(outs) if not steps.post else [job.temp(Placement(workers, None), out_metas[0])]
         job.on_all(workers, op_name, results, op_args, op_targs, op_kwargs, placement_note)
         if steps.post:
             self._post(job, steps.post, results[0], outs[0], inputs, workers, out_metas[0])
-        crossed = frozenset().union(*(table.crossings.get(args[i], frozenset()) for i in targs))
+        crossed = _union(table.crossings.get(args[i]) for i in targs)
         targets = list(outs) if OPS[name].kind != "inplace" else [inputs[targs[0]]]
         splits_out = steps.outs if OPS[name].kind != "inplace" else [table.where[inputs[targs[0]]].split]
         for handle, meta, split in zip(targets, out_metas, splits_out):
@@ -263,7 +265,7 @@ class Router(CreationRoutes):
         for i in targs[1:]:
             if table.where[args[i]].workers != loss.workers or table.where[args[i]].split is not None:
                 args[i] = self._move(job, args[i], loss.workers)
-        crossed = frozenset().union(*(table.crossings.get(args[i], frozenset()) for i in targs))
+        crossed = _union(table.crossings.get(args[i]) for i in targs)
         local = bool(kwargs.pop("local", False))
         if crossed and not local:
             kwargs["retain_graph"] = True  # later gradient exchanges traverse this graph again
@@ -402,6 +404,15 @@ class Router(CreationRoutes):
             flags = instr[6] = dict(instr[6] or {})
             flags["L"] = self.log.describe(worker, instr, table, note)
         streams[worker].append(instr)
+
+
+def _union(sets) -> frozenset:
+    """The union of some crossing sets, most of them empty (None)."""
+    found = frozenset()
+    for crossings in sets:
+        if crossings:
+            found = found | crossings if found else crossings
+    return found
 
 
 def _is_instruction(instr) -> bool:

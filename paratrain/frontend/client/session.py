@@ -206,19 +206,11 @@ class Session:
         self.flush()
         self.sock.send(wire.encode({"t": "config", "signals": signals}))
         while True:
-            reply = self._receive_one()
+            reply, _ = self._next_reply()
             if reply["t"] == "configured":
                 return reply["signals"]
             if reply["t"] == "error":
                 raise ConfigError(reply["message"].splitlines())
-
-    def _receive_one(self) -> dict:
-        waited = 0.0
-        while not self.sock.poll(1000, zmq.POLLIN):
-            waited += 1.0
-            if not self.server_alive() or waited >= self.timeout:
-                raise DispatcherUnreachable(f"no answer from the dispatcher at {self.address}")
-        return wire.decode(self.sock.recv_multipart()[0])
 
     def _send(self, token, fetch) -> None:
         ops, self._batch = self._batch, []
@@ -229,24 +221,27 @@ class Session:
             self._frames = []
 
     def _await(self, token: int):
-        waited = 0.0
         while True:
-            if not self.sock.poll(1000, zmq.POLLIN):
-                waited += 1.0
-                if not self.server_alive():
-                    raise FrontendError(f"the frontend server at {self.address} has exited (its messages are above)")
-                if waited >= self.timeout:
-                    raise DispatcherUnreachable(
-                        f"no answer from the dispatcher at {self.address} within {self.timeout:g}s "
-                        "(PARATRAIN_TIMEOUT sets the limit)"
-                    )
-                continue
-            frames = self.sock.recv_multipart(copy=False)
-            reply = wire.decode(frames[0].bytes)
+            reply, frames = self._next_reply()
             if reply["t"] == "synced" and reply.get("token") == token:
-                return reply, frames[1:]
+                return reply, frames
             if reply["t"] == "error":
                 raise ProtocolError(f"the dispatcher rejected a message: {reply.get('message')}")
+
+    def _next_reply(self):
+        """The dispatcher's next message (header, frames); fails fast if its server has exited."""
+        waited = 0.0
+        while not self.sock.poll(1000, zmq.POLLIN):
+            waited += 1.0
+            if not self.server_alive():
+                raise FrontendError(f"the frontend server at {self.address} has exited (its messages are above)")
+            if waited >= self.timeout:
+                raise DispatcherUnreachable(
+                    f"no answer from the dispatcher at {self.address} within {self.timeout:g}s "
+                    "(PARATRAIN_TIMEOUT sets the limit)"
+                )
+        frames = self.sock.recv_multipart(copy=False)
+        return wire.decode(frames[0].bytes), frames[1:]
 
     def _remote_error(self, errors: list, issued: dict) -> RemoteError:
         seq, name, worker_shapes, worker, message = errors[0]
