@@ -60,7 +60,7 @@ def _relative(ours, reference):
     ("sharding_config.yaml", 4, "interleaved-1f1b", 2),
     ("tp4_pp2.yaml", 4, "1f1b", 1),
     ("tp1_pp8.yaml", 8, "gpipe", 1),
-    ("dp8.yaml", 2, "1f1b", 1),
+    ("dp8.yaml", 1, "1f1b", 1),
 ])
 def test_the_demo_trains_like_one_process_from_any_layout(server, reference_losses, config_name, microbatches,
                                                           schedule, virtual_stages):
