@@ -175,6 +175,18 @@ def test_bfloat16_and_float16_compute_like_pytorch(client):
         np.testing.assert_array_equal(got.numpy(), expected.float().numpy())
 
 
+def test_assigning_a_gradient_is_what_the_optimizer_uses(client):
+    w = gt.zeros(3, requires_grad=True)
+    w.grad = gt.ones(3) * 2.0
+    gt.optim.SGD([w], lr=0.5).step()
+    np.testing.assert_allclose(w.numpy(), [-1.0, -1.0, -1.0])
+    np.testing.assert_allclose(w.grad.numpy(), [2.0, 2.0, 2.0])
+    w.grad = None
+    assert w.grad is None
+    with pytest.raises(RuntimeError, match="shape \\[3\\]"):
+        w.grad = gt.ones(4)
+
+
 def test_no_grad_results_do_not_require_grad(client):
     w = gt.randn(3, requires_grad=True)
     with gt.no_grad():

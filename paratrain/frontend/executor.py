@@ -183,6 +183,9 @@ class Executor(CollectiveOps):
     def _op_set_grad_none(self, base, outs, args, kwargs, flags, frames):
         args[0].grad = None
 
+    def _op_set_grad(self, base, outs, args, kwargs, flags, frames):
+        args[0].grad = args[1].detach()
+
     def _op_set_data(self, base, outs, args, kwargs, flags, frames):
         args[0].data = args[1]
 

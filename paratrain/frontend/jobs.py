@@ -81,3 +81,12 @@ class Job:
                 self.emit(worker, [self.seq, "free", [], handles, [], {}, None])
 
 
+
+
+def union_of(sets) -> frozenset:
+    """The union of some crossing sets, most of them empty (None)."""
+    found = frozenset()
+    for crossings in sets:
+        if crossings:
+            found = found | crossings if found else crossings
+    return found

@@ -212,6 +212,7 @@ OPS: dict[str, Op] = {
     "reshard": _op(None, "signal", kind="special"),  # gt.signal.tensor
     "grad": _op(None, kind="special"),
     "set_grad_none": _op(None, kind="special"),
+    "set_grad": _op(None, kind="special"),
     "set_data": _op(None, kind="special"),
     "requires_grad_": _op(None, kind="special"),
     "optim_create": _op(None, "kind", "lr", "momentum", "weight_decay", "betas", "eps", "nesterov", "dampening", kind="special"),

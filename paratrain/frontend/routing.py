@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from paratrain.frontend import moves
 from paratrain.frontend.client.shapes import ShapeError, infer
-from paratrain.frontend.creation import CreationRoutes, signal_placement
-from paratrain.frontend.jobs import MAX_HANDLE, ClientTable, Job, MetaTensor, Refused
+from paratrain.frontend.creation import CreationRoutes
+from paratrain.frontend.jobs import MAX_HANDLE, ClientTable, Job, MetaTensor, Refused, union_of
+from paratrain.frontend.moves import Crossing, MoveRoutes
 from paratrain.frontend.ops import OPS, validate_kwargs
 from paratrain.frontend.sharding import Placement, Unsupported, plan
 
@@ -32,16 +32,16 @@ __all__ = ["MAX_HANDLE", "ClientTable", "Refused", "Router"]
 
 CLIENT_FLAGS = frozenset({"ng", "w", "rg", "s"})
 # These run where their first input lives, whatever signal is active: they act on it in place.
-STAY = frozenset({"grad", "set_grad_none", "requires_grad_", "set_data", "detach"}) | {
+STAY = frozenset({"grad", "set_grad_none", "set_grad", "requires_grad_", "set_data", "detach"}) | {
     name for name, op in OPS.items() if op.kind == "inplace"}
 
 
-class Router(CreationRoutes):
+class Router(CreationRoutes, MoveRoutes):
     def __init__(self, n_workers: int, is_alive, log=None):
         self.n_workers = n_workers
         self.is_alive = is_alive  # worker -> bool
         self.log = log  # InstructionLog or None
-        self.crossings: dict[int, moves.Crossing] = {}
+        self.crossings: dict[int, Crossing] = {}
         self.next_crossing = 0
         self.groups: set[tuple] = set()  # worker sets that have a process group for collectives
 
@@ -172,7 +172,7 @@ class Router(CreationRoutes):
         job.on_all(workers, op_name, results, op_args, op_targs, op_kwargs, placement_note)
         if steps.post:
             self._post(job, steps.post, results[0], outs[0], inputs, workers, out_metas[0])
-        crossed = _union(table.crossings.get(args[i]) for i in targs)
+        crossed = union_of(table.crossings.get(args[i]) for i in targs)
         targets = list(outs) if OPS[name].kind != "inplace" else [inputs[targs[0]]]
         splits_out = steps.outs if OPS[name].kind != "inplace" else [table.where[inputs[targs[0]]].split]
         for handle, meta, split in zip(targets, out_metas, splits_out):
@@ -221,26 +221,6 @@ class Router(CreationRoutes):
         table.crossings[temp] = table.crossings.get(handle, frozenset())
         return temp
 
-    def _move(self, job, handle, workers, grad_split=None) -> int:
-        """A replicated copy of `handle` on `workers` (a split tensor is gathered first)."""
-        table = job.table
-        source = table.where[handle]
-        if source.split is not None:
-            handle = self._convert(job, handle, ("gather", source.split), source.workers)
-        self._check_alive(source.workers)
-        meta = table.meta[handle]
-        crossing = moves.Crossing(source.workers, tuple(workers))
-        if grad_split is not None:
-            crossing.grad_split, crossing.length = grad_split, meta[0][grad_split]
-            self._ensure_group(job, source.workers)
-        crossing_id = self.next_crossing
-        self.next_crossing += 1
-        self.crossings[crossing_id] = crossing
-        temp = job.temp(Placement(tuple(workers), None), meta)
-        moves.emit_forward(lambda w, i: job.emit(w, i, "crossing"), job.seq, crossing_id, crossing, handle, temp)
-        table.crossings[temp] = table.crossings.get(handle, frozenset()) | {crossing_id}
-        return temp
-
     def _infer(self, table, name, args, targs, kwargs) -> list:
         metas = list(args)
         for i in targs:
@@ -248,71 +228,12 @@ class Router(CreationRoutes):
             if meta is None:
                 raise Refused(f"{name}: handle {args[i]} is an optimizer, not a tensor")
             metas[i] = MetaTensor(*meta)
-        if name in ("grad", "set_grad_none", "requires_grad_", "set_data", "backward", "cross_backward"):
+        if name in ("grad", "set_grad_none", "set_grad", "requires_grad_", "set_data", "backward", "cross_backward"):
             return [table.meta[args[targs[0]]]] if name == "grad" else []
         try:
             return infer(name, metas, targs, kwargs)
         except ShapeError as error:
             raise Refused(str(error)) from None
-
-    # ---- autograd and pipelines ---------------------------------------------------------------
-
-    def _backward(self, job, args, targs, kwargs) -> None:
-        table = job.table
-        loss = table.where[args[0]]
-        if loss.split is not None:
-            raise Refused("backward: the tensor is split over workers; reduce it (sum, mean) first")
-        for i in targs[1:]:
-            if table.where[args[i]].workers != loss.workers or table.where[args[i]].split is not None:
-                args[i] = self._move(job, args[i], loss.workers)
-        crossed = _union(table.crossings.get(args[i]) for i in targs)
-        local = bool(kwargs.pop("local", False))
-        if crossed and not local:
-            kwargs["retain_graph"] = True  # later gradient exchanges traverse this graph again
-        job.on_all(loss.workers, "backward", [], args, targs, kwargs)
-        if not local:
-            for crossing in sorted(crossed, reverse=True):
-                moves.emit_backward(job.emit, job.seq, crossing, self.crossings[crossing], keep_graph=True)
-
-    def _cross_backward(self, job, handle) -> None:
-        crossing = job.table.direct.get(handle)
-        if crossing is None or crossing not in self.crossings:
-            raise Refused("cross_backward: this tensor was not moved between workers by gt.signal.tensor")
-        moves.emit_backward(job.emit, job.seq, crossing, self.crossings[crossing], keep_graph=False)
-
-    def _reshard(self, job, out, handle, kwargs) -> None:
-        """gt.signal.tensor: `handle` laid out as the signal says (moved, split or gathered)."""
-        table = job.table
-        target = table.signals.get(kwargs.get("signal"))
-        if target is None:
-            raise Refused(f"signal {kwargs.get('signal')!r} is not in this client's configuration")
-        shape, dtype = table.meta[handle]
-        placement = signal_placement(target, shape)
-        source = table.where[handle]
-        current, crossing = handle, None
-        if source.workers != placement.workers:
-            grad_split = self._backward_layout(table, target, source, shape)
-            current = self._move(job, current, placement.workers, grad_split)
-            crossing = self.next_crossing - 1
-        elif source.split not in (None, placement.split):
-            current = self._convert(job, current, ("gather", source.split), source.workers)
-        if placement.split is not None and table.where[current].split != placement.split:
-            current = self._convert(job, current, ("scatter", placement.split), placement.workers)
-        job.on_all(placement.workers, "alias", [out], [current], [0], {}, self._note(placement.workers, target, "reshard"))
-        table.where[out], table.meta[out] = placement, (shape, dtype)
-        self._add_crossings(table, out, table.crossings.get(current, frozenset()))
-        if crossing is not None:
-            table.direct[out] = crossing
-
-    def _backward_layout(self, table, target, source, shape) -> int | None:
-        """The axis a moved tensor's gradient travels back split along (its `backward` signal)."""
-        if target.backward is None:
-            return None
-        layout = table.signals[target.backward]
-        if layout.workers != source.workers:
-            raise Refused(f"signal {target.name}: its backward signal {layout.name} is on workers "
-                          f"{list(layout.workers)}, but the tensor comes from {list(source.workers)}")
-        return signal_placement(layout, shape).split
 
     # ---- optimizers, groups, bookkeeping -----------------------------------------------------
 
@@ -404,15 +325,6 @@ class Router(CreationRoutes):
             flags = instr[6] = dict(instr[6] or {})
             flags["L"] = self.log.describe(worker, instr, table, note)
         streams[worker].append(instr)
-
-
-def _union(sets) -> frozenset:
-    """The union of some crossing sets, most of them empty (None)."""
-    found = frozenset()
-    for crossings in sets:
-        if crossings:
-            found = found | crossings if found else crossings
-    return found
 
 
 def _is_instruction(instr) -> bool:

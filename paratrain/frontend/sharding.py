@@ -351,6 +351,7 @@ _RULES = {
     **{name: _elementwise for name, op in OPS.items() if op.elementwise},
     "where": _elementwise, "maximum": _elementwise, "minimum": _elementwise, "masked_fill": _elementwise,
     **{name: _inplace for name, op in OPS.items() if op.kind == "inplace" and name != "setitem"},
+    "set_grad": _inplace,
     "softmax": _softmax, "log_softmax": _softmax, "tril": _tril, "triu": _tril,
     "matmul": _matmul, "linear": _linear,
     "sum": lambda *a: _reduce(*a, name="sum"), "mean": lambda *a: _reduce(*a, name="mean"),

@@ -141,10 +141,14 @@ class Tensor:
 
     @grad.setter
     def grad(self, value) -> None:
-        if value is not None:
-            raise NotImplementedError("only `tensor.grad = None` is supported")
-        self._session.issue("set_grad_none", [], [self._handle], [0], tensors=(self,))
-        self._has_grad, self._grad = False, None
+        if value is None:
+            self._session.issue("set_grad_none", [], [self._handle], [0], tensors=(self,))
+            self._has_grad, self._grad = False, None
+            return
+        if not isinstance(value, Tensor) or value.shape != self.shape or value.dtype != self.dtype:
+            raise RuntimeError(f"assigned grad must be a tensor of shape {list(self.shape)} and dtype {self.dtype}")
+        self._session.issue("set_grad", [], [self._handle, value._handle], [0, 1], tensors=(self, value))
+        self._has_grad, self._grad = True, None
 
     def detach(self) -> Tensor:
         return self._call("detach")
