@@ -12,7 +12,7 @@ import numpy as np
 
 from paratrain.frontend.jobs import Refused
 from paratrain.frontend.sharding import Placement, local_shapes
-from paratrain.frontend.wire import _NUMPY_OF
+from paratrain.frontend.wire import NUMPY_DTYPES
 
 RANDOM_CREATION = frozenset({"randn", "rand", "uniform", "randint"})
 
@@ -24,7 +24,7 @@ class CreationRoutes:
         table = job.table
         if name == "upload":
             meta = (tuple(kwargs.get("shape") or ()), kwargs.get("dtype"))
-            if meta[1] not in _NUMPY_OF or not all(isinstance(s, int) and s >= 0 for s in meta[0]):
+            if meta[1] not in NUMPY_DTYPES or not all(isinstance(s, int) and s >= 0 for s in meta[0]):
                 raise Refused("upload: dtype or shape is malformed")
         else:
             (meta,) = self._infer(table, name, args, [], kwargs)
@@ -69,7 +69,7 @@ class CreationRoutes:
         pieces = [frames[frame]] * len(placement.workers)
         shapes = [shape] * len(placement.workers)
         if placement.split is not None:
-            array = np.frombuffer(frames[frame], dtype=_NUMPY_OF[kwargs["dtype"]]).reshape(shape)
+            array = np.frombuffer(frames[frame], dtype=NUMPY_DTYPES[kwargs["dtype"]]).reshape(shape)
             parts = np.array_split(array, len(placement.workers), axis=placement.split)
             pieces = [np.ascontiguousarray(part).tobytes() for part in parts]
             shapes = [part.shape for part in parts]

@@ -19,9 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
-
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from paratrain.frontend.dispatcher import Dispatcher
 
@@ -69,31 +66,18 @@ def serve(host: str = "127.0.0.1", port: int = 0, workers: int = 1, *, local_wor
 
 
 def _launch_workers(address: str, workers: int, token: str | None, threads: int) -> None:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    """The workers as one world of processes, through paratrain's launcher (PyTorch's elastic
+    launcher underneath): each joins the world, then serves the dispatcher."""
+    from paratrain.launch import run
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=workers, run_id=f"frontend-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn",
-    )
-    elastic_launch(config, _local_worker_main)(address, token, threads)
+    run(_local_worker, workers, launcher="processes", args=(address, token, threads))
 
 
-@record
-def _local_worker_main(address: str, token: str | None, threads: int) -> None:
-    import torch.distributed as dist
-
+def _local_worker(group, address: str, token: str | None, threads: int) -> None:
     from paratrain.frontend.worker import run_worker
-    from paratrain.launch import init_process_group_from_env
 
-    group = init_process_group_from_env()
-    try:
-        run_worker(address, token, group=group, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                   threads=threads)
-    finally:
-        group.close()
-        dist.destroy_process_group()
+    run_worker(address, token, group=group, local_rank=int(os.environ.get("LOCAL_RANK", "0")), threads=threads)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -71,22 +71,22 @@ def _as_tuple(kind) -> tuple:
 # The dtypes a tensor may have on the wire. bfloat16 has no numpy type: it travels as its raw
 # 2 bytes per element and is widened to float32 when the client reads it.
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
-_NUMPY_OF = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
-_NUMPY_OF["bfloat16"] = np.dtype("uint16")
+NUMPY_DTYPES = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
+NUMPY_DTYPES["bfloat16"] = np.dtype("uint16")
 
 
 def numpy_dtype_name(array: np.ndarray) -> str:
     name = array.dtype.name
-    if name not in _NUMPY_OF:
+    if name not in NUMPY_DTYPES:
         raise TypeError(f"numpy dtype {name} has no frontend equivalent; use one of {', '.join(DTYPES)}")
     return name
 
 
 def array_from_frame(buffer, dtype: str, shape: list[int]) -> np.ndarray:
     """A writable numpy array from a fetched tensor's bytes (bfloat16 widened to float32)."""
-    if dtype not in _NUMPY_OF:
+    if dtype not in NUMPY_DTYPES:
         raise MalformedMessage(f"unknown dtype {dtype!r}")
-    array = np.frombuffer(buffer, dtype=_NUMPY_OF[dtype]).copy()
+    array = np.frombuffer(buffer, dtype=NUMPY_DTYPES[dtype]).copy()
     if dtype == "bfloat16":
         array = (array.astype(np.uint32) << 16).view(np.float32)
     expected = int(np.prod(shape, dtype=np.int64)) if shape else 1

@@ -27,6 +27,7 @@ from paratrain.frontend.errors import (
 )
 from paratrain.frontend.handshake import handshake
 from paratrain.frontend.ops import OPS
+from paratrain.frontend.sharding import part_sizes
 
 BATCH_SIZE = 256  # instructions per message when nothing forces a send earlier
 MAX_UNSYNCED = 16  # batches in flight before the client waits for the workers to catch up
@@ -294,17 +295,12 @@ def _assemble(frames, dtype, shape, parts=1, axis=None) -> np.ndarray:
     """A fetched tensor from its parts (a split tensor comes as one part per worker)."""
     if parts == 1:
         return wire.array_from_frame(next(frames).buffer, dtype, shape)
-    pieces, lengths = [], _part_lengths(shape[axis], parts)
+    pieces, lengths = [], part_sizes(shape[axis], parts)
     for length in lengths:
         local = list(shape)
         local[axis] = length
         pieces.append(wire.array_from_frame(next(frames).buffer, dtype, local))
     return np.concatenate(pieces, axis=axis)
-
-
-def _part_lengths(length: int, parts: int) -> list[int]:
-    base, extra = divmod(length, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def _floating(dtype: str) -> bool:
