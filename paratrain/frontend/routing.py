@@ -138,6 +138,9 @@ class Router(CreationRoutes, MoveRoutes):
         first = table.where[args[targs[0]]]
         workers = first.workers if signal is None or name in STAY else signal.workers
         self._check_alive(workers)
+        if len(workers) == 1 and all(table.where[args[i]] is first or table.where[args[i]] == first for i in targs):
+            self._compute_here(job, name, outs, args, targs, kwargs, first)  # the common case
+            return
         for i in targs:
             if table.where[args[i]].workers != workers:
                 if OPS[name].kind == "inplace" and i == targs[0]:
@@ -179,6 +182,20 @@ class Router(CreationRoutes, MoveRoutes):
             if OPS[name].kind != "inplace":
                 table.where[handle], table.meta[handle] = Placement(workers, split), meta
             self._add_crossings(table, handle, crossed)
+
+    def _compute_here(self, job, name, outs, args, targs, kwargs, placement) -> None:
+        """Everything on one worker: the instruction goes there as the client wrote it."""
+        table = job.table
+        out_metas = self._infer(table, name, args, targs, kwargs)
+        inplace = OPS[name].kind == "inplace"
+        if not inplace:
+            for handle, meta in zip(outs, out_metas):
+                table.where[handle], table.meta[handle] = placement, meta
+        job.emit(placement.workers[0], [job.seq, name, outs, args, targs, kwargs, job.flags])
+        crossed = union_of(table.crossings.get(args[i]) for i in targs)
+        if crossed:
+            for handle in ([args[targs[0]]] if inplace else outs):
+                self._add_crossings(table, handle, crossed)
 
     def _post(self, job, post, current, final, inputs, workers, meta) -> None:
         """The steps after a partial result: all-reduce, scale, add a bias."""
