@@ -5,9 +5,28 @@ the shell. Spawned ranks inherit this environment, so the same holds for launche
 
 import pytest
 
+import paratrain.frontend as gt
+from paratrain.frontend.server import LocalServer
+
 
 @pytest.fixture(autouse=True)
 def hermetic_comm_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PARATRAIN_ALGO_TABLE", str(tmp_path / "no-algorithm-table.json"))
     for name in ("PARATRAIN_DEBUG", "PARATRAIN_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One frontend dispatcher with one worker for the API and error tests (a client that stops
+    sending heartbeats is dropped after 3 s; one message may carry at most 1 MiB)."""
+    srv = LocalServer.start(1, extra_args=("--client-timeout", "3", "--max-message-mb", "1"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    session = gt.connect(server.address)
+    yield session
+    gt.disconnect()

@@ -1,0 +1,167 @@
+"""The frontend's errors, each raised where it belongs, and a dispatcher that serves on: shape
+errors at the line that made them, worker errors at the next sync naming the operation, its
+inputs, the worker and the line; foreign handles, unknown operations, malformed and oversized
+messages; clients that leave or die have their tensors freed."""
+
+import numpy as np
+import pytest
+
+import paratrain.frontend as gt
+from frontend_helpers import raw_client, raw_sync
+
+
+def test_shape_errors_raise_at_the_line_that_made_them(client):
+    a, b = gt.randn(4, 3), gt.randn(5, 6)
+    session = gt.session()
+    queued = len(session._batch)
+    with pytest.raises(gt.ShapeError, match=r"matmul\(float32\[4, 3\], float32\[5, 6\]\)"):
+        a @ b  # noqa: B018 - raises here, not at a later sync
+    assert len(session._batch) == queued  # nothing was sent for it
+
+
+def test_worker_errors_surface_at_the_next_sync_naming_op_inputs_worker_and_line(client):
+    logits = gt.randn(4, 10, requires_grad=True)
+    targets = gt.tensor([1, 2, 30, 4])
+    loss = gt.cross_entropy(logits, targets); line = _line()  # noqa: E702 - the line to name
+    loss.backward()  # skipped quietly on the worker: its input failed
+    with pytest.raises(gt.RemoteError) as caught:
+        loss.item()
+    message = str(caught.value)
+    assert "cross_entropy(float32[4, 10], int64[4])" in message
+    assert "worker 0" in message and f"test_frontend_errors.py:{line}" in message
+    assert "out of bounds" in message
+    assert (gt.ones(2) * 3).sum().item() == 6.0  # the session goes on
+
+
+def _line():
+    import inspect
+
+    return inspect.currentframe().f_back.f_lineno
+
+
+def test_tensors_of_another_session_are_refused(client, server):
+    other = gt.Session(server.address)
+    try:
+        theirs = other.call("ones", [3], {"dtype": None})[0]
+        with pytest.raises(ValueError, match="another client"):
+            gt.ones(3) + theirs
+    finally:
+        other.close()
+
+
+def test_a_client_can_neither_read_nor_free_another_clients_tensors(client, server):
+    mine = gt.randn(8)
+    expected = mine.numpy()
+    with raw_client(server.address) as (sock, _):
+        reply, _ = raw_sync(sock, [[1, "free", [], [mine._handle], [], {}, None]], fetch=[mine._handle])
+        assert reply["fetched"][0][1] is None and "not a tensor of this client" in reply["fetched"][0][2]
+        reply, _ = raw_sync(sock, [[2, "relu", [5], [mine._handle], [0], {}, None]], token=10_001)
+        assert "not a tensor of this client" in reply["errors"][0][4]
+    np.testing.assert_array_equal(mine.numpy(), expected)
+
+
+@pytest.mark.parametrize("ops, reason", [
+    ([[1, "os.system", [0], ["ls"], [], {}, None]], "unknown operation"),
+    ([[1, "randn", [0], [2], [], {"device": "cuda"}, None]], "unexpected keyword"),
+    ([["x"]], "must be a list"),
+])
+def test_bad_instructions_get_an_error_and_the_dispatcher_serves_on(client, server, ops, reason):
+    with raw_client(server.address) as (sock, _):
+        reply, _ = raw_sync(sock, ops)
+        assert reason in reply["errors"][0][4]
+    assert gt.ones(3).sum().item() == 3.0
+
+
+@pytest.mark.parametrize("frame", [b"\x80\x04 not msgpack", b"\x93\x01\x02\x03"])
+def test_malformed_messages_get_an_error_reply_and_nothing_breaks(client, server, frame):
+    from paratrain.frontend import wire
+
+    with raw_client(server.address) as (sock, _):
+        sock.send(frame)
+        assert sock.poll(10_000)
+        reply = wire.decode(sock.recv())
+        assert reply["t"] == "error" and "malformed" in reply["message"]
+        reply, _ = raw_sync(sock, [[1, "ones", [0], [2], [], {}, None]], fetch=[0])
+        assert reply["errors"] == []
+    assert gt.ones(3).sum().item() == 3.0
+
+
+def test_a_departed_client_has_its_tensors_freed(client, server):
+    from paratrain.frontend.top import Monitor
+
+    monitor = Monitor(server.address)
+    try:
+        def held():
+            import time
+
+            time.sleep(1.2)  # the next worker heartbeat carries the new figure
+            return monitor.stats()["workers"][0]["memory"]
+
+        other = gt.Session(server.address)
+        big = other.call("zeros", [1024, 1024], {"dtype": None})[0]
+        other.sync()
+        before = held()
+        other.close()
+        del big
+        after = held()
+        assert before - after >= 4 * 1024 * 1024
+    finally:
+        monitor.close()
+
+
+def test_a_killed_client_has_its_tensors_freed_after_its_heartbeats_stop(server):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from paratrain.frontend.top import Monitor
+
+    program = (f"import paratrain.frontend as gt, time\ngt.connect({server.address!r})\n"
+               "x = gt.zeros(1024, 1024); x.sum().item(); print('ready', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    monitor = Monitor(server.address)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(1.2)
+        assert any(c["tensors"] >= 1 for c in monitor.stats()["clients"])
+        held = monitor.stats()["workers"][0]["memory"]
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        time.sleep(5.5)  # the server's --client-timeout is 3 s; then a heartbeat reports memory
+        assert held - monitor.stats()["workers"][0]["memory"] >= 4 * 1024 * 1024
+    finally:
+        monitor.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_uploads_over_the_message_limit_fail_at_the_client_and_oversized_messages_are_dropped(client, server):
+    with pytest.raises(ValueError, match="over the server's message limit of 1 MiB"):
+        gt.from_numpy(np.zeros((600, 600), np.float32))  # 1.4 MiB
+    with raw_client(server.address) as (sock, _):
+        sock.send(b"x" * (2 << 20))  # ZeroMQ drops the connection that sent it
+        assert not sock.poll(1500)
+    assert gt.from_numpy(np.ones((10, 10), np.float32)).sum().item() == 100.0
+
+
+def test_bench_frontend_reports_both_times_and_writes_records(server, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from paratrain.cli import main as paratrain_cli
+
+    out = tmp_path / "frontend.json"
+    result = CliRunner().invoke(paratrain_cli, ["bench", "frontend", "--server", server.address, "--sizes", "8x16,4x8",
+                                                "--repeats", "1", "--steps", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "one streamed instruction" in result.output and "ratio" in result.output
+    records = json.loads(out.read_text())
+    assert [(r["batch"], r["hidden"]) for r in records] == [(8, 16), (4, 8)]
+    for record in records:
+        assert {"workers", "frontend_ms", "torch_ms", "ratio"} <= set(record)
+        assert record["frontend_ms"] > 0 and record["torch_ms"] > 0
+        assert record["ratio"] == pytest.approx(record["frontend_ms"] / record["torch_ms"])
