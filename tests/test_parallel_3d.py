@@ -105,3 +105,36 @@ def test_bf16_autocast_pipeline_stays_close_to_the_bf16_reference():
     results = run(functools.partial(train_rank, return_state=True), 4, args=(config,))
     report = compare(config, results, reference_run(config))
     assert report["max_loss_diff"] <= 2e-2 and report["max_param_diff"] <= 2e-2, report
+
+
+def test_no_rank_trains_before_every_rank_has_its_weights(monkeypatch):
+    """Threads-launcher ranks share torch's global RNG, which activation checkpointing saves
+    and restores around each recompute: a replica that trained while another rank was still
+    drawing its initial weights gave that rank other weights (a CI run saw losses 4e-4 off).
+    Here the last rank builds its model late; no rank may start a step before it is done."""
+    import time
+    import paratrain.train.loop as loop
+
+    events, build = [], loop.build_parallel_model
+
+    def slow_build(config, mesh, dataset):
+        model = build(config, mesh, dataset)
+        if mesh.coords.dp == 1 and mesh.coords.pp == 1 and mesh.coords.tp == 1:
+            time.sleep(2.0)  # a rank still initialising (on a busy machine, the lock's last)
+        events.append(("built", time.perf_counter()))
+        return model
+
+    run_step = loop.PipelineRuntime.run
+
+    def recorded_run(self, inputs, targets):
+        events.append(("step", time.perf_counter()))
+        return run_step(self, inputs, targets)
+
+    monkeypatch.setattr(loop, "build_parallel_model", slow_build)
+    monkeypatch.setattr(loop.PipelineRuntime, "run", recorded_run)
+    config = apply_overrides(config_for(2, 2, 2, "zb-h1", 4, {"checkpoint_activations": True}), {"steps": 1})
+    run(functools.partial(train_rank), 8, args=(config,))
+    last_built = max(t for kind, t in events if kind == "built")
+    first_step = min(t for kind, t in events if kind == "step")
+    assert sum(kind == "built" for kind, _ in events) == 8
+    assert first_step > last_built, f"a rank stepped {last_built - first_step:.3f} s before the last rank was built"

@@ -57,6 +57,11 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     else:
         forward_backward = lambda x, y: _accumulation_step(dp, loss_fn, x, y, par)  # noqa: E731
     tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
+    # No rank trains before every rank holds its weights. Under the threads launcher the ranks
+    # share torch's global RNG: initialisation draws from it (under a lock), and activation
+    # checkpointing saves and restores it around each recompute. A replica already training
+    # would rewind the RNG under a rank still initialising and give it other weights.
+    group.barrier()
 
     log = []
     progress = tqdm(
