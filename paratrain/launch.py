@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+import warnings
 from datetime import timedelta
 
 import torch
@@ -120,7 +121,8 @@ def init_process_group_from_env(timeout: float | None = None, debug: bool | None
     """Join the world torchrun (or our launcher) describes in the environment."""
     import torch.distributed as dist
 
-    if _cuda_available():
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if gpus_for(local_ranks):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "cpu:gloo,cuda:nccl"  # CPU tensors still go through gloo
     else:
@@ -131,5 +133,15 @@ def init_process_group_from_env(timeout: float | None = None, debug: bool | None
     return Group(TorchTransport(), timeout=group_timeout, debug=debug)
 
 
-def _cuda_available() -> bool:
-    return hasattr(torch, "cuda") and torch.cuda.is_available()
+def gpus_for(local_ranks: int) -> bool:
+    """Whether each of this machine's `local_ranks` ranks can have a GPU of its own. NCCL
+    refuses two ranks on one GPU, so a machine with fewer GPUs than ranks runs on the CPU
+    (gloo) instead, with a warning, rather than failing in `set_device`."""
+    if not (hasattr(torch, "cuda") and torch.cuda.is_available()):
+        return False
+    if torch.cuda.device_count() >= local_ranks:
+        return True
+    warnings.warn(
+        f"{local_ranks} ranks on a machine with {torch.cuda.device_count()} GPU(s): running on the CPU (gloo); "
+        "NCCL needs a GPU per rank", stacklevel=2)
+    return False

@@ -97,27 +97,32 @@ def parts(tensor: torch.Tensor, world_size: int) -> tuple[torch.Tensor, ...]:
     return torch.tensor_split(tensor, world_size)
 
 
-def stored_as(values: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A tensor whose logical (row-major) contents are `values`, stored as `layout` says, and
-    for "strided" the skipped elements in between (filled with the sentinel, to be checked)."""
+def stored_as(values: torch.Tensor, layout: str, device="cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A tensor on `device` whose logical (row-major) contents are `values`, stored as `layout`
+    says, and for "strided" the skipped elements in between (the sentinel, to be checked)."""
     count, dtype = values.numel(), values.dtype
     if layout == "contiguous":
-        return values.clone(), None
+        return values.to(device, copy=True), None
     if layout == "transposed":
         rows, cols = NONCONTIGUOUS_SHAPE
-        tensor = torch.empty(cols, rows, dtype=dtype).t()
+        tensor = torch.empty(cols, rows, dtype=dtype, device=device).t()
         tensor.copy_(values.view(rows, cols))
         return tensor, None
     if layout == "strided":
-        storage = torch.full((2 * count,), SENTINEL[dtype.is_floating_point], dtype=dtype)
+        storage = torch.full((2 * count,), SENTINEL[dtype.is_floating_point], dtype=dtype, device=device)
         storage[::2] = values
         return storage[::2], storage[1::2]
     raise ValueError(layout)
 
 
-def output_buffer(count: int, dtype: torch.dtype, layout: str):
+def output_buffer(count: int, dtype: torch.dtype, layout: str, device="cpu"):
     """An output buffer pre-filled with the sentinel, so elements left unwritten show."""
-    return stored_as(torch.full((count,), SENTINEL[dtype.is_floating_point], dtype=dtype), layout)
+    return stored_as(torch.full((count,), SENTINEL[dtype.is_floating_point], dtype=dtype), layout, device)
+
+
+def device_of(group: Group) -> torch.device:
+    """Where this rank's tensors live: the CPU, or its GPU (fabric on CUDA, NCCL)."""
+    return getattr(group.transport, "device", torch.device("cpu"))
 
 
 # ---- recording differences -----------------------------------------------------------------
@@ -134,7 +139,7 @@ class Report:
         self.failures.append(f"rank {self.rank}/{self.size} {label}: {problem}")
 
     def compare(self, label: str, actual: torch.Tensor, expected: torch.Tensor, what="result"):
-        problem = difference(actual.reshape(-1), expected.reshape(-1))
+        problem = difference(actual.reshape(-1).cpu(), expected.reshape(-1))
         if problem:
             self.fail(label, f"{what}: {problem}")
 
@@ -183,7 +188,7 @@ def checking(label: str):
 def check_all_reduce(group, report, algo, dtype, count, op, layout="contiguous"):
     label = f"all_reduce(algo={algo}, {dtype_name(dtype)}, count={count}, op={op}, {layout})"
     inputs = [rank_input(k, count, dtype, "all_reduce") for k in range(group.size)]
-    tensor, gaps = stored_as(inputs[group.rank], layout)
+    tensor, gaps = stored_as(inputs[group.rank], layout, device_of(group))
     with checking(label):
         returned = group.all_reduce(tensor, op=op, algo=algo)
     report.compare(label, tensor, reduced(inputs, op))
@@ -197,8 +202,8 @@ def check_reduce_scatter(group, report, algo, dtype, count, op, in_layout="conti
              f"input {in_layout}, output {out_layout})")
     inputs = [rank_input(k, count, dtype, "reduce_scatter") for k in range(group.size)]
     expected = parts(reduced(inputs, op), group.size)[group.rank]
-    input, _ = stored_as(inputs[group.rank], in_layout)
-    output, gaps = output_buffer(expected.numel(), dtype, out_layout)
+    input, _ = stored_as(inputs[group.rank], in_layout, device_of(group))
+    output, gaps = output_buffer(expected.numel(), dtype, out_layout, device_of(group))
     with checking(label):
         returned = group.reduce_scatter(output, input, op=op, algo=algo)
     report.compare(label, output, expected)
@@ -211,7 +216,7 @@ def check_reduce_scatter_in_place(group, report, algo, dtype, count, op):
     """NCCL's in-place form: the output is this rank's own part of the input."""
     label = f"reduce_scatter in place(algo={algo}, {dtype_name(dtype)}, count={count}, op={op})"
     inputs = [rank_input(k, count, dtype, "reduce_scatter in place") for k in range(group.size)]
-    input = inputs[group.rank].clone()
+    input = inputs[group.rank].to(device_of(group), copy=True)
     output = parts(input, group.size)[group.rank]
     with checking(label):
         group.reduce_scatter(output, input, op=op, algo=algo)
@@ -225,8 +230,8 @@ def check_all_gather(group, report, algo, dtype, count, in_layout="contiguous",
              f"input {in_layout}, output {out_layout})")
     sizes = [part.numel() for part in parts(torch.empty(count), group.size)]
     inputs = [rank_input(k, sizes[k], dtype, "all_gather") for k in range(group.size)]
-    input, _ = stored_as(inputs[group.rank], in_layout)
-    output, gaps = output_buffer(count, dtype, out_layout)
+    input, _ = stored_as(inputs[group.rank], in_layout, device_of(group))
+    output, gaps = output_buffer(count, dtype, out_layout, device_of(group))
     with checking(label):
         returned = group.all_gather(output, input, algo=algo)
     report.compare(label, output, torch.cat(inputs))
@@ -240,7 +245,7 @@ def check_all_gather_in_place(group, report, algo, dtype, count):
     label = f"all_gather in place(algo={algo}, {dtype_name(dtype)}, count={count})"
     sizes = [part.numel() for part in parts(torch.empty(count), group.size)]
     inputs = [rank_input(k, sizes[k], dtype, "all_gather in place") for k in range(group.size)]
-    output = torch.full((count,), SENTINEL[dtype.is_floating_point], dtype=dtype)
+    output = torch.full((count,), SENTINEL[dtype.is_floating_point], dtype=dtype, device=device_of(group))
     input = parts(output, group.size)[group.rank]
     input.copy_(inputs[group.rank])
     with checking(label):
@@ -251,7 +256,7 @@ def check_all_gather_in_place(group, report, algo, dtype, count):
 def check_broadcast(group, report, algo, dtype, count, root, layout="contiguous"):
     label = f"broadcast(algo={algo}, {dtype_name(dtype)}, count={count}, root={root}, {layout})"
     inputs = [rank_input(k, count, dtype, "broadcast") for k in range(group.size)]
-    tensor, gaps = stored_as(inputs[group.rank], layout)
+    tensor, gaps = stored_as(inputs[group.rank], layout, device_of(group))
     with checking(label):
         returned = group.broadcast(tensor, root=root, algo=algo)
     report.compare(label, tensor, inputs[root])
@@ -263,7 +268,7 @@ def check_reduce(group, report, algo, dtype, count, root, op, layout="contiguous
     label = (f"reduce(algo={algo}, {dtype_name(dtype)}, count={count}, root={root}, op={op}, "
              f"{layout})")
     inputs = [rank_input(k, count, dtype, "reduce") for k in range(group.size)]
-    tensor, gaps = stored_as(inputs[group.rank], layout)
+    tensor, gaps = stored_as(inputs[group.rank], layout, device_of(group))
     with checking(label):
         returned = group.reduce(tensor, root=root, op=op, algo=algo)
     if group.rank == root:
@@ -281,8 +286,8 @@ def check_all_to_all(group, report, algo, dtype, count, in_layout="contiguous",
              f"input {in_layout}, output {out_layout})")
     inputs = [rank_input(k, count, dtype, "all_to_all") for k in range(group.size)]
     expected = torch.cat([parts(x, group.size)[group.rank] for x in inputs])
-    input, _ = stored_as(inputs[group.rank], in_layout)
-    output, gaps = output_buffer(expected.numel(), dtype, out_layout)
+    input, _ = stored_as(inputs[group.rank], in_layout, device_of(group))
+    output, gaps = output_buffer(expected.numel(), dtype, out_layout, device_of(group))
     with checking(label):
         returned = group.all_to_all(output, input, algo=algo)
     report.compare(label, output, expected)

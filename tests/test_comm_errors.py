@@ -358,3 +358,20 @@ def test_exception_on_one_rank_reaches_the_caller_and_names_the_rank():
     with pytest.raises(ValueError, match="rank one gave up") as raised:
         paratrain.run(_rank1_fails_while_the_others_wait, 4)
     assert "(raised on rank 1 of 4, launcher=threads)" in raised.value.__notes__
+
+
+def test_more_ranks_than_gpus_run_on_gloo_with_a_warning(monkeypatch):
+    """NCCL refuses two ranks on one GPU: a 1-GPU machine asked for 2 ranks runs them on the
+    CPU (gloo) and says so, instead of failing in torch.cuda.set_device(1)."""
+    from paratrain.bench.collectives_cli import transport_kind
+    from paratrain.launch import gpus_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert gpus_for(1)
+    with pytest.warns(UserWarning, match="2 ranks on a machine with 1 GPU"):
+        assert not gpus_for(2)
+    assert transport_kind("processes", 1) == "nccl"
+    assert transport_kind("processes", 2) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not gpus_for(1)

@@ -85,11 +85,12 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return sizes
 
 
-def transport_kind(launcher: str) -> str:
-    """The transport a world started by `launcher` will have, known without starting it."""
+def transport_kind(launcher: str, nproc: int) -> str:
+    """The transport a world started by `launcher` will have, known without starting it
+    (NCCL only where every rank has a GPU of its own, as `launch.gpus_for` decides)."""
     if launcher == "threads":
         return "fabric"
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
 
 
 def _thread_devices(nproc: int):
@@ -172,7 +173,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
         notes.append(f"{error}: replacing it")
     counts = element_counts(sweep_sizes(min_bytes, max_bytes, factor), dtype)
     if explain and not tune:
-        _print_explain(table, plan, counts, dtype, nproc, transport_kind(launcher))
+        _print_explain(table, plan, counts, dtype, nproc, transport_kind(launcher, nproc))
         return
 
     sweep = Sweep(tuple(plan), tuple(counts), dtype, warmup, iters, table)
