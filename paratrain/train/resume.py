@@ -1,0 +1,78 @@
+"""The training loop's side of checkpoints: what to save when, and where to start again.
+
+Resuming gives exactly the losses of the run that was not interrupted: weights and optimizer
+state are saved bit for bit, the LR schedule's state with them, and the data depends only on
+(seed, step), so the step number is the data position.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from paratrain.train.checkpoint import CheckpointError, CheckpointReader, complete_checkpoints, resolve, save
+from paratrain.train.config import TrainConfig, to_dict
+from paratrain.train.train_state import TrainState, load_state, owned_state
+
+
+def train_state_for(parallel, mesh, module, dp, optimizer, group) -> TrainState:
+    if mesh is None:
+        return TrainState(module, module, dp, optimizer, None, group.rank == 0)
+    tp_group = mesh.tp if mesh.shape["tp"] > 1 else None
+    owner = mesh.coords.dp == 0 and mesh.coords.tp == 0
+    return TrainState(parallel.model, parallel.module, dp, optimizer, tp_group, owner)
+
+
+def checkpoint_to_resume(config: TrainConfig) -> str | None:
+    """--resume as given; after an elastic restart (torchrun --max-restarts, or ours), the
+    latest checkpoint in the save dir, if there is one."""
+    ckpt = config.checkpoint
+    if ckpt.resume is not None:
+        return str(resolve(ckpt.resume, ckpt.dir))
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and ckpt.dir and complete_checkpoints(ckpt.dir):
+        return str(complete_checkpoints(ckpt.dir)[-1])
+    return None
+
+
+def restore(path: str, config: TrainConfig, group, state: TrainState, scheduler) -> int:
+    """Load the checkpoint at `path` into this rank; returns the step to continue from."""
+    reader = CheckpointReader(path)
+    saved = reader.manifest["config"]
+    for section, key in (("model", "name"), ("model", "overrides"), ("optim", "name")):
+        ours = getattr(getattr(config, section), key)
+        if saved[section][key] != ours:
+            raise CheckpointError(
+                f"{path} was saved with {section}.{key} = {saved[section][key]!r}, this run has {ours!r}")
+    if reader.manifest["step"] >= config.steps:
+        raise CheckpointError(f"{path} is at step {reader.manifest['step']}; --steps {config.steps} leaves nothing to train")
+    load_state(state, reader.read)
+    scheduler.load_state_dict(reader.manifest["scheduler"])
+    for param_group, lr in zip(state.optimizer.param_groups, scheduler.get_last_lr()):
+        param_group["lr"] = lr
+    rng_key = f"rng/{group.rank}"
+    if reader.manifest["world_size"] == group.size and rng_key in reader.where:
+        torch.set_rng_state(reader.read([rng_key])[rng_key])  # only dropout draws from it
+    return reader.manifest["step"]
+
+
+def save_if_due(config: TrainConfig, group, state: TrainState, scheduler, steps_done: int, layout: dict):
+    """Save after `steps_done` steps when --save-every says so (and always after the last)."""
+    ckpt = config.checkpoint
+    if not ckpt.dir:
+        return None
+    due = (ckpt.every and steps_done % ckpt.every == 0) or steps_done == config.steps
+    if not due:
+        return None
+    tensors = owned_state(state)  # collective: every rank calls it
+    tensors[f"rng/{group.rank}"] = torch.get_rng_state()
+    manifest = {"config": to_dict(config), "layout": layout, "scheduler": scheduler.state_dict()}
+    return save(group, ckpt.dir, steps_done, tensors, manifest, ckpt.keep)
+
+
+def layout_of(config: TrainConfig, world_size: int) -> dict:
+    par = config.parallel
+    return {"world_size": world_size, "dp": world_size // (par.pp * par.tp), "pp": par.pp, "tp": par.tp,
+            "zero": par.zero, "dp_mode": par.dp_mode}
+
