@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 MANIFEST, CHECKSUMS, FORMAT = "manifest.json", "checksums.json", 1
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -89,9 +90,17 @@ def save(group, directory: str | Path, step: int, tensors: dict[str, torch.Tenso
     group.barrier()
     mine = temporary / f"rank-{group.rank:05d}"
     mine.mkdir()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(mine), no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(mine), no_dist=True)
+    except (CheckpointException, Exception) as error:  # DCP's exception is a BaseException
+        cause = _first_failure(error)
+        previous = complete_checkpoints(directory)
+        raise CheckpointError(
+            f"rank {group.rank} could not save {final.name}: {type(cause).__name__}: {cause}; "
+            + (f"the last complete checkpoint is {previous[-1]}" if previous else "no earlier checkpoint exists")
+        ) from error
     _write_json(mine / CHECKSUMS, {p.name: _checksum(p) for p in sorted(mine.iterdir()) if p.name != CHECKSUMS})
     group.barrier()  # every rank's part is on disk
     if group.rank == 0:
@@ -104,6 +113,15 @@ def save(group, directory: str | Path, step: int, tensors: dict[str, torch.Tenso
             shutil.rmtree(old, ignore_errors=True)
     group.barrier()
     return final
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """DCP wraps a writer's exception in a CheckpointException that maps ranks to failures."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return error
 
 
 def _checksum(path: Path) -> dict:
@@ -193,9 +211,13 @@ class CheckpointReader:
             rank_dir, entry = self.where[key]
             by_dir.setdefault(rank_dir, {})[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
         for rank_dir, tensors in by_dir.items():
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.load(tensors, storage_reader=dcp.FileSystemReader(rank_dir), no_dist=True)
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                    dcp.load(tensors, storage_reader=dcp.FileSystemReader(rank_dir), no_dist=True)
+            except (CheckpointException, Exception) as error:  # DCP's exception is a BaseException
+                cause = _first_failure(error)
+                raise CheckpointError(f"{rank_dir} cannot be read: {type(cause).__name__}: {cause}") from error
         return {key: tensor for tensors in by_dir.values() for key, tensor in tensors.items()}
 
 

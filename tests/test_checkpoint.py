@@ -1,0 +1,220 @@
+"""Checkpoints: resume gives the uninterrupted run's losses bit for bit, saves are atomic,
+damage is reported, layouts change on resume, and a killed rank restarts the run.
+
+A run of 6 steps saves after step 3; a second run resumes from that checkpoint. In fp32 and
+the same layout, its losses and final weights are the first run's exactly (==): the weights,
+the optimizer state and the LR schedule are saved bit for bit, and the data depends only on
+(seed, step). In another layout only the order of floating-point sums changes: 1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from paratrain import run
+from paratrain.train.checkpoint import CheckpointError, CheckpointReader, complete_checkpoints, load_for_inference
+from paratrain.train.config import ConfigError, TrainConfig, apply_overrides
+from paratrain.train.loop import train_rank
+from paratrain.train.validate import validate
+
+RESHARD_RTOL, RESHARD_ATOL = 1e-6, 1e-6
+
+
+def train_and_return_state(group, config):
+    return train_rank(group, config, return_state=True)
+
+
+def make_config(save_dir, **overrides) -> TrainConfig:
+    base = {"model.name": "mlp", "steps": 6, "log_every": 1000, "data.global_batch": 32,
+            "checkpoint.dir": str(save_dir), "checkpoint.every": 3}
+    return apply_overrides(TrainConfig(), {**base, **overrides})
+
+
+def losses_of(results) -> list[float]:
+    return [entry["loss"] for entry in results[0]["log"]]
+
+
+def merged_state(results) -> dict:
+    state = {}
+    for result in results.values():
+        state.update(result["state"])
+    return state
+
+
+def interrupted_and_resumed(tmp_path, world, launcher="threads", resume_overrides=None, resume_world=None, **overrides):
+    """(uninterrupted results, results of the run resumed from its step-3 checkpoint)."""
+    config = make_config(tmp_path, **overrides)
+    whole = run(train_and_return_state, world, launcher=launcher, args=(config,))
+    resumed_config = make_config(tmp_path, **{**overrides, **(resume_overrides or {})})
+    resumed_config.checkpoint.resume = str(tmp_path / "step-000003")
+    resumed_config.checkpoint.dir = str(tmp_path / "after-resume")
+    resumed = run(train_and_return_state, resume_world or world, launcher=launcher, args=(resumed_config,))
+    return whole, resumed
+
+
+SAME_LAYOUT = [
+    pytest.param(2, {"parallel.dp_mode": "ddp"}, id="dp2-ddp"),
+    pytest.param(2, {"parallel.dp_mode": "naive"}, id="dp2-naive"),
+    pytest.param(2, {"parallel.zero": 1, "optim.name": "adamw", "optim.lr": 0.01}, id="dp2-zero1-adamw"),
+    pytest.param(2, {"model.name": "gpt-tiny", "parallel.tp": 2, "optim.name": "adamw", "optim.lr": 0.01},
+                 id="tp2-adamw"),
+    pytest.param(2, {"model.name": "gpt-tiny", "parallel.pp": 2, "parallel.schedule": "1f1b",
+                     "parallel.microbatches": 4}, id="pp2-1f1b"),
+]
+
+
+@pytest.mark.parametrize("world, overrides", SAME_LAYOUT)
+def test_resume_gives_the_uninterrupted_losses_bit_for_bit(tmp_path, world, overrides):
+    whole, resumed = interrupted_and_resumed(tmp_path, world, **overrides)
+    assert [e["step"] for e in resumed[0]["log"]] == [3, 4, 5]
+    assert losses_of(resumed) == losses_of(whole)[3:]
+    for name, value in merged_state(whole).items():
+        assert torch.equal(merged_state(resumed)[name], value), name
+
+
+def test_resume_on_processes_gives_the_same_losses(tmp_path):
+    whole, resumed = interrupted_and_resumed(tmp_path, 2, launcher="processes")
+    assert losses_of(resumed) == losses_of(whole)[3:]
+
+
+@pytest.mark.parametrize("saved, world, resumed_as, resumed_world", [
+    pytest.param({}, 2, {}, 4, id="dp2-to-dp4"),
+    pytest.param({"parallel.tp": 2}, 4, {"parallel.tp": 1}, 4, id="dp2xtp2-to-tp1"),
+    pytest.param({"parallel.tp": 2}, 2, {"parallel.tp": 1, "parallel.pp": 2, "parallel.microbatches": 2}, 2,
+                 id="tp2-to-pp2"),
+])
+def test_a_checkpoint_loads_into_another_layout(tmp_path, saved, world, resumed_as, resumed_world):
+    overrides = {"model.name": "gpt-tiny", **saved}
+    whole, resumed = interrupted_and_resumed(
+        tmp_path, world, resume_overrides=resumed_as, resume_world=resumed_world, **overrides)
+    # The first resumed loss is computed from the loaded weights before any update.
+    assert losses_of(resumed) == pytest.approx(losses_of(whole)[3:], rel=RESHARD_RTOL)
+    for name, value in merged_state(whole).items():
+        assert torch.allclose(merged_state(resumed)[name], value, rtol=0, atol=RESHARD_ATOL), name
+
+
+def test_the_single_device_model_comes_back_from_a_tp_pp_checkpoint(tmp_path):
+    config = make_config(tmp_path, **{"model.name": "gpt-tiny", "parallel.tp": 2, "parallel.pp": 2,
+                                      "parallel.microbatches": 2, "model.n_layer": 2})
+    whole = run(train_and_return_state, 4, args=(config,))
+    loaded_config, model = load_for_inference(str(tmp_path))
+    assert loaded_config.model.name == "gpt-tiny" and loaded_config.parallel.tp == 2
+    for name, param in model.named_parameters():
+        assert torch.equal(param, merged_state(whole)[name]), name
+
+
+def test_keep_leaves_the_newest_checkpoints(tmp_path):
+    config = make_config(tmp_path, **{"checkpoint.every": 1, "checkpoint.keep": 2})
+    run(train_rank, 2, args=(config,))
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000005", "step-000006"]
+
+
+def test_a_save_that_fails_halfway_leaves_the_last_checkpoint_loadable(tmp_path, monkeypatch):
+    writes = {"count": 0}
+    original = dcp.FileSystemWriter.write_data
+
+    def fail_on_the_second_checkpoint(self, plan, planner):
+        writes["count"] += 1
+        if writes["count"] > 2:  # 2 ranks wrote step 3; the next save dies in the writer
+            raise OSError(28, "No space left on device")
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", fail_on_the_second_checkpoint)
+    with pytest.raises(CheckpointError, match=r"could not save step-000006: OSError: .*No space left on device; the last complete checkpoint is .*step-000003"):
+        run(train_rank, 2, args=(make_config(tmp_path, **{"steps": 9}),))
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000003"]
+    assert list(tmp_path.glob(".tmp-step-000006"))  # the broken save, never read
+    monkeypatch.undo()
+    resumed = make_config(tmp_path, **{"steps": 9, "checkpoint.resume": "latest"})
+    results = run(train_rank, 2, args=(resumed,))
+    assert results[0]["log"][0]["step"] == 3
+    assert (tmp_path / "step-000009").is_dir() and not list(tmp_path.glob(".tmp-*"))
+
+
+def _one_data_file(checkpoint: Path) -> Path:
+    return next(checkpoint.glob("rank-00000/*.distcp"))
+
+
+def test_a_truncated_or_corrupted_checkpoint_is_a_clear_error(tmp_path):
+    run(train_rank, 2, args=(make_config(tmp_path),))
+    checkpoint = tmp_path / "step-000006"
+    data = _one_data_file(checkpoint)
+    original = data.read_bytes()
+    data.write_bytes(original[: len(original) // 2])
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp is \d+ bytes, \d+ when saved: truncated"):
+        CheckpointReader(checkpoint)
+    corrupted = bytearray(original)
+    corrupted[len(corrupted) // 2] ^= 0xFF
+    data.write_bytes(bytes(corrupted))
+    with pytest.raises(CheckpointError, match="is corrupted"):
+        CheckpointReader(checkpoint)
+    (checkpoint / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="manifest.json cannot be read"):
+        CheckpointReader(checkpoint)
+
+
+def test_resuming_another_model_says_which_setting_differs(tmp_path):
+    run(train_rank, 2, args=(make_config(tmp_path, steps=3),))
+    other = make_config(tmp_path, **{"model.name": "mlp16", "checkpoint.resume": "latest"})
+    with pytest.raises(CheckpointError, match="saved with model.name = 'mlp', this run has 'mlp16'"):
+        run(train_rank, 2, args=(other,))
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ({"checkpoint.dir": None, "checkpoint.every": 5}, "need --save-dir"),
+    ({"checkpoint.max_restarts": 1}, "needs --launcher processes"),
+    ({"parallel.local_sgd": 2}, "refused with --local-sgd"),
+    ({"parallel.compress": "topk:0.1"}, "error-feedback residuals"),
+    ({"checkpoint.keep": 0}, "checkpoint.keep must be an integer >= 1"),
+    ({"checkpoint.resume": "/nonexistent/ckpt"}, "is not a checkpoint"),
+])
+def test_bad_checkpoint_options_are_refused_before_any_rank_starts(tmp_path, overrides, problem):
+    with pytest.raises(ConfigError, match=problem):
+        validate(make_config(tmp_path, **overrides), 2)
+
+
+# ---- a rank killed under the processes launcher -------------------------------------------------
+
+
+def train_and_die_once(group, config, after_step):
+    """Rank 1 SIGKILLs itself once the checkpoint of `after_step` exists, on the first attempt
+    only (an elastic restart sets TORCHELASTIC_RESTART_COUNT)."""
+    if group.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        marker = Path(config.checkpoint.dir) / f"step-{after_step:06d}"
+
+        def watch():
+            while not marker.exists():
+                time.sleep(0.002)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, daemon=True).start()
+    return train_rank(group, config)
+
+
+def test_a_killed_rank_fails_the_run_naming_it_and_its_signal(tmp_path):
+    config = make_config(tmp_path, **{"steps": 12, "checkpoint.every": 2})
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError) as failure:
+        run(train_and_die_once, 2, launcher="processes", args=(config, 2), timeout=30)
+    assert time.perf_counter() - started < 60
+    message = str(failure.value)
+    assert "rank 1" in message and "SIGKILL" in message, message
+
+
+def test_with_max_restarts_a_killed_rank_resumes_and_finishes_like_an_uninterrupted_run(tmp_path):
+    config = make_config(tmp_path / "restarted", **{"steps": 12, "checkpoint.every": 2})
+    restarted = run(train_and_die_once, 2, launcher="processes", args=(config, 2), timeout=30, max_restarts=1)
+    whole = run(train_rank, 2, launcher="processes", args=(make_config(tmp_path / "whole", **{"steps": 12}),))
+    assert restarted[0]["log"][0]["step"] > 0  # the last attempt started from a checkpoint
+    assert restarted[0]["summary"]["final_loss"] == whole[0]["summary"]["final_loss"]
+    manifest = json.loads((complete_checkpoints(tmp_path / "restarted")[-1] / "manifest.json").read_text())
+    assert manifest["step"] == 12
