@@ -11,6 +11,7 @@ from paratrain.frontend.cli import frontend, serve, top, worker
 from paratrain.parallel.pipeline.schedule_cli import schedule
 from paratrain.train.check import check
 from paratrain.train.cli import train
+from paratrain.train.sample import sample
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,6 +26,7 @@ def main() -> None:
 
 main.add_command(train)
 main.add_command(check)
+main.add_command(sample)
 main.add_command(bench)
 main.add_command(schedule)
 main.add_command(serve)

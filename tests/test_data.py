@@ -15,6 +15,7 @@ SMALL = {
     "regression": {"in_dim": 8, "out_dim": 2},
     "tokens": {"vocab_size": 32, "block_size": 16},
     "digits": {},
+    "text": {"block_size": 16},  # the shipped Shakespeare
 }
 
 
@@ -23,7 +24,7 @@ def _batches_equal(a, b):
 
 
 def test_registry_names_every_data_set():
-    assert DATASET_NAMES == ("teacher", "regression", "tokens", "digits")
+    assert DATASET_NAMES == ("teacher", "regression", "tokens", "digits", "text")
 
 
 @pytest.mark.parametrize("name", DATASET_NAMES)
@@ -146,7 +147,7 @@ def test_digits_steps_walk_a_fixed_order_and_wrap_around():
 
 
 def test_unknown_data_set_lists_valid_names():
-    valid = "teacher, regression, tokens, digits"
+    valid = "teacher, regression, tokens, digits, text"
     with pytest.raises(ValueError, match=f"unknown data set 'mnist'; valid: {valid}"):
         build_dataset("mnist", seed=0)
 

@@ -8,6 +8,8 @@
 Every rank draws the same global batch and keeps its own slice, so what is trained on
 depends only on (seed, step, batch size), never on how many ranks share it: a run on any
 world size sees exactly the data of the single-process reference.
+
+    batches = validation_batches(dataset, batch_size, max_batches)   # held-out global batches
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from paratrain.data.synthetic import (
     TeacherConfig,
     TeacherDataset,
 )
+from paratrain.data.text import TextConfig, TextDataset
 from paratrain.data.tokens import TokenDataset, TokensConfig
 
 
@@ -43,14 +46,28 @@ _DATASETS = {
     "regression": (RegressionDataset, RegressionConfig),
     "tokens": (TokenDataset, TokensConfig),
     "digits": (DigitsDataset, DigitsConfig),
+    "text": (TextDataset, TextConfig),
 }
 DATASET_NAMES = tuple(_DATASETS)
 
 
+# Data sets drawn from a task without end (teacher, regression, tokens) have no held-out split:
+# their validation batches are fresh draws at steps no run reaches, unseen but from the same task.
+HELD_OUT_STEP = 2**40
+
+
 def build_dataset(name: str, seed: int, **options) -> Dataset:
+    config = dataset_config(name, **options)
+    dataset_cls, _ = _DATASETS[name]
+    return dataset_cls(seed, config)
+
+
+def dataset_config(name: str, **options):
+    """The named data set's config with `options` set, validated (raises ValueError): what
+    building it would check, without building it."""
     if name not in _DATASETS:
         raise ValueError(f"unknown data set {name!r}; valid: {', '.join(DATASET_NAMES)}")
-    dataset_cls, config_cls = _DATASETS[name]
+    _, config_cls = _DATASETS[name]
     valid = [field.name for field in dataclasses.fields(config_cls)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
@@ -58,7 +75,17 @@ def build_dataset(name: str, seed: int, **options) -> Dataset:
             f"data set {name!r} has no option {', '.join(map(repr, unknown))}; "
             f"valid: {', '.join(valid)}"
         )
-    return dataset_cls(seed, config_cls(**options))
+    config = config_cls(**options)
+    config.validate()
+    return config
+
+
+def validation_batches(dataset: Dataset, batch_size: int, max_batches: int) -> list:
+    """Held-out global batches, the same on every call: the data set's own validation split
+    where it has one (text, digits), else fresh draws from its task (see HELD_OUT_STEP)."""
+    if hasattr(dataset, "validation_batches"):
+        return dataset.validation_batches(batch_size, max_batches)
+    return [dataset.global_batch(HELD_OUT_STEP + index, batch_size) for index in range(max_batches)]
 
 
 def shard(batch, rank: int, world_size: int):
@@ -83,7 +110,7 @@ def shard(batch, rank: int, world_size: int):
 
 
 __all__ = [
-    "DATASET_NAMES", "Dataset", "DigitsConfig", "DigitsDataset", "RegressionConfig",
-    "RegressionDataset", "TeacherConfig", "TeacherDataset", "TokenDataset", "TokensConfig",
-    "build_dataset", "shard",
+    "DATASET_NAMES", "HELD_OUT_STEP", "Dataset", "DigitsConfig", "DigitsDataset", "RegressionConfig",
+    "RegressionDataset", "TeacherConfig", "TeacherDataset", "TextConfig", "TextDataset", "TokenDataset",
+    "TokensConfig", "build_dataset", "dataset_config", "shard", "validation_batches",
 ]

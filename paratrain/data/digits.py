@@ -80,5 +80,12 @@ class DigitsDataset:
         """All held-out images and labels, for measuring accuracy."""
         return self.held_out_images, self.held_out_labels
 
+    def validation_batches(self, batch_size: int, max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The held-out images in order, `batch_size` at a time (the last batch may be smaller),
+        at most `max_batches` of them."""
+        check_batch_request(0, batch_size)
+        images_NCSS, labels_N = self.held_out_set()
+        return list(zip(images_NCSS.split(batch_size), labels_N.split(batch_size)))[:max_batches]
+
     def loss(self, logits_BK: torch.Tensor, labels_B: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits_BK, labels_B)

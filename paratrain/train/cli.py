@@ -39,6 +39,9 @@ def print_summary(summary: dict) -> None:
         ("throughput", f"{summary['samples_per_s']:,.0f} samples/s"
          + (f", {summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary else "")),
     ]
+    if "val_loss" in summary:
+        accuracy = f", accuracy {summary['val_accuracy']:.1%}" if "val_accuracy" in summary else ""
+        rows.insert(1, ("validation", f"loss {summary['val_loss']:.5f}{accuracy} (last evaluation)"))
     if "bubble" in summary:
         rows.append(("bubble", f"{summary['bubble']:.1%} measured on rank 0 (time not computing), "
                                f"{summary['theoretical_bubble']:.1%} in the schedule"))

@@ -82,6 +82,7 @@ class TrainConfig:
     seed: int = 0  # model initialisation and data: same seed, same losses
     log_every: int = 10  # steps between lines of the printed log
     metrics_out: str | None = None  # JSON file for the per-step log and the summary
+    eval_every: int = 0  # steps between validation losses (and one at the last step); 0: none
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "parallel": ParallelConfig}

@@ -22,6 +22,7 @@ from paratrain.parallel.data import build_data_parallel
 from paratrain.train.config import TrainConfig
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
+from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.parallel_model import build_parallel_model, full_state
 from paratrain.train.setup import build_seeded_model, dataset_for
@@ -57,6 +58,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     else:
         forward_backward = lambda x, y: _accumulation_step(dp, loss_fn, x, y, par)  # noqa: E731
     tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
+    evaluator = Evaluator(config, dataset, module, loss_fn, dp_group, mesh, parallel if mesh else None, device)
     # No rank trains before every rank holds its weights. Under the threads launcher the ranks
     # share torch's global RNG: initialisation draws from it (under a lock), and activation
     # checkpointing saves and restores it around each recompute. A replica already training
@@ -86,14 +88,16 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         }
         if bubble is not None:
             entry["bubble"] = bubble
+        if evaluator.due(step):
+            entry.update(evaluator.run())
         log.append(entry)
         progress.update(1)
         progress.set_postfix(loss=f"{entry['loss']:.4f}", ms=f"{step_ms:.0f}")
-        if group.rank == 0 and (step % config.log_every == 0 or step == config.steps - 1):
+        if group.rank == 0 and (step % config.log_every == 0 or step == config.steps - 1 or "val_loss" in entry):
             progress.write(
                 f"step {step:5d}  loss {entry['loss']:.5f}  {step_ms:7.1f} ms  "
                 f"(comm {comm_ms:6.1f} ms, exposed {exposed_ms:6.1f} ms)"
-                + (f"  bubble {bubble:.1%}" if bubble is not None else "")
+                + (f"  bubble {bubble:.1%}" if bubble is not None else "") + format_validation(entry)
             )
     progress.close()
     if par.local_sgd and config.steps % par.local_sgd:
@@ -159,4 +163,7 @@ def summarize(log: list[dict], config: TrainConfig, world_size: int, params: int
     }
     if tokens_per_sample:
         summary["tokens_per_s"] = summary["samples_per_s"] * tokens_per_sample
+    evaluated = [entry for entry in log if "val_loss" in entry]
+    if evaluated:
+        summary.update({key: evaluated[-1][key] for key in ("val_loss", "val_accuracy") if key in evaluated[-1]})
     return summary

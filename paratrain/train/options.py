@@ -40,6 +40,7 @@ class ManyValues(click.Option):
 FLAG_KEYS = {
     "model": "model.name", "data": "data.name", "global_batch": "data.global_batch",
     "steps": "steps", "seed": "seed", "log_every": "log_every", "metrics_out": "metrics_out",
+    "eval_every": "eval_every",
     "optimizer": "optim.name", "lr": "optim.lr", "momentum": "optim.momentum",
     "weight_decay": "optim.weight_decay", "warmup_steps": "optim.warmup_steps",
     "lr_schedule": "optim.schedule", "nproc": "parallel.nproc", "launcher": "parallel.launcher",
@@ -86,7 +87,8 @@ def world_size_of(config: TrainConfig) -> int:
 _OPTIONS = [
     click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it."),
     click.option("--model", help="mlp, mlp16, cnn, gpt-tiny, gpt-small or gpt-seed."),
-    click.option("--data", help="Data set (default: the one the model is made for)."),
+    click.option("--data", help="Data set (default: the one the model is made for); GPTs also take text "
+                                "(the shipped Shakespeare) or text:PATH (any file, one token per byte)."),
     click.option("--nproc", type=int, help="Ranks to start (default 2; torchrun decides under torchrun)."),
     click.option("--launcher", help="threads (in-process fabric) or processes (torch elastic launcher)."),
     click.option("--dp-mode", help="naive, ddp (ours) or torch (PyTorch's DDP)."),
@@ -126,6 +128,8 @@ _OPTIONS = [
     click.option("--timeout", type=float, help="Seconds before a blocking communication fails."),
     click.option("--debug", is_flag=True, default=None, help="Check every collective is the same call on all ranks."),
     click.option("--log-every", type=int, help="Steps between printed log lines."),
+    click.option("--eval-every", type=int,
+                 help="Steps between validation losses, and one at the end (default 0: none)."),
 ]
 
 

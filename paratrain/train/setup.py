@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 
 from paratrain.data import build_dataset
+from paratrain.data.text import is_text_name, text_path_of
 from paratrain.models import CNNConfig, DeepMLPConfig, GPTConfig, MLPConfig, build_model, model_config
 
 # torch's default RNG is one per process, but the threads launcher runs many ranks in one
@@ -30,6 +31,13 @@ def build_seeded_model(name: str, overrides: dict, seed: int) -> torch.nn.Module
 
 def dataset_for(model_name: str, overrides: dict, data_name: str | None, seed: int):
     """The data set a model is made for, shaped to fit it (or the one named, if given)."""
+    name, options = data_choice(model_name, overrides, data_name)
+    return build_dataset(name, seed, **options)
+
+
+def data_choice(model_name: str, overrides: dict, data_name: str | None) -> tuple[str, dict]:
+    """(data set name, its options) for a model: the data it is made for, or byte-level text
+    ('text' or 'text:PATH') for a GPT. Raises ValueError, in one line, for any other pairing."""
     config = model_config(model_name, **overrides)
     if isinstance(config, MLPConfig):
         natural, options = "teacher", {"in_dim": config.in_dim, "classes": config.classes}
@@ -41,6 +49,13 @@ def dataset_for(model_name: str, overrides: dict, data_name: str | None, seed: i
         natural, options = "tokens", {"vocab_size": config.vocab_size, "block_size": config.block_size}
     else:
         raise ValueError(f"no data set known for model {model_name!r}")
-    if data_name is not None and data_name != natural:
-        raise ValueError(f"model {model_name!r} trains on '{natural}' data, not {data_name!r}")
-    return build_dataset(natural, seed, **options)
+    if data_name is None or data_name == natural:
+        return natural, options
+    if not is_text_name(data_name):
+        also = " or on text ('text' or 'text:PATH')" if isinstance(config, GPTConfig) else ""
+        raise ValueError(f"model {model_name!r} trains on '{natural}' data{also}, not {data_name!r}")
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"model {model_name!r} cannot train on text: byte-level text is for the GPT models "
+                         f"(gpt-tiny, gpt-small, gpt-seed), which predict the next byte")
+    return "text", {"path": text_path_of(data_name), "block_size": config.block_size,
+                    "vocab_size": config.vocab_size}

@@ -4,7 +4,8 @@ so a user fixes them in one go instead of one failed launch at a time."""
 from __future__ import annotations
 
 from paratrain.comm.algorithms import algorithms_for
-from paratrain.data import DATASET_NAMES
+from paratrain.data import DATASET_NAMES, dataset_config
+from paratrain.data.text import is_text_name
 from paratrain.launch import LAUNCHERS
 from paratrain.models import MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, model_config
 from paratrain.parallel.data import DP_MODES
@@ -13,6 +14,7 @@ from paratrain.parallel.data.naive import LAYOUTS
 from paratrain.parallel.pipeline.schedules import microbatch_problems
 from paratrain.parallel.tensor.parallelize import tp_problems
 from paratrain.train.config import ConfigError, TrainConfig
+from paratrain.train.setup import data_choice
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
@@ -50,11 +52,11 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
             model_config(model.name, **model.overrides)
         except (ValueError, TypeError) as error:
             problems.append(f"model: {error}")
-    if data.name is not None:
-        _choice(problems, "data.name", data.name, DATASET_NAMES)
+    _data_problems(problems, config)
 
     _at_least(problems, "steps", config.steps, 1)
     _at_least(problems, "log_every", config.log_every, 1)
+    _at_least(problems, "eval_every", config.eval_every, 0)
     if not _is_int(config.seed):
         problems.append(f"seed must be an integer, got {config.seed!r}")
 
@@ -115,6 +117,24 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     else:
         problems.append(f"data.global_batch must be an integer >= 1, got {data.global_batch!r}")
     return problems
+
+
+def _data_problems(problems: list[str], config: TrainConfig) -> None:
+    """The data set must exist, suit the model and (text) its file be there and long enough."""
+    name = config.data.name
+    if name is not None and not is_text_name(name):
+        _choice(problems, "data.name", name, DATASET_NAMES + ("text:PATH",))
+        if name not in DATASET_NAMES:
+            return
+    try:
+        model_config(config.model.name, **config.model.overrides)
+    except (ValueError, TypeError):
+        return  # reported with the model's problems
+    try:
+        data_name, options = data_choice(config.model.name, config.model.overrides, name)
+        dataset_config(data_name, **options)
+    except ValueError as error:
+        problems.append(f"data.name: {error}")
 
 
 def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) -> tuple[bool, int]:
