@@ -34,9 +34,13 @@ def in_torchrun() -> bool:
 
 
 def run(fn, nproc: int, *, launcher: str = "threads", args: tuple = (), devices=None,
-        timeout: float | None = None, debug: bool | None = None) -> dict[int, object]:
+        timeout: float | None = None, debug: bool | None = None, max_restarts: int = 0) -> dict[int, object]:
+    """`max_restarts` (processes only): after a rank fails, the elastic agent stops the others
+    and starts every rank again, up to this many times; `fn` sees TORCHELASTIC_RESTART_COUNT."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
+    if max_restarts and launcher != "processes":
+        raise ValueError("max_restarts needs launcher='processes' (a thread that dies cannot be restarted alone)")
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
     options = {"timeout": timeout, "debug": debug}
@@ -44,7 +48,7 @@ def run(fn, nproc: int, *, launcher: str = "threads", args: tuple = (), devices=
         return _run_here(fn, args, options)
     if launcher == "threads":
         return _run_threads(fn, nproc, args, devices, options)
-    return _run_processes(fn, nproc, args, options)
+    return _run_processes(fn, nproc, args, options, max_restarts)
 
 
 def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
@@ -79,7 +83,7 @@ def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
     return dict(sorted(results.items()))
 
 
-def _run_processes(fn, nproc, args, options) -> dict[int, object]:
+def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -88,7 +92,7 @@ def _run_processes(fn, nproc, args, options) -> dict[int, object]:
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"paratrain-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
     )
     try:
         return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
@@ -129,8 +133,27 @@ def init_process_group_from_env(timeout: float | None = None, debug: bool | None
         backend = "gloo"
     group_timeout = timeout if timeout is not None else timeout_from_env()
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=group_timeout))
+        store = _attempt_store(group_timeout)
+        where = {} if store is None else {
+            "store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+        dist.init_process_group(backend, timeout=timedelta(seconds=group_timeout), **where)
     return Group(TorchTransport(), timeout=group_timeout, debug=debug)
+
+
+def _attempt_store(timeout: float):
+    """After an elastic restart, the rendezvous store still holds the keys the failed attempt's
+    ranks wrote (gloo's addresses among them), and the new ranks would try to connect to dead
+    ones. A prefix per attempt keeps each attempt's keys apart. None: the default (env://)."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+        is_master=not agent_hosts_it and os.environ["RANK"] == "0", timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"paratrain/attempt-{attempt}", store)
 
 
 def gpus_for(local_ranks: int) -> bool:

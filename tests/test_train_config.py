@@ -69,7 +69,7 @@ def test_yaml_unknown_keys_name_the_valid_ones(tmp_path):
     path.write_text("stepz: 7\noptim: {lrr: 1}\n")
     with pytest.raises(ConfigError) as error:
         load_yaml(path)
-    assert "unknown key 'stepz'; valid: model, data, optim, parallel, steps" in str(error.value)
+    assert "unknown key 'stepz'; valid: model, data, optim, parallel, checkpoint, steps" in str(error.value)
     assert "unknown key 'optim.lrr'; valid: name, lr, momentum" in str(error.value)
 
 

@@ -16,7 +16,7 @@ from paratrain.parallel.pipeline.timeline import format_timeline
 from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate, format_estimate
-from paratrain.train.options import training_options, validated_config
+from paratrain.train.options import checkpoint_options, training_options, validated_config
 
 
 def describe_model(config: TrainConfig) -> str:
@@ -75,6 +75,7 @@ def describe_run(config: TrainConfig, world: int) -> list[str]:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @training_options
+@checkpoint_options
 @click.option("--plan-only", is_flag=True, help="Print the model, mesh, schedule and memory per rank; do not train.")
 def train(config_path, plan_only, **flags):
     """Train a model on a world of ranks: data, tensor and pipeline parallelism.
@@ -86,6 +87,8 @@ def train(config_path, plan_only, **flags):
       paratrain train --model gpt-small --tp 2 --pp 4 --schedule 1f1b --microbatches 8
       paratrain train --model gpt-seed --tp 2 --pp 4 --schedule 1f1b --microbatches 8 --plan-only
       torchrun --nproc-per-node 4 -m paratrain train --model mlp16
+      paratrain train --model gpt-tiny --tp 2 --save-dir ckpt --save-every 10
+      paratrain train --model gpt-tiny --nproc 4 --save-dir ckpt --resume --steps 100
     """
     config, world = validated_config(config_path, flags)
     leader = not in_torchrun() or os.environ.get("RANK") == "0"
@@ -96,7 +99,8 @@ def train(config_path, plan_only, **flags):
     if plan_only:
         return
     results = run(train_rank, config.parallel.nproc, launcher=config.parallel.launcher, args=(config,),
-                  timeout=config.parallel.timeout, debug=config.parallel.debug or None)
+                  timeout=config.parallel.timeout, debug=config.parallel.debug or None,
+                  max_restarts=config.checkpoint.max_restarts)
     if 0 not in results:
         return
     result = results[0]

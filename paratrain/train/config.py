@@ -73,11 +73,21 @@ class ParallelConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str | None = None  # where checkpoints go (DIR/step-000100/); None: none are saved
+    every: int = 0  # steps between saves (0: only at the end, when dir is set)
+    keep: int = 3  # complete checkpoints kept; older ones are deleted after each save
+    resume: str | None = None  # "latest" (in dir) or a checkpoint's path; None: start fresh
+    max_restarts: int = 0  # processes launcher: restart the ranks this often, resuming each time
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     steps: int = 50
     seed: int = 0  # model initialisation and data: same seed, same losses
     log_every: int = 10  # steps between lines of the printed log
@@ -85,7 +95,10 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation losses (and one at the last step); 0: none
 
 
-_SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "parallel": ParallelConfig}
+_SECTIONS = {
+    "model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+}
 
 
 class ConfigError(ValueError):

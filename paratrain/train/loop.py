@@ -25,6 +25,7 @@ from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.parallel_model import build_parallel_model, full_state
+from paratrain.train.resume import checkpoint_to_resume, layout_of, restore, save_if_due, train_state_for
 from paratrain.train.setup import build_seeded_model, dataset_for
 
 
@@ -64,13 +65,19 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     # checkpointing saves and restores it around each recompute. A replica already training
     # would rewind the RNG under a rank still initialising and give it other weights.
     group.barrier()
+    state = train_state_for(parallel if mesh else None, mesh, module, dp, optimizer, group)
+    resume_from = checkpoint_to_resume(config)
+    first_step = restore(resume_from, config, group, state, scheduler) if resume_from else 0
+    if resume_from and group.rank == 0:
+        print(f"resumed from {resume_from} at step {first_step}", file=sys.stderr, flush=True)
 
     log = []
     progress = tqdm(
-        total=config.steps, desc=f"train {config.model.name} x{group.size}", unit="step",
-        disable=group.rank != 0, file=sys.stderr, dynamic_ncols=True,
+        total=config.steps, initial=first_step, desc=f"train {config.model.name} x{group.size}", unit="step",
+        # None: a bar only when stderr is a terminal; in CI and files, the plain log lines alone
+        disable=None if group.rank == 0 else True, file=sys.stderr, dynamic_ncols=True,
     )
-    for step in range(config.steps):
+    for step in range(first_step, config.steps):
         started = time.perf_counter()
         inputs, targets = shard(dataset.global_batch(step, config.data.global_batch), dp_group.rank, dp_group.size)
         loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
@@ -99,6 +106,9 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
                 f"(comm {comm_ms:6.1f} ms, exposed {exposed_ms:6.1f} ms)"
                 + (f"  bubble {bubble:.1%}" if bubble is not None else "") + format_validation(entry)
             )
+        saved = save_if_due(config, group, state, scheduler, step + 1, layout_of(config, group.size))
+        if saved and group.rank == 0:
+            progress.write(f"saved {saved}")
     progress.close()
     if par.local_sgd and config.steps % par.local_sgd:
         dp.average_parameters()  # end with one model, not world-size slightly different ones

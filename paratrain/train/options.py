@@ -54,6 +54,8 @@ FLAG_KEYS = {
     "virtual_stages": "parallel.virtual_stages", "precision": "parallel.precision",
     "checkpoint_activations": "parallel.checkpoint_activations",
     "sequence_parallel": "parallel.sequence_parallel",
+    "save_dir": "checkpoint.dir", "save_every": "checkpoint.every", "keep": "checkpoint.keep",
+    "resume": "checkpoint.resume", "max_restarts": "checkpoint.max_restarts",
 }
 
 
@@ -131,6 +133,24 @@ _OPTIONS = [
     click.option("--eval-every", type=int,
                  help="Steps between validation losses, and one at the end (default 0: none)."),
 ]
+
+
+CHECKPOINT_OPTIONS = [
+    click.option("--save-dir", type=click.Path(file_okay=False), help="Save checkpoints in DIR/step-NNNNNN/ (DCP)."),
+    click.option("--save-every", type=int, help="Steps between checkpoints (default: only at the end)."),
+    click.option("--keep", type=int, help="Complete checkpoints to keep (default 3)."),
+    click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
+                 help="Continue from the latest checkpoint in --save-dir, or from PATH; any dp/tp/pp layout."),
+    click.option("--max-restarts", type=int,
+                 help="processes launcher: restart all ranks up to N times after a failure, resuming "
+                      "from the latest checkpoint in --save-dir."),
+]
+
+
+def checkpoint_options(command):
+    for option in reversed(CHECKPOINT_OPTIONS):
+        command = option(command)
+    return command
 
 
 def training_options(command):

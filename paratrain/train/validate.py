@@ -76,6 +76,25 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     _choice(problems, "parallel.launcher", par.launcher, LAUNCHERS)
     _choice(problems, "parallel.dp_mode", par.dp_mode, DP_MODES)
     _choice(problems, "parallel.algo", par.algo, algorithms_for("all_reduce"))
+    # ZeRO-1 and top-k compression run reduce-scatter / all-gather with the same algorithm.
+    gathers = par.zero or str(par.compress).startswith("topk")
+    if gathers and par.algo in algorithms_for("all_reduce"):
+        for op in ("reduce_scatter", "all_gather"):
+            if par.algo not in algorithms_for(op):
+                problems.append(f"parallel.algo: {par.algo!r} has no {op} (ZeRO-1 and top-k use it); "
+                                f"valid: {', '.join(algorithms_for(op))}")
+                break
+    if _is_int(par.pp) and par.pp == 1:
+        ignored = [flag for flag, on in (("--microbatches", par.microbatches != 1), ("--schedule", par.schedule != "1f1b"),
+                                         ("--virtual-stages", par.virtual_stages != 1)) if on]
+        if ignored:
+            problems.append(f"parallel: {', '.join(ignored)} shape the pipeline and need pp > 1 "
+                            "(for micro-batches without a pipeline use --grad-accum)")
+    elif _is_int(par.grad_accum) and par.grad_accum > 1:
+        problems.append("parallel.grad_accum: with pp > 1 the pipeline's --microbatches split the batch; "
+                        "--grad-accum applies to pp = 1")
+    if par.algo != "auto" and par.dp_mode == "torch":
+        problems.append("parallel.algo: PyTorch's DDP uses its own all-reduce; --algo applies to --dp-mode naive or ddp")
     _choice(problems, "parallel.naive_layout", par.naive_layout, LAYOUTS)
     if not _is_number(par.bucket_mb) or par.bucket_mb <= 0:
         problems.append(f"parallel.bucket_mb must be positive, got {par.bucket_mb!r}")
@@ -201,7 +220,32 @@ def _pipeline_layer_count(shape) -> int | None:
     return None
 
 
+def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
+    ckpt, par = config.checkpoint, config.parallel
+    _at_least(problems, "checkpoint.every", ckpt.every, 0)
+    _at_least(problems, "checkpoint.keep", ckpt.keep, 1)
+    _at_least(problems, "checkpoint.max_restarts", ckpt.max_restarts, 0)
+    if (ckpt.every or ckpt.max_restarts) and not ckpt.dir:
+        problems.append("checkpoint: --save-every and --max-restarts need --save-dir (where checkpoints go)")
+    if ckpt.max_restarts and par.launcher != "processes":
+        problems.append("checkpoint.max_restarts needs --launcher processes (ranks on threads cannot restart)")
+    if ckpt.dir and par.local_sgd:
+        problems.append("checkpoint: local SGD replicas hold different weights and momenta; "
+                        "checkpoints save one replica's, so they are refused with --local-sgd")
+    if ckpt.dir and par.compress.startswith("topk"):
+        problems.append("checkpoint: top-k compression keeps per-rank error-feedback residuals that a "
+                        "checkpoint does not hold; use --compress fp16/bf16/none with --save-dir")
+    if ckpt.resume not in (None, "latest"):
+        from paratrain.train.checkpoint import CheckpointError, resolve
+
+        try:
+            resolve(ckpt.resume, ckpt.dir)
+        except CheckpointError as error:
+            problems.append(f"checkpoint.resume: {error}")
+
+
 def validate(config: TrainConfig, world_size: int) -> None:
     problems = problems_with(config, world_size)
+    _checkpoint_problems(problems, config)
     if problems:
         raise ConfigError(problems)
