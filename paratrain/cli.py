@@ -7,6 +7,7 @@ import click
 
 from paratrain import __version__
 from paratrain.bench.cli import bench
+from paratrain.comm.flight_cli import debug
 from paratrain.frontend.cli import frontend, serve, top, worker
 from paratrain.parallel.pipeline.schedule_cli import schedule
 from paratrain.train.check import check
@@ -33,6 +34,7 @@ main.add_command(serve)
 main.add_command(worker)
 main.add_command(top)
 main.add_command(frontend)
+main.add_command(debug)
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 import warnings
 from datetime import timedelta
@@ -21,10 +22,12 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from paratrain.comm import Fabric, Group, TorchTransport
-from paratrain.comm.errors import FabricAborted
+from paratrain.comm.errors import FabricAborted, PeerLostError
 from paratrain.comm.group import timeout_from_env
+from paratrain.failure_report import describe_failed_run
 
 LAUNCHERS = ("threads", "processes")
+PEER_DEATH_GRACE_S = 3.0  # the elastic agent checks its ranks every 0.1 s
 
 
 def in_torchrun() -> bool:
@@ -63,7 +66,7 @@ def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
             results[rank] = fn(group, *args)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller below
             errors[rank] = error
-            fabric.abort(f"rank {rank} failed: {type(error).__name__}: {error}")
+            fabric.abort(f"rank {rank} failed: {type(error).__name__}: {error}", rank)
         finally:
             if group is not None:
                 group.close()
@@ -74,9 +77,9 @@ def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
     for thread in threads:
         thread.join()
     if errors:
-        # The rank that failed first raised something other than FabricAborted; the rest
-        # stopped because of it.
-        first = min(errors, key=lambda r: (isinstance(errors[r], FabricAborted), r))
+        # The rank that failed first raised something other than FabricAborted (or the
+        # PeerLostError it becomes in a call); the rest stopped because of it.
+        first = min(errors, key=lambda r: (isinstance(errors[r], (FabricAborted, PeerLostError)), r))
         error = errors[first]
         error.add_note(f"(raised on rank {first} of {nproc}, launcher=threads)")
         raise error
@@ -97,10 +100,7 @@ def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object
     try:
         return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
     except ChildFailedError as failed:
-        rank, failure = failed.get_first_failure()
-        # @record writes {"message": "<traceback>", ...}; older torch gives the text itself.
-        message = failure.message.get("message", failure.message) if isinstance(failure.message, dict) else failure.message
-        raise RuntimeError(f"rank {rank} of {nproc} failed (launcher=processes): {message}") from None
+        raise RuntimeError(describe_failed_run(failed.failures, nproc, config.run_id)) from None
 
 
 @record  # writes the rank's traceback where the elastic agent reports it
@@ -111,6 +111,11 @@ def _process_main(fn, args, options):
     group = init_process_group_from_env(**options)
     try:
         return fn(group, *args)
+    except PeerLostError:
+        # The peer is dead or dying. Give the agent time to see that first, so the run is
+        # reported by its root cause; this rank's error is in its flight record.
+        time.sleep(PEER_DEATH_GRACE_S)
+        raise
     finally:
         group.close()
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """Keep every test independent of the machine it runs on: no tuned algorithm table from the
 user's cache (it would change what `algo="auto"` picks), no debug or timeout settings from
-the shell. Spawned ranks inherit this environment, so the same holds for launcher="processes".
+the shell, and flight records of failing calls in the test's own temporary folder. Spawned
+ranks inherit this environment, so the same holds for launcher="processes".
 """
 
 import pytest
@@ -12,6 +13,7 @@ from paratrain.frontend.server import LocalServer
 @pytest.fixture(autouse=True)
 def hermetic_comm_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PARATRAIN_ALGO_TABLE", str(tmp_path / "no-algorithm-table.json"))
+    monkeypatch.setenv("PARATRAIN_TRACE_DIR", str(tmp_path / "flight-records"))  # failures dump here
     for name in ("PARATRAIN_DEBUG", "PARATRAIN_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
 

@@ -30,11 +30,12 @@ def _rank0_makes_a_second_all_reduce_alone(group):
         group.all_reduce(torch.ones(4), algo="ring")  # call #2: rank 1 never joins
 
 
-def test_collective_timeout_names_rank_op_call_number_and_peer():
+def test_collective_timeout_names_rank_op_call_number_and_peer(tmp_path):
     with pytest.raises(CommTimeoutError) as raised:
         paratrain.run(_rank0_makes_a_second_all_reduce_alone, 2, timeout=SHORT_TIMEOUT_S)
     assert str(raised.value) == (
-        "rank 0: all_reduce (call #2) timed out after 0.5s waiting for rank 1"
+        "rank 0: all_reduce (call #2) timed out after 0.5s waiting for rank 1\n"
+        f"  flight records: {tmp_path / 'flight-records'}"  # conftest's PARATRAIN_TRACE_DIR
     )
     error = raised.value
     assert (error.rank, error.op, error.seq, error.peer) == (0, "all_reduce", 2, 1)

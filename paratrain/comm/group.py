@@ -4,7 +4,8 @@ algorithm, over any transport.
 Every collective call gets a sequence number (the same on every rank, since all ranks make
 the same calls in the same order); its messages carry a tag made from it, so they never match
 another call's, and a timeout names it. With `debug=True` every collective first checks that
-all ranks are making the same call.
+all ranks are making the same call. Every call is kept in the rank's flight recorder (see
+`flight.py`), which a timeout, a lost peer or a mismatched call writes out.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ import torch
 from paratrain.comm import checks
 from paratrain.comm.algorithms import ALGORITHMS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable
-from paratrain.comm.errors import CommTimeoutError, TransportTimeout
-from paratrain.comm.link import Link
+from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
+from paratrain.comm.flight import Call
+from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
 from paratrain.comm.ops import check_reduce_op, divide_, part_sizes
 from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.transport.base import P2POp
 
 DEFAULT_TIMEOUT_S = 300.0  # generous: a first NCCL call or a slow rank on a busy host is normal
 _USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
+_DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
 
 
 def _env_flag(name: str) -> bool:
@@ -48,16 +51,22 @@ def timeout_from_env() -> float:
 class P2PHandle:
     """The result of isend/irecv: `wait()` blocks until the transfer is done."""
 
-    def __init__(self, link: Link, work, tensor: torch.Tensor, staging: torch.Tensor):
+    def __init__(self, group: Group, call: Call, link: Link, work, tensor: torch.Tensor, staging: torch.Tensor):
+        self._group, self._call = group, call
         self._link, self._work, self._tensor, self._staging = link, work, tensor, staging
         self.completed = False
 
     def wait(self) -> None:
         if self.completed:
             return
-        self._link.wait([self._work])
+        try:
+            self._link.wait([self._work])
+        except Exception as error:
+            self._group._failed(self._call, error)
+            raise
         if self._staging is not self._tensor:  # a non-contiguous receive: copy into place
             self._tensor.copy_(self._staging.view(self._tensor.shape))
+        self._call.complete()
         self.completed = True
 
 
@@ -104,6 +113,10 @@ class Group:
         self.segment_bytes = segment_bytes or transport.segment_bytes
         self._collective_seq = 0
         self._p2p_seq = 0
+        self.ranks = tuple(transport.global_ranks)  # this group's ranks, numbered in the world
+        self.flight = transport.flight  # every recorder this process holds
+        self._recorder = self.flight.recorders[self.ranks[self.rank]]
+        self._key = self._recorder.group_key(self.ranks)
         self._executor: ThreadPoolExecutor | None = None
         self._scratch = ScratchPool()  # collectives run one at a time, so one pool serves all
 
@@ -128,11 +141,37 @@ class Group:
 
     # ---- point-to-point ------------------------------------------------------------------
 
-    def _p2p_link(self, op_name: str, tag: int) -> Link:
-        if not isinstance(tag, int) or not 0 <= tag < _USER_TAGS:
-            raise ValueError(f"{op_name}: tag must be an int in [0, {_USER_TAGS}), got {tag!r}")
+    def _start_p2p(self, op: P2POp, target: torch.Tensor | None = None) -> P2PHandle:
+        """Start `op`; `target` is where a receive into a staging buffer ends up."""
+        if not isinstance(op.tag, int) or not 0 <= op.tag < _USER_TAGS:
+            raise ValueError(f"{op.kind}: tag must be an int in [0, {_USER_TAGS}), got {op.tag!r}")
         self._p2p_seq += 1
-        return Link(self.transport, op_name, self._p2p_seq, tag, self.timeout, self.segment_bytes)
+        call = self._recorder.start(
+            self._key, "p2p", self._p2p_seq, op.kind, (op.tensor.shape, op.tensor.dtype), None, op.peer,
+        )
+        link = Link(self.transport, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes)
+        try:
+            (work,) = link.start([op])
+        except Exception as error:
+            self._failed(call, error)
+            raise
+        return P2PHandle(self, call, link, work, op.tensor if target is None else target, op.tensor)
+
+    def _failed(self, call: Call, error: Exception) -> None:
+        """Mark `call` failed; a timeout, a lost peer or a mismatch also writes the flight
+        records (once per error, however many layers it passes through)."""
+        call.fail()
+        if self._recorder.error is None or isinstance(error, _DUMPED):
+            self._recorder.error = f"{type(error).__name__}: {error}"
+        if not isinstance(error, _DUMPED) or error.trace_dir is not None:
+            return
+        try:
+            directory = self.flight.directory()
+            self.flight.dump(directory, reason=self._recorder.error)
+        except OSError as problem:  # the error itself matters more than its record
+            error.add_note(f"(could not write the flight records: {problem})")
+            return
+        error.trace_dir = directory
 
     def _check_peer(self, op_name: str, peer: int) -> None:
         if not isinstance(peer, int) or not 0 <= peer < self.size:
@@ -141,18 +180,13 @@ class Group:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PHandle:
         checks.tensor_arg("isend", "tensor", tensor)
         self._check_peer("isend", dst)
-        link = self._p2p_link("send", tag)
-        payload = tensor.contiguous()
-        (work,) = link.start([P2POp("send", payload, dst, tag)])
-        return P2PHandle(link, work, payload, payload)
+        return self._start_p2p(P2POp("send", tensor.contiguous(), dst, tag))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PHandle:
         checks.tensor_arg("irecv", "tensor", tensor)
         self._check_peer("irecv", src)
-        link = self._p2p_link("recv", tag)
         staging = tensor if tensor.is_contiguous() else torch.empty_like(tensor).contiguous()
-        (work,) = link.start([P2POp("recv", staging, src, tag)])
-        return P2PHandle(link, work, tensor, staging)
+        return self._start_p2p(P2POp("recv", staging, src, tag), target=tensor)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(tensor, dst, tag).wait()
@@ -178,18 +212,25 @@ class Group:
         chosen = self.resolve(op_name, algo, nbytes)
         self._collective_seq += 1
         seq = self._collective_seq
+        call = self._recorder.start(self._key, "collective", seq, op_name, signature, chosen)
         link = Link(
             self.transport, op_name, seq, _USER_TAGS + seq % _USER_TAGS, self.timeout,
             self.segment_bytes, self._scratch,
         )
 
         def execute():
-            if self.debug:
-                checks.same_call_everywhere(link, signature.with_algo(chosen))
             try:
-                return body(chosen, link)
-            except TransportTimeout as error:  # a native collective timing out
-                raise CommTimeoutError(self.rank, op_name, seq, error.peer, self.timeout) from error
+                if self.debug:
+                    checks.same_call_everywhere(link, signature.with_algo(chosen))
+                try:
+                    result = body(chosen, link)
+                except TRANSPORT_ERRORS as error:  # a native collective's own
+                    raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
+            except Exception as error:
+                self._failed(call, error)
+                raise
+            call.complete()
+            return result
 
         if async_op:
             return CollectiveHandle(self._comm_thread().submit(_timed, execute), op_name, seq)

@@ -1,13 +1,32 @@
 """What a collective algorithm sees: its rank, the world size, and point-to-point bound to one
-call, so that a wait that times out can say which call and which peer it was."""
+call, so that a wait that times out or loses its peer can say which call and which peer it was."""
 
 from __future__ import annotations
 
 import torch
 
-from paratrain.comm.errors import CommTimeoutError, TransportTimeout
+from paratrain.comm.errors import (
+    CommTimeoutError, FabricAborted, PeerLostError, TransportFailure, TransportTimeout,
+)
 from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.transport.base import P2POp
+
+
+# What transports raise when a wait gives up or a peer is gone.
+TRANSPORT_ERRORS = (TransportTimeout, TransportFailure, FabricAborted)
+
+
+def comm_error(error: Exception, rank: int, op_name: str, seq: int, timeout: float) -> Exception:
+    """The error a caller sees for a transport's `error`: who, in which call, for whom. Raise it
+    `from original_cause(error)`."""
+    if isinstance(error, TransportTimeout):
+        return CommTimeoutError(rank, op_name, seq, error.peer, timeout)
+    return PeerLostError(rank, op_name, seq, error.peer, str(error))
+
+
+def original_cause(error: Exception) -> BaseException:
+    """The backend's own exception behind a transport's error (or the error itself)."""
+    return error.__cause__ or error
 
 
 class Link:
@@ -23,7 +42,10 @@ class Link:
     def start(self, ops: list[P2POp]) -> list:
         for op in ops:
             op.tag = self.tag
-        return self.transport.start(ops)
+        try:
+            return self.transport.start(ops)
+        except TRANSPORT_ERRORS as error:
+            raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
 
     def wait(self, works: list) -> None:
         # Receives first: on the fabric a send completes only once its receiver has copied it,
@@ -31,8 +53,8 @@ class Link:
         for work in sorted(works, key=lambda w: w.kind != "recv"):
             try:
                 work.wait(self.timeout)
-            except TransportTimeout as error:
-                raise CommTimeoutError(self.rank, self.op_name, self.seq, error.peer, self.timeout) from error
+            except TRANSPORT_ERRORS as error:
+                raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         if tensor.numel() == 0:  # both sides know the size, so both skip

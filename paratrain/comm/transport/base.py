@@ -25,16 +25,20 @@ class Work(Protocol):
     kind: str  # "send" or "recv"
 
     def wait(self, timeout: float) -> None:
-        """Block until done; raise TransportTimeout after `timeout` seconds."""
+        """Block until done; raise TransportTimeout after `timeout` seconds, TransportFailure
+        (or, on the fabric, FabricAborted) when the peer or the connection is gone."""
 
 
 class Transport(Protocol):
     rank: int
     size: int
     kind: str  # "fabric", "gloo" or "nccl": the key the algorithm table is indexed by
+    global_ranks: tuple[int, ...]  # rank r of this transport is rank global_ranks[r] of the world
+    flight: object  # the FlightRecords (flight.py) of this process's ranks
 
     def start(self, ops: list[P2POp]) -> list[Work]:
-        """Start all `ops` together (NCCL needs paired sends/receives posted as one batch)."""
+        """Start all `ops` together (NCCL needs paired sends/receives posted as one batch).
+        Raise TransportFailure when the backend refuses (a peer known to be gone)."""
 
     def native_all_reduce(self, tensor: torch.Tensor, op: str, timeout: float) -> None: ...
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paratrain.comm.errors import FabricAborted, TransportTimeout
+from paratrain.comm.flight import FlightRecords
 from paratrain.comm.ops import combine_, part_bounds, part_sizes
 from paratrain.comm.transport.base import P2POp
 
@@ -42,6 +43,9 @@ class Fabric:
         self._cond = threading.Condition()
         self._mail: dict[tuple[int, int, int, int], _Message] = {}  # (src, dst, tag, k)
         self._aborted: str | None = None
+        self._lost: int | None = None  # the rank whose failure aborted this fabric
+        self.global_ranks = tuple(range(world_size))  # a subfabric's are its members' in the root
+        self.flight = FlightRecords(self.global_ranks)  # every rank's calls; shared by subfabrics
         self._slots: list[object] = [None] * world_size
         self._arrived = 0
         self._generation = 0
@@ -72,14 +76,18 @@ class Fabric:
             raise ValueError(f"rank {rank} out of range for a fabric of {self.size}")
         return FabricTransport(self, rank)
 
-    def abort(self, reason: str) -> None:
-        """Wake every waiting rank with an error: used when one rank's function raised."""
+    def abort(self, reason: str, rank: int | None = None) -> None:
+        """Wake every waiting rank with an error: used when one rank's function (that of
+        `rank`, numbered in this fabric) raised. The first abort's reason stays: the ranks that
+        fail after it fail because of it."""
         with self._cond:
-            self._aborted = reason
+            if self._aborted is not None:
+                return
+            self._aborted, self._lost = reason, rank
             self._cond.notify_all()
-            children = list(self._children.values())
-        for child in children:
-            child.abort(reason)
+            children = list(self._children.items())
+        for ranks, child in children:
+            child.abort(reason, ranks.index(rank) if rank in ranks else None)
 
     def subfabric(self, ranks: tuple[int, ...]) -> Fabric:
         """The fabric of a subgroup (ranks numbered in this fabric), shared by its members."""
@@ -87,8 +95,11 @@ class Fabric:
             child = self._children.get(ranks)
             if child is None:
                 child = Fabric(len(ranks), [self.devices[r] for r in ranks])
+                child.global_ranks = tuple(self.global_ranks[r] for r in ranks)
+                child.flight = self.flight
                 if self._aborted is not None:
                     child._aborted = self._aborted
+                    child._lost = ranks.index(self._lost) if self._lost in ranks else None
                 self._children[ranks] = child
             return child
 
@@ -96,7 +107,7 @@ class Fabric:
         """Wait on the fabric's condition (held by the caller) until ready() is truthy."""
         while True:
             if self._aborted is not None:
-                raise FabricAborted(self._aborted)
+                raise FabricAborted(self._aborted, self._lost)
             value = ready()
             if value:
                 return value
@@ -146,7 +157,7 @@ class _SendWork:
         deadline = time.monotonic() + timeout
         while not self.message.delivered.wait(min(0.05, max(deadline - time.monotonic(), 0))):
             if self.fabric._aborted is not None:
-                raise FabricAborted(self.fabric._aborted)
+                raise FabricAborted(self.fabric._aborted, self.fabric._lost)
             if time.monotonic() >= deadline:
                 raise TransportTimeout(self.peer, timeout)
 
@@ -185,6 +196,7 @@ class FabricTransport:
         self.fabric, self.rank, self.size = fabric, rank, fabric.size
         self.device = fabric.devices[rank]
         self.kind = "fabric"
+        self.global_ranks, self.flight = fabric.global_ranks, fabric.flight
         # A fabric message is one copy done by the receiver: nothing overlaps it, so cutting
         # it into segments would only add hand-shakes. Split only very large messages.
         self.segment_bytes = 64 << 20

@@ -6,12 +6,14 @@ to the global ranks torch.distributed's p2p calls want.
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.errors import TransportTimeout
+from paratrain.comm.errors import TransportFailure, TransportTimeout
+from paratrain.comm.flight import process_records
 from paratrain.comm.ops import combine_, part_sizes
 from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.transport.base import P2POp
@@ -30,7 +32,22 @@ def _wait(work, timeout: float, peer: int | None) -> None:
         # gloo: "Timed out waiting ...ms for recv operation"; NCCL's watchdog: "...timed out".
         if "timed out" in str(error).lower():
             raise TransportTimeout(peer, timeout, str(error)) from error
-        raise
+        # gloo: "Connection closed by peer", "Connection reset by peer"; NCCL's errors
+        raise TransportFailure(peer, str(error)) from error
+
+
+def _native(collective):
+    """Errors the backend raises as one of its collectives starts become a TransportFailure
+    (those it raises while we wait already are)."""
+
+    @functools.wraps(collective)
+    def run(self, *args):
+        try:
+            return collective(self, *args)
+        except RuntimeError as error:
+            raise TransportFailure(self._only_peer, str(error)) from error
+
+    return run
 
 
 class _TorchWork:
@@ -60,6 +77,10 @@ class TorchTransport:
         self.rank = dist.get_rank(self.pg)
         self.size = dist.get_world_size(self.pg)
         self._global = [dist.get_global_rank(self.pg, r) for r in range(self.size)]
+        self.global_ranks = tuple(self._global)
+        # A collective does not say which peer failed it; in a world of two only one can have.
+        self._only_peer = 1 - self.rank if self.size == 2 else None
+        self.flight = process_records(dist.get_rank())
         backend = str(dist.get_backend(self.pg)).lower()
         self.kind = "nccl" if "nccl" in backend and _cuda_available() else "gloo"
         # gloo moves bytes on its own threads: while one segment is reduced the next arrives.
@@ -98,11 +119,14 @@ class TorchTransport:
         handles = []
         for op, staging in zip(ops, stagings):
             peer = self._global[op.peer]
-            if op.kind == "send":
-                work = dist.isend(op.tensor, peer, group=self.pg, tag=op.tag)
-            else:
-                buffer = op.tensor if staging is None else staging
-                work = dist.irecv(buffer, peer, group=self.pg, tag=op.tag)
+            try:  # gloo refuses to post on a connection it already knows is closed
+                if op.kind == "send":
+                    work = dist.isend(op.tensor, peer, group=self.pg, tag=op.tag)
+                else:
+                    buffer = op.tensor if staging is None else staging
+                    work = dist.irecv(buffer, peer, group=self.pg, tag=op.tag)
+            except RuntimeError as error:
+                raise TransportFailure(op.peer, str(error)) from error
             handles.append(_TorchWork([work], op, staging))
         return handles
 
@@ -119,11 +143,13 @@ class TorchTransport:
     # tensor collectives want equal parts, so uneven ones are padded to the largest part.
 
     def _run(self, work, timeout: float) -> None:
-        _wait(work, timeout, None)
+        _wait(work, timeout, self._only_peer)
 
+    @_native
     def native_all_reduce(self, tensor, op, timeout):
         self._run(dist.all_reduce(tensor, _TORCH_OPS[op], group=self.pg, async_op=True), timeout)
 
+    @_native
     def native_reduce_scatter(self, output, input, op, timeout):
         sizes = part_sizes(input.numel(), self.size)
         width = sizes[0]
@@ -136,6 +162,7 @@ class TorchTransport:
         if result is not output:
             output.copy_(result[: output.numel()])
 
+    @_native
     def native_all_gather(self, output, input, timeout):
         sizes = part_sizes(output.numel(), self.size)
         if len(set(sizes)) == 1:
@@ -149,16 +176,19 @@ class TorchTransport:
         self._run(_all_gather(gathered, padded_in, group=self.pg, async_op=True), timeout)
         output.copy_(torch.cat([gathered[r * width : r * width + s] for r, s in enumerate(sizes)]))
 
+    @_native
     def native_broadcast(self, tensor, root, timeout):
         work = dist.broadcast(tensor, self._global[root], group=self.pg, async_op=True)
         self._run(work, timeout)
 
+    @_native
     def native_reduce(self, tensor, root, op, timeout):
         # torch may overwrite non-root buffers with partial sums; ours leaves them as they were.
         buffer = tensor if self.rank == root else tensor.clone()
         work = dist.reduce(buffer, self._global[root], _TORCH_OPS[op], group=self.pg, async_op=True)
         self._run(work, timeout)
 
+    @_native
     def native_all_to_all(self, output, input, timeout):
         send_sizes = part_sizes(input.numel(), self.size)
         receive_size = send_sizes[self.rank]
@@ -172,6 +202,7 @@ class TorchTransport:
         )
         self._run(work, timeout)
 
+    @_native
     def native_barrier(self, timeout):
         self._run(dist.barrier(group=self.pg, async_op=True), timeout)
 

@@ -1,0 +1,178 @@
+"""The flight recorder: each rank's last calls, written out when something goes wrong.
+
+Every collective and point-to-point call a `Group` makes leaves a `Call` in its rank's ring
+buffer (the last 64): what it was, on which ranks, with what tensor and algorithm, when it
+started and finished, and whether it completed or failed. Recording is one small object and a
+deque append per call; nothing is formatted until a dump.
+
+A timeout, a lost peer or a mismatched call dumps the records this process holds (every rank's
+on the threads fabric, its own under processes) as `rank<global rank>.json` into
+`$PARATRAIN_TRACE_DIR`, or a fresh temporary folder named in the error. `paratrain debug hang
+DIR` reads them and says which rank is behind or which calls differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections import deque
+
+CAPACITY = 64  # enough to see the calls around a hang; small enough to dump in a blink
+TRACE_DIR_ENV = "PARATRAIN_TRACE_DIR"
+
+
+class Call:
+    """One recorded call. `group` is the group's key: (its global ranks, how many groups on
+    these ranks this rank made before it); `tensor` is a collective's CallSignature or a p2p's
+    (shape, dtype); `peer` is a p2p's peer, numbered in the group."""
+
+    __slots__ = ("group", "kind", "seq", "op", "tensor", "algo", "peer", "started", "finished", "state")
+
+    def __init__(self, group, kind, seq, op, tensor, algo, peer):
+        self.group, self.kind, self.seq, self.op = group, kind, seq, op
+        self.tensor, self.algo, self.peer = tensor, algo, peer
+        self.started = time.time()  # wall clock: comparable across the processes of one host
+        self.finished = None
+        self.state = "started"
+
+    def complete(self) -> None:
+        self.finished = time.time()
+        self.state = "completed"
+
+    def fail(self) -> None:
+        self.finished = time.time()
+        self.state = "failed"
+
+    def to_json(self) -> dict:
+        ranks = self.group[0]
+        entry = {
+            "group": list(ranks), "group_index": self.group[1], "kind": self.kind, "seq": self.seq,
+            "op": self.op, "algo": self.algo,
+            "peer": ranks[self.peer] if self.peer is not None else None,
+            "started": self.started, "finished": self.finished, "state": self.state,
+        }
+        if self.kind == "collective":
+            signature = self.tensor
+            entry.update(shape=list(signature.shape), dtype=_dtype_name(signature.dtype),
+                         reduce_op=signature.reduce_op or None,
+                         root=signature.root if signature.root >= 0 else None)
+        else:
+            shape, dtype = self.tensor
+            entry.update(shape=list(shape), dtype=_dtype_name(dtype))
+        return entry
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+class FlightRecorder:
+    """One rank's ring buffer of calls, shared by all of that rank's groups."""
+
+    def __init__(self, rank: int, capacity: int = CAPACITY):
+        self.rank = rank  # global
+        self.calls: deque[Call] = deque(maxlen=capacity)
+        self.error: str | None = None  # this rank's own failure, if it had one
+        self._groups_on: dict[tuple[int, ...], int] = {}
+
+    def group_key(self, ranks: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        """A key for a new group on `ranks`: ranks that make their groups in the same order
+        (as they must for process groups) give the same group the same key."""
+        index = self._groups_on.get(ranks, 0)
+        self._groups_on[ranks] = index + 1
+        return ranks, index
+
+    def start(self, group, kind, seq, op, tensor, algo, peer=None) -> Call:
+        call = Call(group, kind, seq, op, tensor, algo, peer)
+        self.calls.append(call)
+        return call
+
+    def to_json(self) -> dict:
+        calls = self.calls.copy()  # one C call: safe while the rank's thread keeps appending
+        return {
+            "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "capacity": self.calls.maxlen, "error": self.error,
+            "calls": [call.to_json() for call in calls],
+        }
+
+
+class FlightRecords:
+    """The recorders one process holds, and the folder they are dumped into (chosen once, at
+    the first dump, so that every rank of a world dumps into the same one)."""
+
+    def __init__(self, ranks):
+        self.recorders = {rank: FlightRecorder(rank) for rank in ranks}
+        self._directory: str | None = None
+        self._lock = threading.Lock()
+
+    def directory(self) -> str:
+        with self._lock:
+            if self._directory is None:
+                self._directory = run_directory(_run_id()) or tempfile.mkdtemp(prefix="paratrain-trace-")
+            return self._directory
+
+    def dump(self, directory: str | None = None, reason: str | None = None) -> list[str]:
+        """Write every record held here as rank<r>.json; return the files' paths."""
+        directory = directory or self.directory()
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        with self._lock:  # ranks failing together rewrite the same files one at a time
+            for rank, recorder in sorted(self.recorders.items()):
+                record = recorder.to_json()
+                record.update(run_id=_run_id(), dumped_at=time.time(), reason=reason)
+                path = os.path.join(directory, f"rank{rank}.json")
+                partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+                with open(partial, "w") as file:
+                    json.dump(record, file, indent=1)
+                os.replace(partial, path)  # a reader never sees half a file
+                paths.append(path)
+        return paths
+
+
+def run_directory(run_id: str | None) -> str | None:
+    """Where the ranks of run `run_id` dump: $PARATRAIN_TRACE_DIR, or a temporary folder named
+    after the run, so that ranks in separate processes agree on it without talking (created at
+    the first dump). None: no run id to name one after."""
+    if os.environ.get(TRACE_DIR_ENV):
+        return os.environ[TRACE_DIR_ENV]
+    if run_id:
+        return os.path.join(tempfile.gettempdir(), f"paratrain-trace-{run_id.removeprefix('paratrain-')}")
+    return None
+
+
+def _run_id() -> str | None:
+    # torchrun and our processes launcher set it ("none" when torchrun was given no --rdzv-id)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return run_id if run_id and run_id != "none" else None
+
+
+def read_dumps(directory: str) -> dict[int, dict]:
+    """The flight records in `directory`, by rank."""
+    dumps = {}
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("rank") and name.endswith(".json") and name[4:-5].isdigit():
+            with open(os.path.join(directory, name)) as file:
+                dumps[int(name[4:-5])] = json.load(file)
+    return dumps
+
+
+_process_records: FlightRecords | None = None
+
+
+def process_records(rank: int) -> FlightRecords:
+    """The records of a process that is one rank of a torch.distributed world."""
+    global _process_records
+    if _process_records is None or rank not in _process_records.recorders:
+        _process_records = FlightRecords([rank])
+    return _process_records
+
+
+def dump_flight_record(group, directory: str | None = None) -> list[str]:
+    """Write the flight records this process holds (every rank's on the threads fabric, this
+    rank's under processes) into `directory` (default: $PARATRAIN_TRACE_DIR or a temporary
+    folder); returns the files written."""
+    return group.flight.dump(directory, reason="dumped on request")

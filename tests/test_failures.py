@@ -1,0 +1,186 @@
+"""A rank that dies: the ranks waiting on it get an error naming the call and the lost rank
+(PeerLostError, with the transport's own error as its cause), on the fabric and on gloo; the
+processes launcher reports how each failed rank died, root cause first, with its traceback."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+import paratrain
+from paratrain.comm import FabricAborted, Group, PeerLostError, TorchTransport
+from paratrain.failure_report import describe_failed_run
+
+# ---- the fabric: one rank's exception fails the calls the others are waiting in -------------
+
+
+def _rank1_raises_while_others_wait(group, seen):
+    if group.rank == 1:
+        raise ValueError("boom")
+    try:
+        if group.rank == 0:
+            group.recv(torch.empty(2), src=1)
+        else:
+            group.all_reduce(torch.ones(1000), algo="ring")
+    except PeerLostError as error:
+        seen[group.rank] = error
+        raise
+
+
+@pytest.mark.timeout(30)  # the group timeout is 300 s: finishing means the waits were woken
+def test_fabric_rank_that_raises_fails_the_others_calls_naming_it():
+    seen = {}
+    with pytest.raises(ValueError, match="boom"):  # the root cause, not its consequences
+        paratrain.run(_rank1_raises_while_others_wait, 3, args=(seen,))
+    assert str(seen[0]).startswith("rank 0: recv (call #1) lost rank 1: rank 1 failed: ValueError: boom")
+    assert str(seen[2]).startswith("rank 2: all_reduce (call #1) lost rank 1: rank 1 failed: ValueError: boom")
+    assert (seen[2].rank, seen[2].op, seen[2].seq, seen[2].peer) == (2, "all_reduce", 1, 1)
+    assert all(isinstance(error.__cause__, FabricAborted) for error in seen.values())
+
+
+# ---- gloo: a process that exits mid-collective ----------------------------------------------
+
+
+def _gloo_rank(rank: int, store_file: str, result_file: str) -> None:
+    """Rank 1 leaves without a word after one call; rank 0 is then waiting on it in a ring
+    all-reduce, and afterwards tries gloo's own all-reduce on the broken connection."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    group = Group(TorchTransport(), timeout=60)
+    group.all_reduce(torch.ones(4), algo="ring")
+    if rank == 1:
+        os._exit(3)
+    seen = []
+    for algo in ("ring", "native"):
+        try:
+            group.all_reduce(torch.ones(1000), algo=algo)
+        except PeerLostError as error:
+            seen.append({"type": type(error).__name__, "text": str(error), "cause": type(error.__cause__).__name__,
+                         "cause_text": str(error.__cause__), "trace_dir": error.trace_dir})
+    with open(result_file, "w") as file:
+        json.dump(seen, file)
+    os._exit(0)  # skip destroy_process_group: its peer is gone
+
+
+@pytest.mark.timeout(60)
+def test_gloo_peer_that_exits_mid_collective_is_named_with_the_call(tmp_path):
+    spawn = multiprocessing.get_context("spawn")
+    result_file = tmp_path / "rank0.json"
+    ranks = [spawn.Process(target=_gloo_rank, args=(r, str(tmp_path / "store"), str(result_file)))
+             for r in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        for process in ranks:
+            process.join(50)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    assert [process.exitcode for process in ranks] == [0, 3]
+    ring, native = json.loads(result_file.read_text())
+    assert ring["text"].startswith("rank 0: all_reduce (call #2) lost rank 1: ")
+    assert "by peer" in ring["text"]  # gloo: "Connection closed by peer" or "reset by peer"
+    assert ".cc:" not in ring["text"]  # gloo's C++ source location is left out
+    assert ring["cause"] == "RuntimeError" and "by peer" in ring["cause_text"]  # gloo's own error
+    assert native["text"].startswith("rank 0: all_reduce (call #3) lost rank 1: ")
+    assert native["cause"] == "RuntimeError"
+    # The failed call is in rank 0's flight record, dumped where the error says.
+    assert ring["trace_dir"] == str(tmp_path / "flight-records")  # conftest's PARATRAIN_TRACE_DIR
+    record = json.loads((tmp_path / "flight-records" / "rank0.json").read_text())
+    failed = [(c["seq"], c["op"], c["algo"], c["state"]) for c in record["calls"] if c["state"] != "completed"]
+    assert failed == [(2, "all_reduce", "ring", "failed"), (3, "all_reduce", "native", "failed")]
+
+
+# ---- the processes launcher: how each failed rank died --------------------------------------
+
+
+def _rank1_kills_itself_mid_run(group):
+    group.all_reduce(torch.ones(4))
+    if group.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    group.all_reduce(torch.ones(4))  # rank 0 waits here for a rank that is gone
+
+
+@pytest.mark.timeout(90)  # the ranks' timeout is 120 s: finishing first means nobody hung
+def test_processes_run_names_the_rank_killed_by_a_signal():
+    with pytest.raises(RuntimeError) as raised:
+        paratrain.run(_rank1_kills_itself_mid_run, 2, launcher="processes", timeout=120)
+    first_line = str(raised.value).splitlines()[0]
+    assert first_line == (
+        "rank 1 of 2 failed (launcher=processes): killed by SIGKILL; no traceback (the process was killed)"
+    )
+
+
+def _rank1_raises_boom(group):
+    group.barrier()
+    if group.rank == 1:
+        raise ValueError("boom")
+    group.all_reduce(torch.ones(4))
+
+
+@pytest.mark.timeout(90)
+def test_processes_run_shows_the_failed_rank_traceback():
+    with pytest.raises(RuntimeError) as raised:
+        paratrain.run(_rank1_raises_boom, 2, launcher="processes", timeout=120)
+    lines = str(raised.value).splitlines()
+    assert lines[0] == "rank 1 of 2 failed (launcher=processes): ValueError: boom [exit code 1]"
+    assert "  Traceback (most recent call last):" in lines
+    assert any("in _rank1_raises_boom" in line for line in lines)
+    assert 'raise ValueError("boom")' in [line.strip() for line in lines]
+    assert "  ValueError: boom" in lines
+
+
+# ---- the report itself, from torch's failure records ---------------------------------------
+
+
+def _error_file(path, message: str, traceback: str, timestamp: int) -> str:
+    # the layout torch's @record writes
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": traceback, "timestamp": str(timestamp)}}}
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_report_puts_the_rank_that_died_before_the_ranks_that_lost_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARATRAIN_TRACE_DIR", str(tmp_path))
+    lost = _error_file(tmp_path / "error0.json", "PeerLostError: rank 0: all_reduce (call #5) lost rank 2: gone",
+                       "Traceback (most recent call last):\n  File \"x.py\", line 1\nPeerLostError: gone\n", 100)
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=lost),  # reported earlier...
+        2: ProcessFailure(local_rank=2, pid=12, exitcode=-9, error_file="<N/A>"),  # ...but the cause
+        3: ProcessFailure(local_rank=3, pid=13, exitcode=3, error_file="<N/A>"),
+    }
+    # rank 1 was stopped by the launcher before it was reported: its flight record tells
+    (tmp_path / "rank1.json").write_text(json.dumps({
+        "rank": 1, "run_id": "run-x", "dumped_at": 50.0, "calls": [],
+        "error": "PeerLostError: rank 1: all_reduce (call #5) lost rank 2: gone",
+    }))
+    (tmp_path / "rank4.json").write_text(json.dumps({  # another run's record: not ours
+        "rank": 4, "run_id": "run-y", "dumped_at": 50.0, "calls": [], "error": "PeerLostError: old",
+    }))
+    lines = describe_failed_run(failures, 5, "run-x").splitlines()
+    heads = [line for line in lines if line.startswith("rank ")]
+    assert heads[0] == (
+        "rank 2 of 5 failed (launcher=processes): killed by SIGKILL; no traceback (the process was killed)"
+    )
+    assert heads[1] == (
+        "rank 3 of 5 failed after it: exit code 3; no traceback (it exited without raising: os._exit, "
+        "or a crash in native code)"
+    )
+    assert set(heads[2:]) == {
+        "rank 0 of 5 failed after it: PeerLostError: rank 0: all_reduce (call #5) lost rank 2: gone [exit code 1]",
+        "rank 1 of 5 failed after it: PeerLostError: rank 1: all_reduce (call #5) lost rank 2: gone "
+        "(from its flight record; the launcher stopped it)",
+    }
+    assert "  PeerLostError: gone" in lines  # rank 0's traceback, indented
+    assert lines[-1] == f"flight records: {tmp_path} (read them with: paratrain debug hang {tmp_path})"
