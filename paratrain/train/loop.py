@@ -106,9 +106,11 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
                 f"(comm {comm_ms:6.1f} ms, exposed {exposed_ms:6.1f} ms)"
                 + (f"  bubble {bubble:.1%}" if bubble is not None else "") + format_validation(entry)
             )
+        save_started = time.perf_counter()
         saved = save_if_due(config, group, state, scheduler, step + 1, layout_of(config, group.size))
         if saved and group.rank == 0:
-            progress.write(f"saved {saved}")
+            size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
+            progress.write(f"saved {saved} ({size / 2**20:.1f} MiB, {time.perf_counter() - save_started:.2f} s)")
     progress.close()
     if par.local_sgd and config.steps % par.local_sgd:
         dp.average_parameters()  # end with one model, not world-size slightly different ones
