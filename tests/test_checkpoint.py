@@ -69,6 +69,11 @@ SAME_LAYOUT = [
                  id="tp2-adamw"),
     pytest.param(2, {"model.name": "gpt-tiny", "parallel.pp": 2, "parallel.schedule": "1f1b",
                      "parallel.microbatches": 4}, id="pp2-1f1b"),
+    pytest.param(2, {"parallel.dp_mode": "torch"}, id="dp2-torch-ddp"),
+    pytest.param(2, {"model.name": "gpt-tiny", "parallel.pp": 2, "parallel.schedule": "zb-v",
+                     "parallel.microbatches": 4, "parallel.virtual_stages": 2}, id="pp2-zb-v"),
+    pytest.param(4, {"model.name": "gpt-tiny", "parallel.pp": 2, "parallel.schedule": "interleaved-1f1b",
+                     "parallel.microbatches": 4, "parallel.virtual_stages": 2}, id="dp2xpp2-interleaved"),
 ]
 
 
