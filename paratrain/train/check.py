@@ -18,36 +18,47 @@ from paratrain.train.loop import train_rank
 from paratrain.train.options import training_options, validated_config
 from paratrain.train.reference import reference_run
 
-FP32_LOSS_RTOL, FP32_PARAM_ATOL = 1e-5, 1e-5
-BF16_LOSS_RTOL, BF16_PARAM_ATOL = 2e-2, 2e-2  # bf16 keeps ~3 significant digits
+FP32_LOSS_RTOL, FP32_PARAM_ATOL, FP32_PROGRESS_RTOL = 1e-5, 1e-5, 1e-3
+# bf16 against the bf16 reference: only the order of sums and where bf16 rounds differ
+# (measured ~2e-5 relative on losses). Loss values alone cannot tell a halved gradient from
+# the right one over a few steps of a small learning rate, so the loss *decrease* over the
+# run is compared too: a halved gradient moves it by ~25-50%, a run that never trains by 100%.
+BF16_LOSS_RTOL, BF16_PARAM_ATOL, BF16_PROGRESS_RTOL = 1e-3, 1e-3, 5e-2
 
 
 def compare(config, results: dict, reference) -> dict:
-    """Largest relative loss difference per step and absolute parameter difference."""
+    """Largest relative loss difference per step, relative difference of the loss decrease
+    over the run, and the largest absolute parameter difference on any rank."""
     reference_losses, reference_state = reference
     losses = [entry["loss"] for entry in results[min(results)]["log"]]
     loss_diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference_losses)]
-    state = {}
-    for result in results.values():
-        state.update(result["state"])
-    missing = sorted(set(reference_state) - set(state))
-    param_diffs = {
-        name: (state[name] - value).abs().max().item()
-        for name, value in reference_state.items() if name in state
-    }
-    worst = max(param_diffs, key=param_diffs.get) if param_diffs else None
+    progress_diff = 0.0
+    if len(losses) >= 2:
+        ours, ref = losses[0] - losses[-1], reference_losses[0] - reference_losses[len(losses) - 1]
+        progress_diff = abs(ours - ref) / max(abs(ref), 1e-12)
+    seen, worst, worst_diff = set(), None, 0.0
+    for rank, result in sorted(results.items()):  # every replica, not only the last one merged
+        for name, value in result["state"].items():
+            if name not in reference_state:
+                continue
+            seen.add(name)
+            diff = (value - reference_state[name]).abs().max().item()
+            if worst is None or diff > worst_diff:
+                worst, worst_diff = f"{name} (rank {rank})", diff
     return {
         "losses": losses, "reference_losses": reference_losses, "loss_diffs": loss_diffs,
-        "max_loss_diff": max(loss_diffs, default=0.0), "missing": missing,
-        "max_param_diff": param_diffs[worst] if worst else 0.0, "worst_param": worst,
+        "max_loss_diff": max(loss_diffs, default=0.0), "progress_diff": progress_diff,
+        "missing": sorted(set(reference_state) - seen), "max_param_diff": worst_diff, "worst_param": worst,
     }
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @training_options
-@click.option("--loss-rtol", type=float, help="Largest relative loss difference allowed (default 1e-5; bf16 2e-2).")
-@click.option("--param-atol", type=float, help="Largest parameter difference allowed (default 1e-5; bf16 2e-2).")
-def check(config_path, loss_rtol, param_atol, **flags):
+@click.option("--loss-rtol", type=float, help="Largest relative loss difference allowed (default 1e-5; bf16 1e-3).")
+@click.option("--param-atol", type=float, help="Largest parameter difference allowed (default 1e-5; bf16 1e-3).")
+@click.option("--progress-rtol", type=float,
+              help="Largest relative difference of the loss decrease over the run (default 1e-3; bf16 5e-2).")
+def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
     """Train a parallel configuration and the single-process reference side by side; exit 0
     only if losses and final parameters agree within tolerance.
 
@@ -63,6 +74,7 @@ def check(config_path, loss_rtol, param_atol, **flags):
     bf16 = config.parallel.precision == "bf16"
     loss_rtol = loss_rtol if loss_rtol is not None else (BF16_LOSS_RTOL if bf16 else FP32_LOSS_RTOL)
     param_atol = param_atol if param_atol is not None else (BF16_PARAM_ATOL if bf16 else FP32_PARAM_ATOL)
+    progress_rtol = progress_rtol if progress_rtol is not None else (BF16_PROGRESS_RTOL if bf16 else FP32_PROGRESS_RTOL)
     par = config.parallel
     click.echo(
         f"check: {config.model.name}, world {world} = dp {world // (par.pp * par.tp)} x pp {par.pp} x tp {par.tp}"
@@ -76,9 +88,11 @@ def check(config_path, loss_rtol, param_atol, **flags):
     for step, (ours, ref, diff) in enumerate(zip(report["losses"], report["reference_losses"], report["loss_diffs"])):
         click.echo(f"{step:>5} {ours:>12.7f} {ref:>12.7f} {diff:>10.2e}")
     click.echo(f"largest loss difference      {report['max_loss_diff']:.2e} (relative; tolerance {loss_rtol:g})")
+    click.echo(f"loss decrease difference     {report['progress_diff']:.2e} (relative; tolerance {progress_rtol:g})")
     click.echo(f"largest parameter difference {report['max_param_diff']:.2e} in {report['worst_param']} "
                f"(absolute; tolerance {param_atol:g})")
-    ok = report["max_loss_diff"] <= loss_rtol and report["max_param_diff"] <= param_atol and not report["missing"]
+    ok = (report["max_loss_diff"] <= loss_rtol and report["max_param_diff"] <= param_atol
+          and report["progress_diff"] <= progress_rtol and not report["missing"])
     if report["missing"]:
         click.echo(f"parameters no rank reported: {', '.join(report['missing'])}")
     click.echo("PASS: same model as one process" if ok else "FAIL: beyond tolerance")

@@ -25,6 +25,7 @@ from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.parallel_model import build_parallel_model, full_state
+from paratrain.train.recompute import recompute_in_backward
 from paratrain.train.resume import checkpoint_to_resume, layout_of, restore, save_if_due, train_state_for
 from paratrain.train.setup import build_seeded_model, dataset_for
 
@@ -43,6 +44,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     else:
         module = build_seeded_model(config.model.name, config.model.overrides, config.seed).to(device)
         loss_fn = dataset.loss
+    if par.checkpoint_activations:  # every layout, pp = 1 included (the pipeline's chunks share the layers)
+        recompute_in_backward(parallel.model if mesh else module)
     dp = build_data_parallel(
         module, dp_group, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
         bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb, compress=par.compress,
@@ -57,7 +60,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         )
         forward_backward = lambda x, y: _pipeline_step(runtime, parallel.schedule, x, y)  # noqa: E731
     else:
-        forward_backward = lambda x, y: _accumulation_step(dp, loss_fn, x, y, par)  # noqa: E731
+        autocast = _autocast(par.precision, device)
+        forward_backward = lambda x, y: _accumulation_step(dp, loss_fn, x, y, par, autocast)  # noqa: E731
     tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
     evaluator = Evaluator(config, dataset, module, loss_fn, dp_group, mesh, parallel if mesh else None, device)
     # No rank trains before every rank holds its weights. Under the threads launcher the ranks
@@ -130,12 +134,14 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     return result
 
 
-def _accumulation_step(dp, loss_fn, inputs, targets, par):
-    """Forward/backward over `grad_accum` micro-batches, communicating on the last only."""
+def _accumulation_step(dp, loss_fn, inputs, targets, par, autocast):
+    """Forward/backward over `grad_accum` micro-batches, communicating on the last only.
+    `autocast()` gives the precision's context: forward and loss inside it, as in the reference."""
     micro_batches, loss_sum = par.grad_accum, 0.0
     for index, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches))):
         with nullcontext() if index == micro_batches - 1 else dp.no_sync():
-            loss = loss_fn(dp.module(x), y) / micro_batches
+            with autocast():
+                loss = loss_fn(dp.module(x), y) / micro_batches
             loss.backward()
         loss_sum += loss.item()
     return loss_sum, None
@@ -153,6 +159,13 @@ def _global_loss(loss_sum: float, mesh, dp_group) -> float:
         mesh.pp.all_reduce(value, "sum")  # only the last chunk's owner computed a loss
     dp_group.all_reduce(value, "avg")
     return value.item()
+
+
+def _autocast(precision: str, device):
+    """A factory of the forward's precision context: bf16 autocast, or nothing for fp32."""
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext
 
 
 def _autocast_dtype(precision: str):

@@ -24,7 +24,6 @@ import time
 from contextlib import nullcontext
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from paratrain.parallel.pipeline.pp_comms import PipelineLink
 from paratrain.parallel.pipeline.weight_grad import SplitBackward, supports
@@ -49,15 +48,10 @@ class PipelineRuntime:
         # reduce them only then (earlier passes accumulate without communicating).
         self._final_grad_action = {a.stage: a for a in self.actions if a.op == grad_op}
 
-    def _forward(self, chunk: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
-                    if self.autocast_dtype is not None else nullcontext())
-        with autocast:
-            if not self.checkpoint_activations:
-                return chunk(x)
-            for layer in chunk:  # keep each layer's input only; recompute inside backward
-                x = checkpoint(layer, x, use_reentrant=False)
-            return x
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def run(self, inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None) -> dict:
         """One optimizer step's worth of microbatches. `inputs` matter only to the owner of
@@ -79,10 +73,14 @@ class PipelineRuntime:
                     x = self.link.recv_activation(self.schedule.owner(c - 1), c, m, self.device)
                     x.requires_grad_()
                 begin = time.perf_counter()
-                with self.splitters[c].recording() if self.splitters else nullcontext([]) as records:
-                    out = self._forward(self.chunks[c], x)
+                # The loss too runs under autocast, as in the reference: autocast computes
+                # cross-entropy in fp32 (outside it, bf16 logits give a bf16 loss).
+                with self._autocast():
+                    with self.splitters[c].recording() if self.splitters else nullcontext([]) as records:
+                        out = self.chunks[c](x)  # layers are checkpointed in place (train/recompute.py)
+                    if c == self.last_chunk:
+                        out = self.loss_fn(out, targets[m]) / microbatches
                 if c == self.last_chunk:
-                    out = self.loss_fn(out, targets[m]) / microbatches
                     loss_sum += out.item()
                 busy += time.perf_counter() - begin
                 stash[(m, c)] = [x, out, None, records]

@@ -73,7 +73,9 @@ def vocab_parallel_cross_entropy(
             f"logits of shape {tuple(logits_shard.shape)} (expected {tuple(logits_shard.shape[:-1])})"
         )
     V_shard = logits_shard.shape[-1]
-    logits_NV_shard, targets_N = logits_shard.reshape(-1, V_shard), targets.reshape(-1)
+    # In fp32 whatever the logits' dtype, as autocast runs F.cross_entropy: a custom Function
+    # is not autocast, and a bf16 softmax would round the loss to multiples of 1/128.
+    logits_NV_shard, targets_N = logits_shard.reshape(-1, V_shard).float(), targets.reshape(-1)
     if group.size == 1:
         return F.cross_entropy(logits_NV_shard, targets_N)
     if vocab_size is None:
