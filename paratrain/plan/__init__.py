@@ -1,0 +1,13 @@
+"""Know before you launch: a performance model of GPT training on a cluster, and a planner.
+
+    shapes.py       GPTShape: the few numbers the formulas need; paratrain's and published presets
+    flops.py        FLOPs per step (Narayanan et al. 2021), with and without recomputation
+    activations.py  activation memory per layer by recompute policy (Korthikanti et al. 2022)
+    memory.py       memory per GPU: weights, gradients, optimizer state (by ZeRO stage), activations
+    hardware.py     hardware profiles (YAML, shipped under hardware/ or a user's file)
+    comm_model.py   alpha-beta times of collectives and point-to-point on a profile's links
+    cost_model.py   one layout on one profile: step time, its breakdown, memory, MFU
+    search.py       every valid layout, those that fit, ranked, with reasons
+    fit.py          alpha/beta and compute rates fitted from measurements, written as a profile
+    validate.py     predicted against measured on this machine
+"""

@@ -1,0 +1,155 @@
+"""Memory per GPU of a GPT on a tp x pp x dp layout: weights, gradients, optimizer state,
+activations, and a backward workspace.
+
+Model state follows Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", Section 3.1): mixed-precision Adam keeps 2 bytes of bf16 weights,
+2 of bf16 gradients and K = 12 of optimizer state (fp32 master weights, momentum, variance) per
+parameter; ZeRO stage 1 divides the 12 by the data-parallel size. paratrain trains in fp32: 4 + 4
+bytes, Adam's 8, and a 4-byte step counter per parameter tensor; its ZeRO-1
+(parallel/data/zero.py) keeps on each rank its shard of the parameters and of their gradient
+(4 + 4 bytes) beside that shard's Adam state.
+
+Activations are activations.py's per-layer bytes, times the most (microbatch, chunk) pairs a
+pipeline rank holds at once, found by walking the rank's list of the actual schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from paratrain.parallel.pipeline.schedules import build_schedule
+from paratrain.parallel.pipeline.split import balanced_partition
+from paratrain.plan.activations import Software, head_activation_bytes, layer_activation_bytes
+from paratrain.plan.shapes import GPTShape
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"      # none | selective | full
+    sequence_parallel: bool = False
+    zero: int = 0                # 0 or 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        text = f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch}"
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        text += f" rc:{self.recompute}" + (" sp" if self.sequence_parallel else "") + (" zero1" if self.zero else "")
+        return text
+
+
+@dataclass
+class Memory:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    workspace: float
+    stage: int = 0  # the pipeline rank these figures are for (the one that needs most)
+    params: int = 0  # parameters held by that rank
+    per_stage: list[float] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.workspace
+
+    def as_gib(self) -> dict[str, float]:
+        names = ("weights", "grads", "optimizer", "activations", "workspace", "total")
+        return {name: getattr(self, name) / GIB for name in names}
+
+
+def layer_parameters(shape: GPTShape, tp: int) -> list[tuple[float, int]]:
+    """(parameters on one tp rank, parameter tensors) of each pipeline layer: the embeddings,
+    every block, then the final norm with the head. Matrices are split over tp as Megatron and
+    paratrain split them; biases of row-parallel layers, norms and positions are replicated."""
+    h, m, v = shape.hidden, shape.mlp, shape.vocab
+    sharded = (3 * h * h + 3 * h) + h * h + (h * m + m) + m * h
+    block = sharded / tp + 2 * h + 4 * h
+    return [(v * h / tp + shape.seq * h, 2)] + [(block, 12)] * shape.layers + [(h * v / tp + 2 * h, 3)]
+
+
+def chunk_layers(shape: GPTShape, chunks: int, software: Software) -> list[range]:
+    """Which pipeline layers (0 = embeddings, 1..l = blocks, l+1 = head) each chunk holds."""
+    if chunks == 1:
+        return [range(0, shape.layers + 2)]
+    if software.even_layers:
+        if shape.layers % chunks:
+            raise ValueError(f"{shape.layers} layers do not split evenly into {chunks} pipeline chunks")
+        per = shape.layers // chunks
+        counts = [per + 1] + [per] * (chunks - 2) + [per + 1]
+    else:
+        h, m = shape.hidden, shape.mlp
+        counts = balanced_partition([1] + [4 * h * h + 2 * h * m] * shape.layers + [h * shape.vocab], chunks)
+    starts = [sum(counts[:c]) for c in range(chunks)]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def state_bytes(params: float, tensors: int, dp: int, zero: int, precision: str) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes for `params` parameters in `tensors` tensors."""
+    if precision == "fp32":
+        if zero:
+            shard = math.ceil(params / dp)
+            return 4 * params, 4 * params, (4 + 4 + 8) * shard + 4
+        return 4 * params, 4 * params, 8 * params + 4 * tensors
+    return 2 * params, 2 * params, 12 * params / (dp if zero else 1)
+
+
+def peak_activation_bytes(order, per_chunk: dict[int, float], last_backward_op: str) -> float:
+    """The most bytes a rank holds while it runs `order`: each F adds its chunk's activations,
+    each chunk's last backward action frees them."""
+    held = peak = 0.0
+    for action in order:
+        if action.op == "F":
+            held += per_chunk[action.stage]
+            peak = max(peak, held)
+        elif action.op == last_backward_op:
+            held -= per_chunk[action.stage]
+    return peak
+
+
+def memory_per_gpu(shape: GPTShape, layout: Layout, global_batch: int, software: Software) -> Memory:
+    """The memory of the pipeline rank that needs most."""
+    t, b = layout.tp, layout.micro_batch
+    params = layer_parameters(shape, t)
+    per_layer = layer_activation_bytes(shape, b, software, t, layout.sequence_parallel, layout.recompute)
+    head = head_activation_bytes(shape, b, software, t, layout.sequence_parallel)
+    if layout.pp > 1:
+        schedule = build_schedule(layout.schedule, layout.pp, layout.microbatches(global_batch),
+                                  layout.virtual_stages)
+        chunks = chunk_layers(shape, schedule.num_chunks, software)
+        orders, last_op, owner = schedule.ranks, schedule.last_backward_op, schedule.chunks_of
+    else:
+        chunks, orders, last_op, owner = chunk_layers(shape, 1, software), None, "B", lambda r: [0]
+    per_chunk = {c: sum(per_layer for i in layers if 1 <= i <= shape.layers)
+                 + (head if shape.layers + 1 in layers else 0) for c, layers in enumerate(chunks)}
+    logits = 4 * shape.seq * b * shape.vocab / t
+    workspace_layer = 2 * software.activation_bytes * shape.seq * b * shape.mlp / t
+    stages = []
+    for rank in range(layout.pp):
+        mine = [i for c in owner(rank) for i in chunks[c]]
+        count = sum(params[i][0] for i in mine)
+        tensors = sum(params[i][1] for i in mine)
+        weights, grads, optimizer = state_bytes(count, tensors, layout.dp, layout.zero, software.precision)
+        activations = (peak_activation_bytes(orders[rank], per_chunk, last_op) if orders
+                       else per_chunk[0])
+        holds_head = shape.layers + 1 in mine
+        workspace = 2 * logits if holds_head else workspace_layer  # gradients alive mid-backward
+        stages.append(Memory(weights, grads, optimizer, activations, workspace, rank, round(count)))
+    worst = max(stages, key=lambda m: m.total)
+    worst.per_stage = [m.total for m in stages]
+    return worst

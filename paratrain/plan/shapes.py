@@ -1,0 +1,68 @@
+"""The shape of a GPT as the cost formulas see it, and named shapes to plan for.
+
+Names follow the papers the formulas come from: l layers, h hidden size, a attention heads,
+s sequence length, V vocabulary, m the MLP's inner width (4h in every model here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.models import PRESETS, GPTConfig
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    layers: int   # l
+    hidden: int   # h
+    heads: int    # a
+    seq: int      # s: the sequence length trained on
+    vocab: int    # V
+    mlp: int = 0  # m; 0 means 4h, as in GPT-2/3 and Megatron
+
+    def __post_init__(self):
+        if self.mlp == 0:
+            object.__setattr__(self, "mlp", 4 * self.hidden)
+        problems = [f"{name} must be a positive integer, got {getattr(self, name)!r}"
+                    for name in ("layers", "hidden", "heads", "seq", "vocab", "mlp")
+                    if not isinstance(getattr(self, name), int) or getattr(self, name) < 1]
+        if not problems and self.hidden % self.heads:
+            problems.append(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def from_config(cls, config: GPTConfig) -> GPTShape:
+        return cls(config.n_layer, config.d_model, config.n_head, config.block_size, config.vocab_size,
+                   config.d_mlp)
+
+    def parameters(self) -> int:
+        """Parameters of paratrain's GPT of this shape (biases, untied head, learned positions)."""
+        h, m = self.hidden, self.mlp
+        block = (4 * h * h + 4 * h) + (2 * h * m + m + h) + 4 * h  # attention, MLP, two layer norms
+        return self.vocab * h + self.seq * h + self.layers * block + 2 * h + h * self.vocab
+
+
+# Published configurations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+# Transformer Models"), Table 3; the vocabulary is GPT-2's 50257 padded to 51200 as Megatron does
+# (the V Narayanan et al. 2021 use in their FLOPs formula).
+PUBLISHED = {
+    "gpt-22b": GPTShape(layers=48, hidden=6144, heads=64, seq=2048, vocab=51200),
+    "gpt3-175b": GPTShape(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200),
+    "mt-nlg-530b": GPTShape(layers=105, hidden=20480, heads=128, seq=2048, vocab=51200),
+    "gpt-1t": GPTShape(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200),
+}
+
+
+def shape_names() -> list[str]:
+    return [name for name, p in PRESETS.items() if isinstance(p, GPTConfig)] + list(PUBLISHED)
+
+
+def named_shape(name: str) -> GPTShape:
+    """A paratrain preset (gpt-tiny, gpt-small, gpt-seed) or a published model."""
+    if name in PUBLISHED:
+        return PUBLISHED[name]
+    preset = PRESETS.get(name)
+    if not isinstance(preset, GPTConfig):
+        raise ValueError(f"unknown GPT {name!r}; valid: {', '.join(shape_names())}")
+    return GPTShape.from_config(preset)
