@@ -138,3 +138,27 @@ def test_no_rank_trains_before_every_rank_has_its_weights(monkeypatch):
     first_step = min(t for kind, t in events if kind == "step")
     assert sum(kind == "built" for kind, _ in events) == 8
     assert first_step > last_built, f"a rank stepped {last_built - first_step:.3f} s before the last rank was built"
+
+
+@pytest.mark.parametrize("schedule, pp, microbatches, extra", [
+    ("zb-v", 2, 8, {"virtual_stages": 2}), ("zb-v", 4, 8, {"virtual_stages": 2}), ("zb-h1", 2, 8, {}),
+    ("1f1b", 2, 8, {"checkpoint_activations": True}),
+])
+def test_the_pipeline_holds_no_more_than_its_schedule_says(monkeypatch, schedule, pp, microbatches, extra):
+    """ZB-V once kept every microbatch's V-turn input until the step ended (8 of 8 on the last
+    rank): each rank must end a step holding nothing, and hold at most 2p chunk activations
+    (ZB-V's 2p half-size chunks, 1F1B's p whole ones)."""
+    import paratrain.train.loop as loop
+
+    stats, original = [], loop.PipelineRuntime.run
+
+    def recorded(self, inputs, targets):
+        result = original(self, inputs, targets)
+        stats.append(result)
+        return result
+
+    monkeypatch.setattr(loop.PipelineRuntime, "run", recorded)
+    config = apply_overrides(config_for(1, pp, 1, schedule, microbatches, extra), {"steps": 1})
+    run(train_rank, pp, args=(config,))
+    assert len(stats) == pp and all(s["left_stashed"] == 0 for s in stats), [s["left_stashed"] for s in stats]
+    assert max(s["peak_stashed"] for s in stats) <= 2 * pp, [s["peak_stashed"] for s in stats]

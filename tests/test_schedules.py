@@ -133,7 +133,9 @@ def test_zb_v_bubble_is_only_the_first_fill_and_below_zb_h1(case):
     assert _idle_per_rank(zb_v) == pytest.approx((p - 1) / 2)
     if p > 1:
         assert zb_v.bubble < zb_h1.bubble
-    assert theoretical_bubble("zb-v", p, m) == zb_v.bubble  # no closed form: the simulated value
+    # the closed form (simulate.theoretical_bubble's docstring), against the simulated schedule
+    assert zb_v.bubble == pytest.approx((p - 1) / (6 * m + p - 1), abs=1e-9)
+    assert theoretical_bubble("zb-v", p, m) == pytest.approx(zb_v.bubble, abs=1e-9)
 
 
 @pytest.mark.parametrize("p,m", [(1, 3), (2, 4), (4, 8), (4, 16), (8, 8), (8, 24)])

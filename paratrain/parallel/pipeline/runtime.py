@@ -60,7 +60,7 @@ class PipelineRuntime:
         microbatches = self.schedule.microbatches
         # (microbatch, chunk) -> [input, output, output grad, linear records then what W needs]
         stash: dict[tuple[int, int], list] = {}
-        loss_sum, busy = 0.0, 0.0
+        loss_sum, busy, peak = 0.0, 0.0, 0
         started = time.perf_counter()
         for action in self.actions:
             m, c = action.microbatch, action.stage
@@ -84,6 +84,7 @@ class PipelineRuntime:
                     loss_sum += out.item()
                 busy += time.perf_counter() - begin
                 stash[(m, c)] = [x, out, None, records]
+                peak = max(peak, len(stash))
                 if c != self.last_chunk and self.schedule.owner(c + 1) != self.rank:
                     self.link.send_activation(out.detach(), self.schedule.owner(c + 1), c + 1, m)
             elif action.op == "B":
@@ -117,20 +118,27 @@ class PipelineRuntime:
                 self._release(stash, m, c)
         self.link.wait_sends()
         total = time.perf_counter() - started
-        return {"loss_sum": loss_sum, "busy_s": busy, "total_s": total}
+        # peak_stashed: most (microbatch, chunk) entries held at once; left_stashed: at the end (0)
+        return {"loss_sum": loss_sum, "busy_s": busy, "total_s": total, "peak_stashed": peak,
+                "left_stashed": len(stash)}
 
     def _output_grad(self, m: int, c: int, out: torch.Tensor, stash) -> torch.Tensor | None:
         if c == self.last_chunk:
             return None  # out is the loss
         if self.schedule.owner(c + 1) == self.rank:  # the V's turn: the next chunk is ours
-            return stash[(m, c + 1)][0].grad
+            turn = stash[(m, c + 1)]
+            grad, turn[0] = turn[0].grad, None  # its input's gradient was all it was kept for
+            if turn[1] is None:  # and chunk c+1 is done with it: drop it now
+                del stash[(m, c + 1)]
+            return grad
         return self.link.recv_gradient(out, self.schedule.owner(c + 1), c, m)
 
     def _release(self, stash, m: int, c: int) -> None:
-        """Drop what microbatch m held on chunk c, except an input the next chunk still needs."""
+        """Drop what microbatch m held on chunk c, except, at a V's turn (chunk c-1 is ours
+        too), the input whose gradient B(m, c-1) has yet to take; that B drops it."""
         entry = stash[(m, c)]
         entry[1] = entry[2] = entry[3] = None
-        if c == 0 or self.schedule.owner(c - 1) != self.rank:
+        if c == 0 or self.schedule.owner(c - 1) != self.rank or entry[0] is None:
             del stash[(m, c)]
 
     def _sync_if_final(self, action):

@@ -92,10 +92,14 @@ def _peak_in_flight(order: tuple[Action, ...], last_backward_op: str) -> int:
 def theoretical_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The textbook bubble fraction with backward = 2 x forward: (p-1)/(m+p-1) for gpipe and 1f1b
     (GPipe; Narayanan et al. 2021), (p-1)/(v*m+p-1) for interleaved-1f1b (each bubble slot is 1/v
-    as long). zb-h1 and zb-v have no closed form that holds at every size, so for them this returns
-    the simulated bubble (unit costs) of the schedule `build_schedule` makes."""
+    as long), (p-1)/(6m+p-1) for zb-v: each rank computes 2 half-size chunks x m microbatches x
+    (F + B + W = 3 halves) = 3m, and idles only while the first forward reaches the last rank,
+    (p-1) half-size forwards = (p-1)/2. zb-h1 has no closed form that holds at every size, so for
+    it this returns the simulated bubble (unit costs) of the schedule `build_schedule` makes."""
     if name in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
     if name == "interleaved-1f1b":
         return (p - 1) / (v * m + p - 1)
+    if name == "zb-v":
+        return (p - 1) / (6 * m + p - 1)
     return simulate(build_schedule(name, p, m, v)).bubble
