@@ -162,3 +162,22 @@ def test_the_pipeline_holds_no_more_than_its_schedule_says(monkeypatch, schedule
     run(train_rank, pp, args=(config,))
     assert len(stats) == pp and all(s["left_stashed"] == 0 for s in stats), [s["left_stashed"] for s in stats]
     assert max(s["peak_stashed"] for s in stats) <= 2 * pp, [s["peak_stashed"] for s in stats]
+
+
+@pytest.mark.parametrize("schedule, extra", [("zb-h1", {}), ("zb-v", {"virtual_stages": 2}), ("1f1b", {})])
+def test_ddp_overlaps_communication_under_every_schedule(monkeypatch, schedule, extra):
+    """Zero-bubble W passes write .grad by hand, so autograd's hooks never told our DDP a
+    gradient was ready and every bucket started in finish_gradients. Some must start before."""
+    from paratrain.parallel.data.ddp import BucketedDataParallel
+
+    started_early, original = [], BucketedDataParallel.finish_gradients
+
+    def recorded(self):
+        started_early.append(len(self._pending))
+        return original(self)
+
+    monkeypatch.setattr(BucketedDataParallel, "finish_gradients", recorded)
+    config = apply_overrides(config_for(2, 2, 1, schedule, 4, {**extra, "bucket_mb": 0.01, "first_bucket_mb": 0.001}),
+                             {"steps": 1})
+    run(train_rank, 4, args=(config,))
+    assert len(started_early) == 4 and all(n > 0 for n in started_early), started_early

@@ -34,6 +34,10 @@ class DataParallel:
         """`build(params)` makes the optimizer; ZeRO gives it only this rank's shard."""
         return build(list(self.module.parameters()))
 
+    def grad_ready(self, param) -> None:
+        """`param.grad` was written outside autograd (the pipeline's W pass) and is complete
+        for this backward: what autograd's post-accumulate hook would have said."""
+
     def finish_gradients(self) -> None:
         """After the step's last backward: every rank holds the averaged gradient."""
 

@@ -32,6 +32,10 @@ class BucketedDataParallel(DataParallel):
         bucket.pending.discard(id(param))
         self._start_ready_buckets()
 
+    def grad_ready(self, param) -> None:
+        if id(param) in self._bucket_of:
+            self._grad_ready(param)
+
     def _start_ready_buckets(self, everything: bool = False) -> None:
         while self._next_to_start < len(self.buckets):
             bucket = self.buckets[self._next_to_start]

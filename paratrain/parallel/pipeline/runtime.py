@@ -110,7 +110,7 @@ class PipelineRuntime:
                 begin = time.perf_counter()
                 with self._sync_if_final(action):
                     if self.splitters:
-                        SplitBackward.backward_weight(kept)
+                        self.splitters[c].backward_weight(kept, self.dp.grad_ready if self.dp else None)
                     else:
                         params = [p for p in self.chunks[c].parameters() if p.requires_grad]
                         torch.autograd.backward(out, grad, inputs=params)

@@ -82,12 +82,23 @@ class SplitBackward:
         offset += len(self.other_params)
         return [(module, x_in.detach(), dy) for (module, x_in, _), dy in zip(records, grads[offset:]) if dy is not None]
 
-    @staticmethod
-    def backward_weight(stash: list) -> None:
-        """W: dW = dY^T X and db = sum dY for each linear layer the microbatch went through."""
+    def backward_weight(self, stash: list, grad_ready=None) -> None:
+        """W: dW = dY^T X and db = sum dY for each linear layer the microbatch went through.
+
+        These gradients are written by hand, so autograd's post-accumulate hooks (which data
+        parallelism listens to, to start a bucket's all-reduce) never fire: `grad_ready(param)`
+        is called instead as each is written, and for the cheap parameters B wrote before."""
         for module, x_in, dy in stash:
             dy_2d = dy.reshape(-1, dy.shape[-1]).to(module.weight.dtype)
             x_2d = x_in.reshape(-1, x_in.shape[-1]).to(module.weight.dtype)
             _accumulate(module.weight, dy_2d.t() @ x_2d)
             if module.bias is not None:
                 _accumulate(module.bias, dy_2d.sum(0))
+            if grad_ready is not None:
+                for param in (module.weight, module.bias):
+                    if param is not None:
+                        grad_ready(param)
+        if grad_ready is not None:
+            for param in self.other_params:
+                if param.grad is not None:
+                    grad_ready(param)
