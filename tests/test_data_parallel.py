@@ -134,3 +134,37 @@ def test_torch_ddp_can_be_built_twice_in_one_threads_world():
     config = make_config(**{"parallel.dp_mode": "torch", "steps": 3})
     results = run(train_twice, 2, args=(config,), timeout=60)
     assert results[0][0] == results[0][1] == results[1][0]
+
+
+class _BranchOnRankZero(torch.nn.Module):
+    """`extra` is used only by rank 0's forward: the other ranks get no gradient for it."""
+
+    def __init__(self, rank: int):
+        super().__init__()  # the gradients checked below do not depend on the weights' values
+        self.body, self.extra, self.rank = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), rank
+
+    def forward(self, x):
+        y = self.body(x)
+        return y + self.extra(x) if self.rank == 0 else y
+
+
+def _one_step_with_an_unused_parameter(group, mode, layout):
+    from paratrain.parallel.data import build_data_parallel
+
+    model = _BranchOnRankZero(group.rank)
+    dp = build_data_parallel(model, group, mode=mode, naive_layout=layout)
+    x = torch.full((2, 4), float(group.rank + 1))
+    dp.module(x).sum().backward()
+    dp.finish_gradients()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode, layout", [("naive", "flat"), ("naive", "per-param"), ("ddp", "flat")])
+def test_a_parameter_without_a_gradient_on_one_rank_averages_as_zero(mode, layout):
+    """Naive data parallelism once built buffers of different sizes on different ranks and
+    crashed; the missing gradient must count as zero, as in DDP."""
+    grads = run(_one_step_with_an_unused_parameter, 2, args=(mode, layout))
+    rank0_extra = torch.full((2, 4), 1.0).sum(0)  # d/dW of sum(W x) for rank 0's x, summed over rows
+    for rank in (0, 1):
+        assert torch.allclose(grads[rank]["extra.weight"], rank0_extra.expand(4, 4) / 2)
+        assert torch.equal(grads[rank]["body.weight"], grads[0]["body.weight"])

@@ -24,7 +24,14 @@ class NaiveDataParallel(DataParallel):
         self.compressor = compressor or NoCompression()
 
     def finish_gradients(self) -> None:
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        # Every rank must average the same tensors. A parameter this rank's data did not reach
+        # has no gradient here: it counts as zero, as in DDP, so the average is the one over
+        # the whole batch.
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad for p in params]
         if not grads:
             return
         if self.layout == "flat":
