@@ -18,6 +18,9 @@ def test_bench_pipeline_rejects_bad_input_before_launching():
     assert result.exit_code == 2 and "at least 2 stages" in result.output
     result = runner.invoke(main, ["bench", "pipeline", "--global-batch", "30", "--microbatches", "8"])
     assert result.exit_code == 2 and "not divisible by 8 microbatches" in result.output
+    for flag in ("--microbatches", "--steps", "--global-batch"):  # once a crash inside the ranks
+        result = runner.invoke(main, ["bench", "pipeline", flag, "0"])
+        assert result.exit_code == 2 and "0 is not in the range x>=1" in result.output, result.output
 
 
 def test_bench_pipeline_compares_ours_with_torch_pipelining(tmp_path):

@@ -95,6 +95,12 @@ def test_a_configuration_is_refused_up_front_or_trains_a_step(drawn):
     ({"parallel.zero": 1, "parallel.algo": "tree"}, "parallel.algo"),
     ({"parallel.algo": "nonsense"}, "parallel.algo"),
     ({"parallel.algo": "ring", "parallel.dp_mode": "torch"}, "PyTorch's DDP uses its own all-reduce"),
+    ({"parallel.microbatches": 4}, "--microbatches shape the pipeline and need pp > 1"),
+    ({"parallel.schedule": "zb-v"}, "--schedule shape the pipeline"),
+    ({"parallel.virtual_stages": 2}, "--virtual-stages shape the pipeline"),
+    ({"model.name": "gpt-tiny", "parallel.pp": 2, "parallel.microbatches": 2, "parallel.grad_accum": 2},
+     "--grad-accum applies to pp = 1"),
+    ({"data.name": "tokens"}, "trains on 'teacher' data, not 'tokens'"),
 ])
 def test_known_late_failures_are_refused_up_front(overrides, problem):
     config = apply_overrides(TrainConfig(), {"model.name": "mlp", **overrides})

@@ -99,10 +99,10 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
 @click.option("--model", default="gpt-small", show_default=True, help="A GPT preset (split by our balanced partition).")
 @click.option("--schedules", default="gpipe,1f1b,zb-h1", show_default=True,
               help=f"Our schedules to run, from: {', '.join(SCHEDULES)} (one chunk per rank only).")
-@click.option("--microbatches", type=int, default=8, show_default=True)
-@click.option("--global-batch", type=int, default=32, show_default=True)
-@click.option("--steps", type=int, default=10, show_default=True, help="Timed steps per runner.")
-@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps per runner first.")
+@click.option("--microbatches", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True, help="Timed steps per runner.")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps per runner first.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the records as JSON.")
 def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup, json_path):
     """Our pipeline runtime vs torch.distributed.pipelining on the same GPT stages.
