@@ -10,6 +10,7 @@ from paratrain.bench.cli import bench
 from paratrain.comm.flight_cli import debug
 from paratrain.frontend.cli import frontend, serve, top, worker
 from paratrain.parallel.pipeline.schedule_cli import schedule
+from paratrain.plan.cli import plan
 from paratrain.train.check import check
 from paratrain.train.cli import train
 from paratrain.train.sample import sample
@@ -35,6 +36,7 @@ main.add_command(worker)
 main.add_command(top)
 main.add_command(frontend)
 main.add_command(debug)
+main.add_command(plan)
 
 if __name__ == "__main__":
     main()

@@ -40,6 +40,9 @@ class Software:
                                      # backward (paratrain) rather than gathering them again (Megatron)
     even_layers: bool = True         # l/(p*v) blocks per chunk (Megatron); False: cut by matmul cost
                                      # with the embedding and head as layers (paratrain's split)
+    p2p_scatter_gather: bool = True  # each tp rank sends 1/t of an activation between stages and
+                                     # the next stage all-gathers it (Narayanan et al. 2021, Section
+                                     # 4.1); False: every tp rank sends all of it (paratrain)
 
     @property
     def activation_bytes(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.split import balanced_partition
@@ -24,6 +25,9 @@ from paratrain.plan.activations import Software, head_activation_bytes, layer_ac
 from paratrain.plan.shapes import GPTShape
 
 GIB = float(1 << 30)
+
+# Layouts of one search share schedules; the zero-bubble ones take a while to build.
+cached_schedule = lru_cache(maxsize=1024)(build_schedule)
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ def memory_per_gpu(shape: GPTShape, layout: Layout, global_batch: int, software:
     per_layer = layer_activation_bytes(shape, b, software, t, layout.sequence_parallel, layout.recompute)
     head = head_activation_bytes(shape, b, software, t, layout.sequence_parallel)
     if layout.pp > 1:
-        schedule = build_schedule(layout.schedule, layout.pp, layout.microbatches(global_batch),
+        schedule = cached_schedule(layout.schedule, layout.pp, layout.microbatches(global_batch),
                                   layout.virtual_stages)
         chunks = chunk_layers(shape, schedule.num_chunks, software)
         orders, last_op, owner = schedule.ranks, schedule.last_backward_op, schedule.chunks_of

@@ -38,7 +38,8 @@ def default_costs(schedule: Schedule) -> dict[str, float]:
 
 def simulate(schedule: Schedule, costs: dict[str, float] | None = None) -> Timeline:
     """Run every rank's list in order, each action starting as soon as its rank is free and its
-    dependencies have ended. `costs` maps op ("F", "B", "W") to the duration of one chunk action."""
+    dependencies have ended. `costs` maps op ("F", "B", "W") to the duration of one chunk action,
+    or to a sequence of durations indexed by chunk (the planner's chunks differ: embedding, head)."""
     costs = costs or default_costs(schedule)
     p = schedule.stages
     ended: dict[Action, float] = {}
@@ -57,7 +58,8 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None) -> Timel
                 if any(d not in ended for d in deps):
                     break
                 start = max([free_at[r]] + [ended[d] for d in deps])
-                end = start + costs[action.op]
+                cost = costs[action.op]
+                end = start + (cost if isinstance(cost, (int, float)) else cost[action.stage])
                 ended[action] = free_at[r] = end
                 timeline[r].append((action, start, end))
                 position[r] += 1

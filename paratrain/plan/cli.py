@@ -1,0 +1,167 @@
+"""`paratrain plan`: predict a GPT's step time, memory and MFU on a cluster, or search layouts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from paratrain.plan.cost_model import Prediction, predict
+from paratrain.plan.flops import RECOMPUTE, step_flops
+from paratrain.plan.hardware import load_profile, shipped_profiles
+from paratrain.plan.memory import GIB, Layout
+from paratrain.plan.search import layout_problems, reason, search
+from paratrain.plan.shapes import GPTShape, named_shape, shape_names
+
+LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch", "virtual_stages", "schedule", "recompute",
+                "sequence_parallel", "zero")
+
+
+def build_shape(model: str, overrides: dict) -> GPTShape:
+    base = named_shape(model)
+    values = {"layers": base.layers, "hidden": base.hidden, "heads": base.heads, "seq": base.seq,
+              "vocab": base.vocab, "mlp": base.mlp}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if overrides.get("hidden") is not None and overrides.get("mlp") is None:
+        values["mlp"] = 0  # 4h of the new width
+    return GPTShape(**values)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
+
+
+def describe_prediction(p: Prediction, shape: GPTShape, global_batch: int, profile) -> list[str]:
+    layout, b = p.layout, p.breakdown
+    lines = [f"layout {layout.describe()}: {layout.microbatches(global_batch)} microbatches of "
+             f"{layout.micro_batch} per replica per step",
+             f"  step time     {_seconds(p.step_s):>10}   ({global_batch / p.step_s:,.3g} samples/s, "
+             f"{global_batch * shape.seq / p.step_s:,.0f} tokens/s)"]
+    notes = {"bubble": f"({p.bubble:.1%} of the pipeline's time idle)" if layout.pp > 1 else "",
+             "dp_comm": "(not hidden by backward)" if layout.dp > 1 else ""}
+    for key, label in (("compute", "compute"), ("tp_comm", "tp comm"), ("pp_comm", "pp comm"),
+                       ("bubble", "bubble"), ("dp_comm", "dp comm"), ("optimizer", "optimizer")):
+        lines.append(f"    {label:<11} {_seconds(b[key]):>10}  {b[key] / p.step_s:6.1%}  {notes.get(key, '')}".rstrip())
+    m = p.memory
+    usable = profile.usable_bytes / GIB
+    lines += [
+        f"  memory/GPU    {m.total / GIB:>8.2f} GiB   of {usable:.1f} usable"
+        f" ({'fits' if p.fits else 'DOES NOT FIT'}; pipeline rank {m.stage}, {m.params:,} parameters)",
+        f"    weights {m.weights / GIB:.2f}, grads {m.grads / GIB:.2f}, optimizer {m.optimizer / GIB:.2f}, "
+        f"activations {m.activations / GIB:.2f}, workspace {m.workspace / GIB:.2f} GiB",
+        f"  MFU {p.mfu:.1%} (HFU {p.hfu:.1%}) of {profile.compute.peak_tflops:g} TFLOP/s per device;"
+        f" {step_flops(shape, global_batch):.3g} model FLOPs per step",
+    ]
+    return lines
+
+
+def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str]:
+    lines = [f"  {'#':>2}  {'layout':<48} {'step':>9} {'mem GiB':>8} {'bubble':>7} {'MFU':>6}  why"]
+    for i, p in enumerate(results[:top], 1):
+        lines.append(f"  {i:>2}  {p.layout.describe():<48} {_seconds(p.step_s):>9} {p.memory.total / GIB:>8.1f}"
+                     f" {p.bubble:>7.1%} {p.mfu:>6.1%}  {reason(p, results[0])}")
+    smallest = dropped["smallest_that_does_not_fit_gib"]
+    lines.append(f"  {dropped['considered']} valid layouts; {dropped['do_not_fit']} do not fit even with full "
+                 "recomputation" + (f" (the smallest of them needs {smallest:.1f} GiB)" if smallest else "")
+                 + f"; {len(results)} fit")
+    return lines
+
+
+@click.command()
+@click.option("--model", default="gpt-small", show_default=True,
+              help=f"A GPT to start from: {', '.join(shape_names())}; the flags below override it.")
+@click.option("--layers", type=click.IntRange(min=1), help="Transformer layers l.")
+@click.option("--hidden", type=click.IntRange(min=1), help="Hidden size h (the MLP is 4h unless --mlp).")
+@click.option("--heads", type=click.IntRange(min=1), help="Attention heads a.")
+@click.option("--seq", type=click.IntRange(min=1), help="Sequence length s.")
+@click.option("--vocab", type=click.IntRange(min=1), help="Vocabulary V.")
+@click.option("--mlp", type=click.IntRange(min=1), help="MLP inner width (default 4h).")
+@click.option("--hardware", default="a100-80gb-hdr", show_default=True,
+              help=f"A shipped profile ({', '.join(shipped_profiles())}) or a YAML file.")
+@click.option("--gpus", type=click.IntRange(min=1), help="Devices (default: tp x pp x dp of the layout given).")
+@click.option("--global-batch", type=click.IntRange(min=1), default=64, show_default=True, help="Sequences per step.")
+@click.option("--tp", type=click.IntRange(min=1), help="Tensor-parallel size. Any layout flag predicts that layout.")
+@click.option("--pp", type=click.IntRange(min=1), help="Pipeline stages.")
+@click.option("--dp", type=click.IntRange(min=1), help="Data-parallel size (default: gpus / (tp x pp)).")
+@click.option("--micro-batch", type=click.IntRange(min=1), help="Sequences per microbatch (default 1).")
+@click.option("--virtual-stages", type=click.IntRange(min=1), help="Model chunks per pipeline rank.")
+@click.option("--schedule", help="gpipe, 1f1b (default), interleaved-1f1b, zb-h1 or zb-v.")
+@click.option("--recompute", type=click.Choice(RECOMPUTE), help="Activation recomputation (default none).")
+@click.option("--sequence-parallel", is_flag=True, default=None, help="Sequence parallelism (tp > 1).")
+@click.option("--zero", type=click.IntRange(0, 1), help="1: optimizer state sharded over dp (ZeRO-1).")
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to show when searching.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write {layout, step_s, memory_gib, bubble, mfu, breakdown} per layout to this file.")
+@click.option("--validate", is_flag=True,
+              help="Train small configurations on this machine and print predicted against measured "
+                   "step time and memory (uses --hardware if given as a file, else the local CPU profile).")
+@click.option("--steps", type=click.IntRange(min=2), default=6, show_default=True,
+              help="--validate: steps per configuration (the first is not timed).")
+def plan(model, layers, hidden, heads, seq, vocab, mlp, hardware, gpus, global_batch, top, json_path,
+         validate, steps, **layout_flags):
+    """Predict step time, memory per GPU and MFU of a GPT on a cluster, or find the best layouts.
+
+    With any layout flag (--tp, --pp, --dp, ...) it predicts that layout; without, it searches
+    every valid layout, drops those that do not fit and prints the fastest with the reason each
+    wins or loses. Formulas: FLOPs as Narayanan et al. 2021, activations as Korthikanti et al.
+    2022, bubbles from paratrain's schedule simulator on the actual schedule.
+
+    \b
+    Examples:
+      paratrain plan --model gpt3-175b --hardware a100-80gb-hdr --gpus 64 --global-batch 64 \\
+          --tp 8 --pp 8 --schedule interleaved-1f1b --virtual-stages 3 --recompute full
+      paratrain plan --model gpt3-175b --gpus 64 --global-batch 64
+      paratrain plan --layers 32 --hidden 4096 --heads 32 --seq 4096 --vocab 32000 --gpus 16 --hardware h100-80gb-ndr
+      paratrain plan --validate
+    """
+    if validate:
+        from paratrain.plan.validate import run_validation
+
+        run_validation(hardware if Path(hardware).suffix else None, steps)
+        return
+    try:
+        shape = build_shape(model, {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq,
+                                    "vocab": vocab, "mlp": mlp})
+        profile = load_profile(hardware)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    explicit = any(layout_flags[name] is not None for name in LAYOUT_FLAGS)
+    click.echo(f"{model if not any((layers, hidden, heads, seq, vocab, mlp)) else 'GPT'}: "
+               f"{shape.parameters() / 1e9:,.3g}B parameters (l={shape.layers} h={shape.hidden} a={shape.heads} "
+               f"s={shape.seq} V={shape.vocab} m={shape.mlp}); global batch {global_batch}")
+    click.echo(f"hardware {profile.name}: {profile.description}")
+    if explicit:
+        layout = _layout(layout_flags, gpus)
+        problems = layout_problems(shape, layout, global_batch, profile, gpus)
+        if problems:
+            raise click.UsageError("this layout cannot run:\n  " + "\n  ".join(problems))
+        results = [predict(shape, layout, profile, global_batch)]
+        for line in describe_prediction(results[0], shape, global_batch, profile):
+            click.echo(line)
+    else:
+        if gpus is None:
+            raise click.UsageError("give --gpus to search, or a layout (--tp/--pp/--dp ...) to predict")
+        results, dropped = search(shape, gpus, global_batch, profile)
+        click.echo(f"searched layouts of {gpus} devices, fastest first:")
+        for line in search_lines(results, dropped, top):
+            click.echo(line)
+        if results:
+            click.echo("the fastest in detail:")
+            for line in describe_prediction(results[0], shape, global_batch, profile):
+                click.echo(line)
+    if json_path:
+        json_path.write_text(json.dumps([p.to_json() for p in results], indent=1))
+        click.echo(f"wrote {len(results)} layout(s) to {json_path}")
+
+
+def _layout(flags: dict, gpus: int | None) -> Layout:
+    values = {name: flags[name] for name in LAYOUT_FLAGS if flags[name] is not None}
+    values["sequence_parallel"] = bool(values.get("sequence_parallel"))
+    layout = replace(Layout(), **{k: v for k, v in values.items() if k != "dp"})
+    dp = values.get("dp") or (gpus // (layout.tp * layout.pp) if gpus else 1)
+    layout = replace(layout, dp=max(dp, 1))
+    if layout.schedule == "zb-v":
+        layout = replace(layout, virtual_stages=2)
+    return layout

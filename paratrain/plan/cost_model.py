@@ -1,0 +1,214 @@
+"""One layout of one GPT on one hardware profile: step time, its breakdown, memory, MFU.
+
+Time of one microbatch through one layer on one tensor-parallel rank is a roofline sum of op
+classes: weight matmuls (flops.py) at the profile's matmul rate, the attention core at its
+attention rate, element-wise traffic (norms, GELU, residual adds, the loss) at its memory
+bandwidth, and a fixed cost per operator. Backward is twice the forward's matmuls; recomputation
+adds the forward it repeats. Tensor-parallel collectives (two per layer each way, Megatron's
+f and g; sequence parallelism swaps each all-reduce for an all-gather plus a reduce-scatter of
+the same bytes) and the pipeline's sends are charged to the action that waits for them.
+
+These per-chunk costs go into the schedule simulator (parallel/pipeline/simulate.py) on the
+actual schedule's lists, so the bubble is the schedule's own, with real costs. The data-parallel
+gradient reduction, less what backward hides, and the optimizer step follow the pipeline.
+MFU counts model FLOPs (no recomputation; Korthikanti et al. 2022, Section 6), HFU all done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from paratrain.parallel.pipeline.simulate import simulate
+from paratrain.plan.comm_model import collective_seconds, spans_nodes
+from paratrain.plan.flops import (
+    flash_backward_flops,
+    layer_attention_flops,
+    layer_matmul_flops,
+    logit_flops,
+    step_flops,
+)
+from paratrain.plan.hardware import HardwareProfile
+from paratrain.plan.memory import Layout, Memory, cached_schedule, chunk_layers, layer_parameters, memory_per_gpu
+from paratrain.plan.shapes import GPTShape
+
+LAYER_OPS = 30   # operators per layer, forward and backward: ~10 kernels forward, ~20 backward
+HEAD_OPS = 12    # final norm, logits, loss; forward and backward
+ADAM_BYTES = 28  # read weight, gradient, two moments; write weight and two moments (4 bytes each)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Seconds of one chunk action, by what they are spent on."""
+
+    compute: float = 0.0
+    tp_comm: float = 0.0
+    pp_comm: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp_comm + self.pp_comm
+
+    def __add__(self, other: Pass) -> Pass:
+        return Pass(self.compute + other.compute, self.tp_comm + other.tp_comm, self.pp_comm + other.pp_comm)
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_s: float
+    memory: Memory
+    fits: bool
+    bubble: float
+    mfu: float
+    hfu: float
+    breakdown: dict[str, float]  # seconds: compute, tp_comm, pp_comm, bubble, dp_comm, optimizer
+
+    def to_json(self) -> dict:
+        return {"layout": asdict(self.layout), "step_s": self.step_s, "memory_gib": self.memory.as_gib(),
+                "fits": self.fits, "bubble": self.bubble, "mfu": self.mfu, "hfu": self.hfu,
+                "breakdown": self.breakdown}
+
+
+def _elementwise_bytes(shape: GPTShape, b: int, profile: HardwareProfile, tp: int, sp: bool) -> float:
+    """Forward element-wise traffic of one layer: two norms and two residual adds (read 2, write 1)
+    on the replicated width, GELU on the split MLP width, the softmax on eager attention."""
+    software = profile.software
+    e, tokens = software.activation_bytes, shape.seq * b
+    replicated = (2 * 2 + 2 * 3 + (5 if software.dropout else 0)) * shape.hidden
+    split = 2 * shape.mlp + (0 if software.flash_attention else (7 if software.dropout else 4) * shape.heads * shape.seq)
+    return e * tokens * (replicated / (tp if sp else 1) + split / tp)
+
+
+def _compute_seconds(matmul: float, attention: float, elementwise: float, ops: float, profile) -> float:
+    c = profile.compute
+    return (matmul / c.matmul_flops + attention / c.attention_flops + elementwise / c.memory_bytes_per_s
+            + ops * c.op_overhead_us * 1e-6)
+
+
+def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> dict[str, Pass]:
+    """Forward, input-gradient and weight-gradient passes of one layer for one microbatch."""
+    t, b = layout.tp, layout.micro_batch
+    mm, att = layer_matmul_flops(shape, b) / t, layer_attention_flops(shape, b) / t
+    ew = _elementwise_bytes(shape, b, profile, t, layout.sequence_parallel)
+    flash = flash_backward_flops(shape, b) / shape.layers / t if profile.software.flash_attention else 0.0
+    forward = _compute_seconds(mm, att, ew, LAYER_OPS / 3, profile)
+    input_grad = _compute_seconds(mm, 2 * att + flash, 2 * ew, LAYER_OPS / 3, profile)
+    weight_grad = _compute_seconds(mm, 0, 0, LAYER_OPS / 3, profile)
+    if layout.recompute == "full":
+        input_grad += forward
+    elif layout.recompute == "selective":
+        input_grad += _compute_seconds(0, att, 0, 0, profile)
+    activation = shape.seq * b * shape.hidden * profile.software.activation_bytes
+    two = 2 * collective_seconds(profile, "all_reduce", activation, t, spans_nodes(profile, t, 1, 1)["tp"])
+    recomputed = two if layout.recompute == "full" else 0.0
+    return {"F": Pass(forward, two), "B": Pass(input_grad, two + recomputed), "W": Pass(weight_grad)}
+
+
+def head_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> dict[str, Pass]:
+    """The final norm, logits and the fp32 loss over this rank's share of the vocabulary."""
+    t, b = layout.tp, layout.micro_batch
+    tokens = shape.seq * b
+    logits = logit_flops(shape, b) / t
+    norm = profile.software.activation_bytes * tokens * 2 * shape.hidden
+    loss = 4 * tokens * shape.vocab / t  # one fp32 pass over the logits
+    activation = tokens * shape.hidden * profile.software.activation_bytes
+    comm = collective_seconds(profile, "all_reduce", activation, t, spans_nodes(profile, t, 1, 1)["tp"])
+    return {"F": Pass(_compute_seconds(logits, 0, norm + 3 * loss, HEAD_OPS / 3, profile)),
+            "B": Pass(_compute_seconds(logits, 0, 2 * norm + 4 * loss, HEAD_OPS / 3, profile), comm),
+            "W": Pass(_compute_seconds(logits, 0, 0, HEAD_OPS / 3, profile))}
+
+
+def chunk_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile, chunks: list[range]) -> list[dict[str, Pass]]:
+    layer, head = layer_passes(shape, layout, profile), head_passes(shape, layout, profile)
+    t, b = layout.tp, layout.micro_batch
+    activation = shape.seq * b * shape.hidden * profile.software.activation_bytes
+    embed_comm = collective_seconds(profile, "all_reduce", activation, t, spans_nodes(profile, t, 1, 1)["tp"])
+    across = spans_nodes(profile, t, layout.pp, 1)["pp"]
+    if profile.software.p2p_scatter_gather or layout.sequence_parallel:
+        send = (collective_seconds(profile, "p2p", activation / t, 2, across)
+                + (0.0 if layout.sequence_parallel else collective_seconds(profile, "all_gather", activation, t, False)))
+    else:
+        send = collective_seconds(profile, "p2p", activation, 2, across)
+    passes = []
+    for index, layers in enumerate(chunks):
+        blocks = sum(1 for i in layers if 1 <= i <= shape.layers)
+        total = {op: Pass(blocks * p.compute, blocks * p.tp_comm) for op, p in layer.items()}
+        if 0 in layers:
+            total["F"] += Pass(_compute_seconds(0, 0, 2 * activation, 2, profile), embed_comm)
+        if shape.layers + 1 in layers:
+            total = {op: total[op] + head[op] for op in total}
+        if layout.pp > 1:
+            if index < len(chunks) - 1:
+                total["F"] += Pass(pp_comm=send)
+            if index > 0:
+                total["B"] += Pass(pp_comm=send)
+        passes.append(total)
+    return passes
+
+
+def _cpu_slowdown(profile: HardwareProfile, layout: Layout, schedule) -> float:
+    """Ranks beyond a CPU host's cores share them (one thread per rank, as the launcher sets);
+    a pipeline rank idle in its bubble leaves its core to the others."""
+    if not profile.cores:
+        return 1.0
+    busy_share = 1 - simulate(schedule).bubble if schedule else 1.0
+    return max(1.0, layout.gpus * busy_share / profile.cores)
+
+
+def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_batch: int) -> Prediction:
+    m = layout.microbatches(global_batch)
+    software = profile.software
+    schedule = cached_schedule(layout.schedule, layout.pp, m, layout.virtual_stages) if layout.pp > 1 else None
+    chunks = chunk_layers(shape, schedule.num_chunks if schedule else 1, software)
+    passes = chunk_passes(shape, layout, profile, chunks)
+    if schedule is None or not schedule.split_backward:
+        for chunk in passes:
+            chunk["B"], chunk["W"] = chunk["B"] + chunk["W"], Pass()
+    slowdown = _cpu_slowdown(profile, layout, schedule)
+    passes = [{op: Pass(p.compute * slowdown, p.tp_comm, p.pp_comm) for op, p in chunk.items()} for chunk in passes]
+    if schedule:
+        ops = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+        timeline = simulate(schedule, {op: [chunk[op].total for chunk in passes] for op in ops})
+        makespan, bubble = timeline.makespan, timeline.bubble
+        rank_chunks = [schedule.chunks_of(r) for r in range(layout.pp)]
+    else:
+        makespan = m * sum(p.total for p in passes[0].values())
+        bubble, rank_chunks = 0.0, [[0]]
+    # The busiest rank's time, split by kind; what is left of the makespan is its bubble.
+    busy = [sum((passes[c][op] for c in mine for op in passes[c]), Pass()) for mine in rank_chunks]
+    busiest = max(busy, key=lambda p: p.total)
+    per_microbatch = Pass(busiest.compute * m, busiest.tp_comm * m, busiest.pp_comm * m)
+    last_backward = max(sum(passes[c]["B"].total + passes[c]["W"].total for c in mine) for mine in rank_chunks)
+    dp_s, optimizer_s = _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, last_backward)
+    step = makespan + dp_s + optimizer_s
+    memory = memory_per_gpu(shape, layout, global_batch, software)
+    peak = profile.compute.peak_tflops * 1e12 * layout.gpus * step
+    breakdown = {"compute": per_microbatch.compute, "tp_comm": per_microbatch.tp_comm,
+                 "pp_comm": per_microbatch.pp_comm, "bubble": max(0.0, makespan - per_microbatch.total),
+                 "dp_comm": dp_s, "optimizer": optimizer_s}
+    hardware_flops = step_flops(shape, global_batch, layout.recompute)
+    if software.flash_attention:
+        hardware_flops += flash_backward_flops(shape, global_batch)
+    return Prediction(layout, step, memory, memory.total <= profile.usable_bytes, bubble,
+                      step_flops(shape, global_batch) / peak, hardware_flops / peak, breakdown)
+
+
+def _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, last_backward) -> tuple[float, float]:
+    """Exposed gradient reduction (ZeRO-1: reduce-scatter then all-gather, not hidden) and the
+    Adam step, for the pipeline rank holding most parameters."""
+    params = layer_parameters(shape, layout.tp)
+    held = max(sum(params[i][0] for c in mine for i in chunks[c]) for mine in rank_chunks)
+    tensors = max(sum(params[i][1] for c in mine for i in chunks[c]) for mine in rank_chunks)
+    grad_bytes = (4 if profile.software.precision == "fp32" else 2) * held
+    across = spans_nodes(profile, layout.tp, layout.pp, layout.dp)["dp"]
+    if layout.zero:
+        dp_s = (collective_seconds(profile, "reduce_scatter", grad_bytes, layout.dp, across)
+                + collective_seconds(profile, "all_gather", grad_bytes, layout.dp, across))
+    else:
+        reduce = collective_seconds(profile, "all_reduce", grad_bytes, layout.dp, across)
+        dp_s = reduce - min(reduce, profile.dp_overlap * last_backward)
+    updated = held / (layout.dp if layout.zero else 1)
+    zero_grad = grad_bytes
+    optimizer_s = ((ADAM_BYTES * updated + zero_grad) / profile.compute.memory_bytes_per_s
+                   + 2 * tensors * profile.compute.op_overhead_us * 1e-6)
+    return dp_s, optimizer_s
