@@ -7,6 +7,7 @@ import click
 from paratrain.bench.collectives_cli import collectives
 from paratrain.bench.ddp import ddp
 from paratrain.bench.frontend import frontend
+from paratrain.bench.p2p_cli import p2p
 from paratrain.bench.pipeline import pipeline
 from paratrain.bench.scaling import scaling
 
@@ -19,5 +20,6 @@ def bench() -> None:
 bench.add_command(collectives)
 bench.add_command(ddp)
 bench.add_command(frontend)
+bench.add_command(p2p)
 bench.add_command(pipeline)
 bench.add_command(scaling)
