@@ -23,6 +23,9 @@ def test_bench_ddp_reports_every_mode_with_its_ratio_to_torch(tmp_path):
                     "--json", out)
     assert result.exit_code == 0, result.output
     assert "vs torch" in result.output and "comm share" in result.output
+    # threads: ours on the fabric, PyTorch's on gloo -- the table must say so
+    assert "ours) communicate over the in-process fabric, PyTorch's DDP over a gloo group" in result.output
+    assert "its exposed_ms differs in method" in result.output
     records = json.loads(out.read_text())
     assert [(r["model"], r["mode"]) for r in records] == [
         (model, mode) for model in ("mlp", "cnn-tiny") for mode in ("naive", "ddp", "torch")

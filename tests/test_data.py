@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from paratrain.data import DATASET_NAMES, build_dataset, shard
+from paratrain.data import DATASET_NAMES, build_dataset, rank_batch, shard
 
 # Small options so every data set builds in milliseconds.
 SMALL = {
@@ -178,3 +178,18 @@ def test_bad_arguments_are_rejected_with_the_reason(name, seed, options, message
 def test_bad_batch_requests_are_rejected(step, batch_size, message):
     with pytest.raises(ValueError, match=message):
         build_dataset("teacher", seed=0).global_batch(step, batch_size)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("teacher", {}), ("regression", {"in_dim": 8}), ("tokens", {"block_size": 8}),
+])
+@pytest.mark.parametrize("batch_size, world", [(256, 4), (96, 2), (64, 1), (12, 3)])
+def test_a_rank_draws_exactly_its_rows_of_the_global_batch(name, options, batch_size, world):
+    """rank_batch draws only the rank's rows (blocks of ROWS_PER_BLOCK, each its own generator),
+    and they are the rows of the global batch: the data cannot depend on the world size."""
+    dataset = build_dataset(name, seed=3, **options)
+    whole = dataset.global_batch(5, batch_size)
+    for rank in range(world):
+        mine = rank_batch(dataset, 5, batch_size, rank, world)
+        for got, expected in zip(mine, shard(whole, rank, world)):
+            assert torch.equal(got, expected)

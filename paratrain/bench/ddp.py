@@ -194,7 +194,12 @@ FOOTER = [
     "# comm_ms    = time the gradient all-reduces ran (summed over buckets; on the communication",
     "#              thread when they overlap backward); exposed_ms = time the training thread",
     "#              waited for them; comm share = comm_ms / step_ms. All measured, none estimated.",
+    "#              PyTorch DDP's all-reduces are timed by a communication hook (start to completion,",
+    "#              as ours), but its exposed_ms differs in method: its reducer waits inside backward,",
+    "#              so it is the time from its last gradient to the end of backward.",
 ]
+THREADS_NOTE = ("# launcher threads: naive and ddp (ours) communicate over the in-process fabric, PyTorch's DDP "
+                "over a gloo group its threads share: not the same transport, so compare them with --launcher processes.")
 
 
 def write_plot(path: Path, records: list[dict], title: str) -> None:
@@ -309,7 +314,7 @@ def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, rep
         f"# paratrain bench ddp: {title}",
         f"# {os.cpu_count()} CPU cores, torch {torch.__version__}, {measured[0]['torch_threads']} torch"
         f" thread(s) per rank, bucket {bucket_mb:g} MiB",
-        *table_lines(records), *FOOTER,
+        *table_lines(records), *FOOTER, *([THREADS_NOTE] if launcher == "threads" and not in_torchrun() else []),
     ]))
     if json_path:
         write_json(json_path, records)

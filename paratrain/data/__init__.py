@@ -88,6 +88,16 @@ def validation_batches(dataset: Dataset, batch_size: int, max_batches: int) -> l
     return [dataset.global_batch(HELD_OUT_STEP + index, batch_size) for index in range(max_batches)]
 
 
+def rank_batch(dataset, step: int, batch_size: int, rank: int, world_size: int):
+    """`shard(dataset.global_batch(step, batch_size), rank, world_size)`, drawing only this
+    rank's rows where the data set can (`batch_rows`), so no rank pays for the others' data."""
+    if hasattr(dataset, "batch_rows") and isinstance(world_size, int) and world_size > 0 \
+            and isinstance(batch_size, int) and batch_size % world_size == 0 and 0 <= rank < world_size:
+        rows = batch_size // world_size
+        return dataset.batch_rows(step, batch_size, rank * rows, (rank + 1) * rows)
+    return shard(dataset.global_batch(step, batch_size), rank, world_size)
+
+
 def shard(batch, rank: int, world_size: int):
     """Rank's contiguous slice, along dim 0, of a tensor or of a tuple/list of tensors that
     share their first dimension (e.g. (inputs, targets))."""
@@ -112,5 +122,5 @@ def shard(batch, rank: int, world_size: int):
 __all__ = [
     "DATASET_NAMES", "HELD_OUT_STEP", "Dataset", "DigitsConfig", "DigitsDataset", "RegressionConfig",
     "RegressionDataset", "TeacherConfig", "TeacherDataset", "TextConfig", "TextDataset", "TokenDataset",
-    "TokensConfig", "build_dataset", "dataset_config", "shard", "validation_batches",
+    "TokensConfig", "build_dataset", "dataset_config", "rank_batch", "shard", "validation_batches",
 ]

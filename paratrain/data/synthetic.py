@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 
-def seeded_generator(seed: int, purpose: str, step: int = 0) -> torch.Generator:
-    """A CPU generator for one (seed, purpose, step). numpy's SeedSequence hashes the three
-    into a well-mixed 64-bit seed, so neighbouring seeds or steps give unrelated streams;
+def seeded_generator(seed: int, purpose: str, step: int = 0, *more: int) -> torch.Generator:
+    """A CPU generator for one (seed, purpose, step[, more...]). numpy's SeedSequence hashes
+    them into a well-mixed 64-bit seed, so neighbouring seeds or steps give unrelated streams;
     crc32 names the purpose stably across runs (Python's `hash` of a str is salted)."""
-    entropy = [seed, zlib.crc32(purpose.encode()), step]
+    entropy = [seed, zlib.crc32(purpose.encode()), step, *more]
     state = np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator().manual_seed(int(state))
 
@@ -37,6 +37,27 @@ def check_batch_request(step, batch_size) -> None:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+
+
+# A batch is drawn in blocks of this many rows, each from its own generator, so that any range
+# of rows can be drawn alone: a rank draws only its shard, at the cost of its shard, and the
+# rows are the same whoever draws them (the batch depends only on seed, step and batch size).
+ROWS_PER_BLOCK = 64
+
+
+def draw_rows(seed: int, step: int, batch_size: int, start: int, stop: int, draw_block) -> tuple:
+    """Rows [start, stop) of step's batch. `draw_block(generator, n)` returns a tuple of
+    tensors of n rows: the rows of one block, drawn from that block's generator."""
+    if not 0 <= start < stop <= batch_size:
+        raise ValueError(f"rows [{start}, {stop}) are not inside a batch of {batch_size}")
+    parts = []
+    for block in range(start // ROWS_PER_BLOCK, (stop - 1) // ROWS_PER_BLOCK + 1):
+        first = block * ROWS_PER_BLOCK
+        rows = min(ROWS_PER_BLOCK, batch_size - first)
+        drawn = draw_block(seeded_generator(seed, "batch", step, block), rows)
+        lo, hi = max(start - first, 0), min(stop - first, rows)
+        parts.append(tuple(t[lo:hi] for t in drawn))
+    return tuple(torch.cat(columns) if len(columns) > 1 else columns[0] for columns in zip(*parts))
 
 
 def check_positive_fields(config, names: tuple[str, ...]) -> None:
@@ -75,11 +96,16 @@ class TeacherDataset:
         self.teacher_IC = torch.randn(config.in_dim, config.classes, generator=g)
 
     def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch_rows(step, batch_size, 0, batch_size)
+
+    def batch_rows(self, step: int, batch_size: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         check_batch_request(step, batch_size)
-        g = seeded_generator(self.seed, "batch", step)
-        x_BI = torch.randn(batch_size, self.input_dim, generator=g)
-        labels_B = (x_BI @ self.teacher_IC).argmax(dim=1)
-        return x_BI, labels_B
+
+        def draw_block(g, n):
+            x_BI = torch.randn(n, self.input_dim, generator=g)
+            return x_BI, (x_BI @ self.teacher_IC).argmax(dim=1)
+
+        return draw_rows(self.seed, step, batch_size, start, stop, draw_block)
 
     def loss(self, logits_BC: torch.Tensor, labels_B: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits_BC, labels_B)
@@ -119,11 +145,17 @@ class RegressionDataset:
         self.w_IO = w_IO / math.sqrt(config.in_dim)
 
     def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch_rows(step, batch_size, 0, batch_size)
+
+    def batch_rows(self, step: int, batch_size: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         check_batch_request(step, batch_size)
-        g = seeded_generator(self.seed, "batch", step)
-        x_BI = torch.randn(batch_size, self.input_dim, generator=g)
-        noise_BO = torch.randn(batch_size, self.output_dim, generator=g) * self.config.noise_std
-        return x_BI, x_BI @ self.w_IO + noise_BO
+
+        def draw_block(g, n):
+            x_BI = torch.randn(n, self.input_dim, generator=g)
+            noise_BO = torch.randn(n, self.output_dim, generator=g) * self.config.noise_std
+            return x_BI, x_BI @ self.w_IO + noise_BO
+
+        return draw_rows(self.seed, step, batch_size, start, stop, draw_block)
 
     def loss(self, y_hat_BO: torch.Tensor, y_BO: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(y_hat_BO, y_BO)

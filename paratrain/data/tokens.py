@@ -19,6 +19,7 @@ from paratrain.data.synthetic import (
     check_batch_request,
     check_positive_fields,
     check_seed,
+    draw_rows,
     seeded_generator,
 )
 
@@ -55,15 +56,22 @@ class TokenDataset:
 
     def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(idx_BT, targets_BT): targets are the inputs shifted left by one position."""
+        return self.batch_rows(step, batch_size, 0, batch_size)
+
+    def batch_rows(self, step: int, batch_size: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         check_batch_request(step, batch_size)
-        g = seeded_generator(self.seed, "batch", step)
         T, N = self.block_size, self.config.branching
-        tokens_BT1 = torch.empty(batch_size, T + 1, dtype=torch.long)
-        tokens_BT1[:, 0] = torch.randint(self.vocab_size, (batch_size,), generator=g)
-        choices_BT = torch.randint(N, (batch_size, T), generator=g)
-        for t in range(T):
-            tokens_BT1[:, t + 1] = self.successors_VN[tokens_BT1[:, t], choices_BT[:, t]]
-        return tokens_BT1[:, :-1].clone(), tokens_BT1[:, 1:].clone()
+
+        def draw_block(g, n):
+            tokens_BT1 = torch.empty(n, T + 1, dtype=torch.long)
+            tokens_BT1[:, 0] = torch.randint(self.vocab_size, (n,), generator=g)
+            choices_BT = torch.randint(N, (n, T), generator=g)
+            for t in range(T):
+                tokens_BT1[:, t + 1] = self.successors_VN[tokens_BT1[:, t], choices_BT[:, t]]
+            return tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+
+        inputs, targets = draw_rows(self.seed, step, batch_size, start, stop, draw_block)
+        return inputs.clone(), targets.clone()
 
     def loss(self, logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1))

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
-from paratrain.data import shard
+from paratrain.data import rank_batch
 from paratrain.mesh import Mesh
 from paratrain.parallel.data import build_data_parallel
 from paratrain.train.config import TrainConfig
@@ -82,8 +82,9 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         disable=None if group.rank == 0 else True, file=sys.stderr, dynamic_ncols=True,
     )
     for step in range(first_step, config.steps):
+        # This rank's rows only, drawn before the clock starts: a step's time is training.
+        inputs, targets = rank_batch(dataset, step, config.data.global_batch, dp_group.rank, dp_group.size)
         started = time.perf_counter()
-        inputs, targets = shard(dataset.global_batch(step, config.data.global_batch), dp_group.rank, dp_group.size)
         loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
         dp.finish_gradients()
         dp.step(optimizer)
