@@ -91,3 +91,15 @@ def test_weak_scaling_alone_needs_no_divisible_global_batch(tmp_path):
                     "--global-batch", "100", "--json", out)
     assert result.exit_code == 0, result.output
     assert [r["world_size"] for r in json.loads(out.read_text())] == [1, 3]
+
+
+def test_bench_ddp_sets_our_zero1_beside_pytorchs_zero_redundancy_optimizer(tmp_path):
+    out = tmp_path / "zero.json"
+    result = invoke("ddp", "--launcher", "processes", "--steps", "2", "--warmup", "1", "--models", "mlp",
+                    "--modes", "zero,torch-zero", "--repeats", "1", "--json", out)
+    assert result.exit_code == 0, result.output
+    ours, theirs = json.loads(out.read_text())
+    assert (ours["mode"], theirs["mode"]) == ("zero", "torch-zero")
+    assert ours["ratio_to_torch"] == pytest.approx(ours["step_ms"] / theirs["step_ms"])
+    refused = invoke("ddp", *FAST, "--models", "mlp", "--modes", "torch-zero")
+    assert refused.exit_code == 2 and "needs a default process group" in refused.output

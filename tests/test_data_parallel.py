@@ -75,6 +75,13 @@ def test_ddp_on_a_cnn_with_real_digits_matches_single_process():
     assert_matches_reference(config, 2)
 
 
+def test_torch_zero_redundancy_optimizer_matches_single_process_on_processes():
+    """PyTorch's ZeRO-1 (DDP + ZeroRedundancyOptimizer), the peer of ours in `bench ddp`."""
+    config = make_config(**{"parallel.dp_mode": "torch", "parallel.zero": 1, "parallel.launcher": "processes",
+                            "optim.name": "adamw", "optim.lr": 0.01, "optim.weight_decay": 0.1, "steps": 5})
+    assert_matches_reference(config, 2, launcher="processes")
+
+
 def test_ddp_and_torch_ddp_match_with_real_processes():
     """One launch per mode: process start-up costs seconds."""
     assert_matches_reference(make_config(**{"parallel.dp_mode": "ddp", "steps": 5}), 2, launcher="processes")

@@ -23,7 +23,6 @@ import click
 import torch
 
 from paratrain.launch import LAUNCHERS, in_torchrun, run
-from paratrain.parallel.data import DP_MODES
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
 from paratrain.train.validate import problems_with
@@ -39,6 +38,11 @@ MODELS = {
     "mlp16": ("mlp16", {}),  # 16 x Linear(1024, 1024): 16.8M parameters, 67 MB of gradients
 }
 DEFAULT_MODELS = ("cnn-tiny", "cnn-small", "cnn-medium", "mlp16")
+# bench mode -> (training's dp_mode, zero), and the PyTorch mode each is measured against
+BENCH_MODES = {"naive": ("naive", 0), "ddp": ("ddp", 0), "torch": ("torch", 0),
+               "zero": ("ddp", 1), "torch-zero": ("torch", 1)}
+PEER = {"naive": "torch", "ddp": "torch", "torch": "torch", "zero": "torch-zero", "torch-zero": "torch-zero"}
+DEFAULT_MODES = ("naive", "ddp", "torch")
 JSON_KEYS = (
     "model", "params", "mode", "world_size", "launcher", "batch_per_rank", "global_batch", "steps",
     "warmup", "repeats", "step_ms", "step_ms_stdev", "ratio_to_torch", "compute_ms", "comm_ms",
@@ -57,12 +61,13 @@ class Run:
     total: int = 1
 
 
-def training_config(model: str, overrides: dict, dp_mode: str, global_batch: int, steps: int,
-                    bucket_mb: float = 25.0) -> TrainConfig:
+def training_config(model: str, overrides: dict, mode: str, global_batch: int, steps: int,
+                    bucket_mb: float = 25.0, launcher: str = "processes") -> TrainConfig:
     """What `paratrain train` would run with these flags; everything else at its default."""
+    dp_mode, zero = BENCH_MODES[mode]
     config = apply_overrides(TrainConfig(), {
-        "model.name": model, "parallel.dp_mode": dp_mode, "data.global_batch": global_batch,
-        "steps": steps, "parallel.bucket_mb": bucket_mb,
+        "model.name": model, "parallel.dp_mode": dp_mode, "parallel.zero": zero, "data.global_batch": global_batch,
+        "steps": steps, "parallel.bucket_mb": bucket_mb, "parallel.launcher": launcher,
     })
     config.model.overrides = dict(overrides)
     return config
@@ -157,9 +162,9 @@ def build_records(models, modes, measured, *, launcher, batch_per_rank, steps, w
                 by_key.setdefault((model, mode), []).append(next(queue))
     records = []
     for model in models:
-        torch_row = median_repeat(by_key[(model, "torch")]) if "torch" in modes else None
         for mode in modes:
             row = median_repeat(by_key[(model, mode)])
+            torch_row = median_repeat(by_key[(model, PEER[mode])]) if PEER[mode] in modes else None
             world = row["world_size"]
             values = {
                 **row, "model": model, "mode": mode, "launcher": launcher,
@@ -190,7 +195,8 @@ def table_lines(records: list[dict]) -> list[str]:
 
 
 FOOTER = [
-    "# vs torch   = step_ms / PyTorch DDP's step_ms on the same model and world (below 1: faster)",
+    "# vs torch   = step_ms / PyTorch's step_ms on the same model and world (below 1: faster): DDP for",
+    "#              naive and ddp, DDP + ZeroRedundancyOptimizer for zero",
     "# comm_ms    = time the gradient all-reduces ran (summed over buckets; on the communication",
     "#              thread when they overlap backward); exposed_ms = time the training thread",
     "#              waited for them; comm share = comm_ms / step_ms. All measured, none estimated.",
@@ -265,9 +271,10 @@ def _flags(name: str) -> str:
                    "threads: the in-process fabric.")
 @click.option("--models", "models_text", default=",".join(DEFAULT_MODELS), show_default=True,
               help="Comma-separated models: " + ", ".join(f"{name} ({_flags(name)})" for name in MODELS) + ".")
-@click.option("--modes", "modes_text", default=",".join(DP_MODES), show_default=True,
+@click.option("--modes", "modes_text", default=",".join(DEFAULT_MODES), show_default=True,
               help="Comma-separated data-parallel modes: naive (average after backward), ddp (ours: "
-                   "buckets overlapping backward), torch (PyTorch's DistributedDataParallel).")
+                   "buckets overlapping backward), torch (PyTorch's DistributedDataParallel), zero (our "
+                   "ZeRO-1) and torch-zero (PyTorch DDP + ZeroRedundancyOptimizer; processes only).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Samples per rank per step (the global batch is this times the world size).")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
@@ -293,10 +300,11 @@ def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, rep
       paratrain bench ddp --models mlp16 --modes ddp,torch --repeats 3 --json ddp.json
     """
     models = parse_names(models_text, tuple(MODELS), "model", "--models")
-    modes = parse_names(modes_text, DP_MODES, "mode", "--modes")
+    modes = parse_names(modes_text, tuple(BENCH_MODES), "mode", "--modes")
     world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else nproc
     runs = [
-        Run(f"{model} {mode}", training_config(*MODELS[model], mode, batch_size * world, warmup + steps, bucket_mb),
+        Run(f"{model} {mode}", training_config(*MODELS[model], mode, batch_size * world, warmup + steps, bucket_mb,
+                                               launcher),
             warmup)
         for model in models for _ in range(repeats) for mode in modes
     ]

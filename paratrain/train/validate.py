@@ -115,7 +115,10 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
                                       ("local_sgd", bool(par.local_sgd)), ("zero", bool(par.zero))) if on]
     if len(special) > 1:
         problems.append(f"parallel: {' and '.join(special)} cannot be combined; choose one")
-    if par.dp_mode == "torch" and special:
+    if par.dp_mode == "torch" and special == ["zero"] and par.launcher == "threads":
+        problems.append("parallel: PyTorch's ZeroRedundancyOptimizer (--dp-mode torch --zero 1) needs a default "
+                        "process group: use --launcher processes (or torchrun)")
+    if par.dp_mode == "torch" and special and special != ["zero"]:  # torch + zero: ZeroRedundancyOptimizer
         problems.append(
             f"parallel: {special[0]} is ours, not PyTorch DDP's; use --dp-mode ddp or naive with it"
         )
@@ -229,6 +232,9 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
         problems.append("checkpoint: --save-every and --max-restarts need --save-dir (where checkpoints go)")
     if ckpt.max_restarts and par.launcher != "processes":
         problems.append("checkpoint.max_restarts needs --launcher processes (ranks on threads cannot restart)")
+    if ckpt.dir and par.zero and par.dp_mode == "torch":
+        problems.append("checkpoint: PyTorch's ZeroRedundancyOptimizer keeps its state its own way; "
+                        "use --dp-mode ddp with --zero 1 (ours) to save checkpoints")
     if ckpt.dir and par.local_sgd:
         problems.append("checkpoint: local SGD replicas hold different weights and momenta; "
                         "checkpoints save one replica's, so they are refused with --local-sgd")

@@ -21,6 +21,8 @@ DP_MODES = ("naive", "ddp", "torch")
 def build_data_parallel(module, group, *, mode="ddp", algo="auto", naive_layout="flat",
                         bucket_mb=25.0, first_bucket_mb=1.0, compress="none", local_sgd=0,
                         zero=0) -> DataParallel:
+    if zero and mode == "torch":  # PyTorch's own: DDP with ZeroRedundancyOptimizer
+        return TorchDataParallel(module, group, group.transport.torch_process_group(group.timeout), bucket_mb, zero=True)
     if zero:
         return ZeroOneDataParallel(module, group, algo)
     if local_sgd:

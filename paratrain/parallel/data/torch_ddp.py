@@ -8,6 +8,7 @@ time is measured the same way as ours.
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch.distributed as dist
@@ -17,8 +18,13 @@ from paratrain.parallel.data.base import DataParallel
 
 
 class TorchDataParallel(DataParallel):
-    def __init__(self, module, group, process_group, bucket_mb=25.0):
+    """zero=True: the optimizer is PyTorch's ZeroRedundancyOptimizer (ZeRO-1: each rank keeps
+    the state of its share of the parameters and broadcasts them after its step), the peer
+    our ZeRO-1 is measured against."""
+
+    def __init__(self, module, group, process_group, bucket_mb=25.0, zero=False):
         super().__init__(module, group)
+        self.process_group, self.zero = process_group, zero
         self.size = dist.get_world_size(process_group)
         self.ddp = DistributedDataParallel(module, process_group=process_group, bucket_cap_mb=bucket_mb)
         self.ddp.register_comm_hook(process_group, self._timed_all_reduce)
@@ -40,6 +46,20 @@ class TorchDataParallel(DataParallel):
             return fut.value()[0]
 
         return future.then(done)
+
+    def make_optimizer(self, build):
+        params = list(self.ddp.module.parameters())
+        optimizer = build(params)
+        if not self.zero:
+            return optimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # The same optimizer, built again by ZeRO on each rank's share: its constructor's
+        # arguments from the one `build` made (defaults also holds keys it does not take).
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        options = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+        return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer),
+                                       process_group=self.process_group, **options)
 
     def no_sync(self):
         return self.ddp.no_sync()
