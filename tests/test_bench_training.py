@@ -103,3 +103,14 @@ def test_bench_ddp_sets_our_zero1_beside_pytorchs_zero_redundancy_optimizer(tmp_
     assert ours["ratio_to_torch"] == pytest.approx(ours["step_ms"] / theirs["step_ms"])
     refused = invoke("ddp", *FAST, "--models", "mlp", "--modes", "torch-zero")
     assert refused.exit_code == 2 and "needs a default process group" in refused.output
+
+
+def test_bench_tp_trains_the_same_model_as_pytorchs_dtensor_tensor_parallelism():
+    """Same seeded weights and batches, our layers vs torch.distributed.tensor.parallel: the
+    command fails (exit 1) if the losses differ beyond float rounding."""
+    result = invoke("tp", "--nprocs", "2", "--steps", "3", "--warmup", "1", "--rounds", "1", "--n-layer", "2")
+    assert result.exit_code == 0, result.output
+    row = next(line.split() for line in result.output.splitlines() if line.strip().startswith("2 "))
+    ours_ms, torch_ms, ratio, loss_diff = map(float, row[1:])
+    assert ours_ms > 0 and torch_ms > 0 and ratio == pytest.approx(ours_ms / torch_ms, rel=0.01)
+    assert loss_diff <= 1e-4

@@ -10,6 +10,7 @@ from paratrain.bench.frontend import frontend
 from paratrain.bench.p2p_cli import p2p
 from paratrain.bench.pipeline import pipeline
 from paratrain.bench.scaling import scaling
+from paratrain.bench.tp import tp
 
 
 @click.group()
@@ -23,3 +24,4 @@ bench.add_command(frontend)
 bench.add_command(p2p)
 bench.add_command(pipeline)
 bench.add_command(scaling)
+bench.add_command(tp)
