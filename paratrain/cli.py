@@ -11,6 +11,7 @@ from paratrain.comm.flight_cli import debug
 from paratrain.frontend.cli import frontend, serve, top, worker
 from paratrain.parallel.pipeline.schedule_cli import schedule
 from paratrain.plan.cli import plan
+from paratrain.plan.fit_cli import model
 from paratrain.train.check import check
 from paratrain.train.cli import train
 from paratrain.train.sample import sample
@@ -37,6 +38,7 @@ main.add_command(top)
 main.add_command(frontend)
 main.add_command(debug)
 main.add_command(plan)
+main.add_command(model)
 
 if __name__ == "__main__":
     main()

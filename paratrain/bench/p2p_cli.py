@@ -58,7 +58,7 @@ def report_lines(records: list[dict], n: int, fraction: float) -> list[str]:
     lines += _matrix_lines(f"bidirectional bandwidth (GB/s, both directions counted) at {big} B",
                            matrix(records, "bi", big, n), ".2f")
     lines += _matrix_lines(f"latency (us: half a {small}-byte round trip)", matrix(records, "uni", small, n, "latency_us"), ".1f")
-    lines += [f"# per size, over links: median (slowest)",
+    lines += ["# per size, over links: median (slowest)",
               f"# {'size (B)':>12}  {'round us':>9}  {'uni GB/s':>20}  {'bi GB/s':>20}  {'all-to-all GB/s/rank (aggregate)':>34}"]
     for size in sizes:
         cells = []

@@ -59,7 +59,7 @@ class Stored:
 
 def stored_tensors(shape: GPTShape, micro_batch: int, software: Software) -> list[Stored]:
     """Every tensor one layer keeps for backward, whole (before any parallel split)."""
-    s, b, h, a, m = shape.seq, micro_batch, shape.hidden, shape.heads, shape.mlp
+    s, b, a, m = shape.seq, micro_batch, shape.heads, shape.mlp
     e, sbh = software.activation_bytes, shape.seq * micro_batch * shape.hidden
     tensors = [
         Stored("norm1 input", e * sbh, False),
@@ -116,3 +116,16 @@ def head_activation_bytes(shape: GPTShape, micro_batch: int, software: Software,
     norm_input = e * s * b * h / (tp if sequence_parallel else 1) + 2 * 4 * s * b
     norm_output = e * s * b * h / (tp if sequence_parallel and not software.sp_keeps_gathered else 1)
     return norm_input + norm_output + 4 * s * b * shape.vocab / tp
+
+
+def weight_grad_bytes(shape: GPTShape, micro_batch: int, software: Software, tp: int = 1) -> tuple[float, float]:
+    """(one layer, the head): what a split backward (zb-h1, zb-v) keeps from B until W: every
+    linear layer's input X and output gradient dY, as dW = dY^T X needs them (Qi et al. 2024,
+    "Zero Bubble Pipeline Parallelism"; paratrain's parallel/pipeline/weight_grad.py). Row-parallel
+    outputs are whole partial sums; column-parallel inputs are replicated."""
+    h, m, v = shape.hidden, shape.mlp, shape.vocab
+    tokens, e = shape.seq * micro_batch, software.activation_bytes
+    inputs = 2 * h + (h + m) / tp         # QKV and MLP-up inputs replicated; projection, down inputs split
+    output_grads = (3 * h + m) / tp + 2 * h  # QKV, up outputs split; projection, down outputs whole
+    head = e * h + 4 * v / tp  # the head's input, and the fp32 gradient of its logits
+    return e * tokens * (inputs + output_grads), tokens * head

@@ -85,6 +85,19 @@ def _compute_seconds(matmul: float, attention: float, elementwise: float, ops: f
             + ops * c.op_overhead_us * 1e-6)
 
 
+def tp_exchange(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> float:
+    """One of Megatron's conjugate tensor-parallel exchanges of an activation: an all-reduce, or
+    under sequence parallelism an all-gather and a reduce-scatter (Korthikanti et al. 2022,
+    Section 4.2.2: the same bytes)."""
+    t = layout.tp
+    activation = shape.seq * layout.micro_batch * shape.hidden * profile.software.activation_bytes
+    across = spans_nodes(profile, t, 1, 1)["tp"]
+    if layout.sequence_parallel:
+        return (collective_seconds(profile, "all_gather", activation, t, across)
+                + collective_seconds(profile, "reduce_scatter", activation, t, across))
+    return collective_seconds(profile, "all_reduce", activation, t, across)
+
+
 def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> dict[str, Pass]:
     """Forward, input-gradient and weight-gradient passes of one layer for one microbatch."""
     t, b = layout.tp, layout.micro_batch
@@ -98,8 +111,7 @@ def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> d
         input_grad += forward
     elif layout.recompute == "selective":
         input_grad += _compute_seconds(0, att, 0, 0, profile)
-    activation = shape.seq * b * shape.hidden * profile.software.activation_bytes
-    two = 2 * collective_seconds(profile, "all_reduce", activation, t, spans_nodes(profile, t, 1, 1)["tp"])
+    two = 2 * tp_exchange(shape, layout, profile)
     recomputed = two if layout.recompute == "full" else 0.0
     return {"F": Pass(forward, two), "B": Pass(input_grad, two + recomputed), "W": Pass(weight_grad)}
 
@@ -111,8 +123,7 @@ def head_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> di
     logits = logit_flops(shape, b) / t
     norm = profile.software.activation_bytes * tokens * 2 * shape.hidden
     loss = 4 * tokens * shape.vocab / t  # one fp32 pass over the logits
-    activation = tokens * shape.hidden * profile.software.activation_bytes
-    comm = collective_seconds(profile, "all_reduce", activation, t, spans_nodes(profile, t, 1, 1)["tp"])
+    comm = tp_exchange(shape, layout, profile)
     return {"F": Pass(_compute_seconds(logits, 0, norm + 3 * loss, HEAD_OPS / 3, profile)),
             "B": Pass(_compute_seconds(logits, 0, 2 * norm + 4 * loss, HEAD_OPS / 3, profile), comm),
             "W": Pass(_compute_seconds(logits, 0, 0, HEAD_OPS / 3, profile))}
@@ -122,7 +133,7 @@ def chunk_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile, chun
     layer, head = layer_passes(shape, layout, profile), head_passes(shape, layout, profile)
     t, b = layout.tp, layout.micro_batch
     activation = shape.seq * b * shape.hidden * profile.software.activation_bytes
-    embed_comm = collective_seconds(profile, "all_reduce", activation, t, spans_nodes(profile, t, 1, 1)["tp"])
+    embed_comm = tp_exchange(shape, layout, profile)
     across = spans_nodes(profile, t, layout.pp, 1)["pp"]
     if profile.software.p2p_scatter_gather or layout.sequence_parallel:
         send = (collective_seconds(profile, "p2p", activation / t, 2, across)

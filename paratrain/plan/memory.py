@@ -9,8 +9,9 @@ bytes, Adam's 8, and a 4-byte step counter per parameter tensor; its ZeRO-1
 (parallel/data/zero.py) keeps on each rank its shard of the parameters and of their gradient
 (4 + 4 bytes) beside that shard's Adam state.
 
-Activations are activations.py's per-layer bytes, times the most (microbatch, chunk) pairs a
-pipeline rank holds at once, found by walking the rank's list of the actual schedule.
+Activations are activations.py's per-layer bytes, summed over what a pipeline rank holds at
+worst, found by walking the rank's list of the actual schedule (and, when the schedule splits
+the backward, what B keeps for W).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from functools import lru_cache
 
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.split import balanced_partition
-from paratrain.plan.activations import Software, head_activation_bytes, layer_activation_bytes
+from paratrain.plan.activations import Software, head_activation_bytes, layer_activation_bytes, weight_grad_bytes
 from paratrain.plan.shapes import GPTShape
 
 GIB = float(1 << 30)
@@ -113,17 +114,25 @@ def state_bytes(params: float, tensors: int, dp: int, zero: int, precision: str)
     return 2 * params, 2 * params, 12 * params / (dp if zero else 1)
 
 
-def peak_activation_bytes(order, per_chunk: dict[int, float], last_backward_op: str) -> float:
-    """The most bytes a rank holds while it runs `order`: each F adds its chunk's activations,
-    each chunk's last backward action frees them."""
+def peak_activation_bytes(order, per_chunk: dict[int, float], kept_for_w: dict[int, float] | None = None) -> float:
+    """The most bytes a rank holds while it runs `order`: each F adds its chunk's activations
+    and B frees them; with a split backward, B keeps `kept_for_w` (inputs and output gradients
+    of the linear layers) instead, and W frees that."""
     held = peak = 0.0
     for action in order:
         if action.op == "F":
             held += per_chunk[action.stage]
-            peak = max(peak, held)
-        elif action.op == last_backward_op:
-            held -= per_chunk[action.stage]
+        elif action.op == "B":
+            held += (kept_for_w[action.stage] if kept_for_w else 0.0) - per_chunk[action.stage]
+        elif action.op == "W":
+            held -= kept_for_w[action.stage]
+        peak = max(peak, held)
     return peak
+
+
+def _per_chunk(shape: GPTShape, chunks: list[range], per_layer: float, head: float) -> dict[int, float]:
+    return {c: sum(per_layer for i in layers if 1 <= i <= shape.layers) + (head if shape.layers + 1 in layers else 0)
+            for c, layers in enumerate(chunks)}
 
 
 def memory_per_gpu(shape: GPTShape, layout: Layout, global_batch: int, software: Software) -> Memory:
@@ -136,11 +145,16 @@ def memory_per_gpu(shape: GPTShape, layout: Layout, global_batch: int, software:
         schedule = cached_schedule(layout.schedule, layout.pp, layout.microbatches(global_batch),
                                   layout.virtual_stages)
         chunks = chunk_layers(shape, schedule.num_chunks, software)
-        orders, last_op, owner = schedule.ranks, schedule.last_backward_op, schedule.chunks_of
+        orders, owner = schedule.ranks, schedule.chunks_of
     else:
-        chunks, orders, last_op, owner = chunk_layers(shape, 1, software), None, "B", lambda r: [0]
-    per_chunk = {c: sum(per_layer for i in layers if 1 <= i <= shape.layers)
-                 + (head if shape.layers + 1 in layers else 0) for c, layers in enumerate(chunks)}
+        chunks, orders, owner = chunk_layers(shape, 1, software), None, lambda r: [0]
+    per_chunk = _per_chunk(shape, chunks, per_layer, head)
+    kept_for_w = None
+    if orders and schedule.split_backward:
+        if layout.recompute == "none" and not layout.sequence_parallel:
+            kept_for_w = _per_chunk(shape, chunks, *weight_grad_bytes(shape, b, software, t))
+        else:  # paratrain cannot split these: W walks the whole graph again, kept until then
+            kept_for_w = per_chunk
     logits = 4 * shape.seq * b * shape.vocab / t
     workspace_layer = 2 * software.activation_bytes * shape.seq * b * shape.mlp / t
     stages = []
@@ -149,7 +163,7 @@ def memory_per_gpu(shape: GPTShape, layout: Layout, global_batch: int, software:
         count = sum(params[i][0] for i in mine)
         tensors = sum(params[i][1] for i in mine)
         weights, grads, optimizer = state_bytes(count, tensors, layout.dp, layout.zero, software.precision)
-        activations = (peak_activation_bytes(orders[rank], per_chunk, last_op) if orders
+        activations = (peak_activation_bytes(orders[rank], per_chunk, kept_for_w) if orders
                        else per_chunk[0])
         holds_head = shape.layers + 1 in mine
         workspace = 2 * logits if holds_head else workspace_layer  # gradients alive mid-backward
