@@ -97,10 +97,13 @@ def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str
 @click.option("--validate", is_flag=True,
               help="Train small configurations on this machine and print predicted against measured "
                    "step time and memory (uses --hardware if given as a file, else the local CPU profile).")
-@click.option("--steps", type=click.IntRange(min=2), default=6, show_default=True,
+@click.option("--steps", type=click.IntRange(min=2), default=8, show_default=True,
               help="--validate: steps per configuration (the first is not timed).")
+@click.option("--renice", type=click.IntRange(0, 20), default=0, show_default=True,
+              help="--validate: start the ranks this many nice levels above other programs (root only); "
+                   "they then slow those programs while it runs.")
 def plan(model, layers, hidden, heads, seq, vocab, mlp, hardware, gpus, global_batch, top, json_path,
-         validate, steps, **layout_flags):
+         validate, steps, renice, **layout_flags):
     """Predict step time, memory per GPU and MFU of a GPT on a cluster, or find the best layouts.
 
     With any layout flag (--tp, --pp, --dp, ...) it predicts that layout; without, it searches
@@ -119,7 +122,10 @@ def plan(model, layers, hidden, heads, seq, vocab, mlp, hardware, gpus, global_b
     if validate:
         from paratrain.plan.validate import run_validation
 
-        run_validation(hardware if Path(hardware).suffix else None, steps)
+        records = run_validation(hardware if Path(hardware).suffix else None, steps, renice)
+        if json_path:
+            json_path.write_text(json.dumps(records, indent=1))
+            click.echo(f"wrote {len(records)} validation records to {json_path}")
         return
     try:
         shape = build_shape(model, {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq,

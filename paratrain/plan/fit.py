@@ -20,7 +20,7 @@ import numpy as np
 
 from paratrain.plan.hardware import Fitted, HardwareProfile, profile_to_dict
 
-PREFERRED_ALGOS = ("auto", "native", "ring")
+PREFERRED_ALGOS = ("auto", "native", "ring")  # what training runs with when nobody says
 FITTED_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 
@@ -34,7 +34,8 @@ class Fit:
 
 
 def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[Fitted, float]:
-    """(Fitted, rms relative error) for (bytes, seconds) points; alpha and 1/bandwidth >= 0."""
+    """(Fitted, rms relative error of the line) for (bytes, seconds) points; alpha and
+    1/bandwidth >= 0. The Fitted keeps the median time at each size too."""
     sizes = np.array([p[0] for p in points], dtype=float)
     seconds = np.array([p[1] for p in points], dtype=float)
     a = np.stack([np.ones_like(sizes), sizes], axis=1) / seconds[:, None]
@@ -44,9 +45,13 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[Fitted, float]:
         alpha = float(np.mean(seconds - sizes * per_byte))
     if alpha < 0:  # bandwidth-bound throughout: refit with no latency
         alpha, per_byte = 0.0, float(np.sum(sizes / seconds) / np.sum((sizes / seconds) ** 2))
-    fitted = Fitted(alpha_us=round(float(alpha) * 1e6, 3), gbps=round(1 / float(per_byte) / 1e9, 6))
-    errors = [fitted.seconds(s) / t - 1 for s, t in zip(sizes, seconds)]
-    return fitted, float(np.sqrt(np.mean(np.square(errors))))
+    line = Fitted(alpha_us=round(float(alpha) * 1e6, 3), gbps=round(1 / float(per_byte) / 1e9, 6))
+    errors = [line.seconds(s) / t - 1 for s, t in zip(sizes, seconds)]
+    by_size = defaultdict(list)
+    for size, t in zip(sizes, seconds):
+        by_size[float(size)].append(t)
+    medians = tuple((size, round(statistics.median(ts) * 1e6, 2)) for size, ts in sorted(by_size.items()))
+    return Fitted(line.alpha_us, line.gbps, medians), float(np.sqrt(np.mean(np.square(errors))))
 
 
 def load_records(paths: list[Path]) -> list[tuple[dict, str]]:
@@ -132,7 +137,8 @@ def profile_yaml(profile: HardwareProfile, comments: dict[str, str], header: lis
         fit = chosen.get(name)
         note = (f"{fit.key[3]} over {fit.key[0]}, {fit.points} sizes, rms error {fit.rms_error:.0%}, from {fit.source}"
                 if fit else "from the base profile")
-        lines.append(f"  {name}: {{alpha_us: {fitted['alpha_us']}, gbps: {fitted['gbps']}}}  # {note}")
+        points = ", ".join(f"[{int(size)}, {us}]" for size, us in fitted["points"])
+        lines.append(f"  {name}: {{alpha_us: {fitted['alpha_us']}, gbps: {fitted['gbps']}, points: [{points}]}}  # {note}")
     for fit in fits:
         if chosen.get(f"{fit.key[2]}/{fit.key[1]}") is not fit:
             lines.append(f"  # not used: {fit.key[2]}/{fit.key[1]} {fit.key[3]} over {fit.key[0]}: alpha "

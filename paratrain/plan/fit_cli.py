@@ -90,7 +90,7 @@ def fit(results, base, compute, name, output):
         mark = "*" if chosen.get(f"{op}/{world}") is fit_ else " "
         click.echo(f"{mark} {op + '/' + str(world):<18} {algo:<8} {launcher:<10} {fit_.fitted.alpha_us:>9.1f} "
                    f"{fit_.fitted.gbps:>9.3f} {fit_.points:>6} {fit_.rms_error:>8.0%}")
-    collectives = {key: f.fitted for key, f in chosen.items() if key.split("/")[0] != "p2p"}
+    collectives = {key: f.fitted for key, f in chosen.items()}
     profile = replace(profile, collectives={**profile.collectives, **collectives})
     p2p = chosen.get("p2p/2")
     if p2p:

@@ -9,6 +9,7 @@ matches an operation and group size the model uses it instead of the link formul
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -54,12 +55,22 @@ class Link:
 
 @dataclass(frozen=True)
 class Fitted:
-    """time = alpha + bytes / bandwidth, fitted to measurements of one op at one group size."""
+    """One op at one group size, measured: time = alpha + bytes / bandwidth, fitted; and the
+    measured (bytes, microseconds) points themselves, which are used between the smallest and
+    largest size measured (log-log interpolation) where a line fits badly (gloo switches
+    algorithms with size)."""
 
     alpha_us: float
     gbps: float
+    points: tuple[tuple[float, float], ...] = ()
 
     def seconds(self, nbytes: float) -> float:
+        points = sorted(self.points)
+        if len(points) >= 2 and points[0][0] <= nbytes <= points[-1][0]:
+            for (x0, y0), (x1, y1) in zip(points, points[1:]):
+                if nbytes <= x1:
+                    share = (math.log(nbytes) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x1 > x0 else 0.0
+                    return math.exp(math.log(y0) + share * (math.log(y1) - math.log(y0))) * 1e-6
         return self.alpha_us * 1e-6 + nbytes / (self.gbps * 1e9)
 
 
@@ -110,7 +121,8 @@ def profile_from_dict(raw: dict, source: str = "profile") -> HardwareProfile:
         if key not in raw:
             raise ValueError(f"{source}: missing section '{key}'")
         raw[key] = _section(cls, raw[key] or {}, f"{source}: {key}")
-    raw["collectives"] = {key: _section(Fitted, value, f"{source}: collectives.{key}")
+    raw["collectives"] = {key: _section(Fitted, {**value, "points": tuple(map(tuple, value.get("points", ())))},
+                                        f"{source}: collectives.{key}")
                           for key, value in (raw.get("collectives") or {}).items()}
     return _section(HardwareProfile, raw, source)
 
@@ -140,5 +152,5 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
     raw = plain(profile)
     for key in ("compute", "intra_node", "inter_node", "software"):
         raw[key] = plain(raw[key])
-    raw["collectives"] = {key: plain(value) for key, value in profile.collectives.items()}
+    raw["collectives"] = {key: plain(value) for key, value in profile.collectives.items()}  # points kept
     return raw
