@@ -8,6 +8,9 @@
     comm_model.py   alpha-beta times of collectives and point-to-point on a profile's links
     cost_model.py   one layout on one profile: step time, its breakdown, memory, MFU
     search.py       every valid layout, those that fit, ranked, with reasons
-    fit.py          alpha/beta and compute rates fitted from measurements, written as a profile
-    validate.py     predicted against measured on this machine
+    cli.py          `paratrain plan`
+    fit.py          alpha/beta fitted to bench collectives / bench p2p JSON, a profile as YAML
+    calibrate.py    compute rates per op class from a short local profile
+    fit_cli.py      `paratrain model fit`
+    validate.py     `paratrain plan --validate`: predicted against measured on this machine
 """
