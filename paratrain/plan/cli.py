@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from paratrain.models import format_count
 from paratrain.plan.cost_model import Prediction, predict
 from paratrain.plan.flops import RECOMPUTE, step_flops
 from paratrain.plan.hardware import load_profile, shipped_profiles
@@ -135,7 +136,7 @@ def plan(model, layers, hidden, heads, seq, vocab, mlp, hardware, gpus, global_b
         raise click.UsageError(str(error)) from None
     explicit = any(layout_flags[name] is not None for name in LAYOUT_FLAGS)
     click.echo(f"{model if not any((layers, hidden, heads, seq, vocab, mlp)) else 'GPT'}: "
-               f"{shape.parameters() / 1e9:,.3g}B parameters (l={shape.layers} h={shape.hidden} a={shape.heads} "
+               f"{format_count(shape.parameters())} parameters (l={shape.layers} h={shape.hidden} a={shape.heads} "
                f"s={shape.seq} V={shape.vocab} m={shape.mlp}); global batch {global_batch}")
     click.echo(f"hardware {profile.name}: {profile.description}")
     if explicit:

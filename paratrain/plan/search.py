@@ -119,5 +119,5 @@ def reason(prediction: Prediction, best: Prediction) -> str:
     parts = [f"+{delta:.3g} s {_LABELS[k]}" for delta, k in losses[:2] if delta > 0.05 * (prediction.step_s - best.step_s)]
     saved = best.memory.total - prediction.memory.total
     if saved > 0.05 * best.memory.total:
-        parts.append(f"but {saved / GIB:.1f} GiB less memory")
+        parts.append(f"but {saved / GIB:.1f} GiB less memory" if saved >= GIB else f"but {saved / 2**20:.0f} MiB less memory")
     return ", ".join(parts) or "as fast, within rounding"
