@@ -11,10 +11,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
-from paratrain.bench import collectives_cli
-from paratrain.bench.collectives import bus_factor, element_counts
+import paratrain
+from paratrain.bench import collectives_cli, overhead, tuning
+from paratrain.bench.collectives import Measurement, bus_factor, element_counts
 from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
 from paratrain.bench.membw import copy_bandwidth_gbps
 from paratrain.bench.report import JSON_KEYS
@@ -49,7 +51,7 @@ def test_help_explains_every_option():
     assert result.exit_code == 0
     for option in ("--ops", "--algos", "--min-bytes", "--max-bytes", "--factor", "--nproc", "--launcher",
                    "--warmup", "--iters", "--dtype", "--json", "--plot", "--tune", "--explain", "--table",
-                   "--timeout", "--debug"):
+                   "--timeout", "--debug", "--overhead"):
         assert option in result.output
 
 
@@ -113,25 +115,109 @@ def test_explain_for_processes_names_the_backend(monkeypatch):
                    "--max-bytes", "1M")
     assert result.exit_code == 0, result.output
     assert "transport gloo" in result.output and "reduce_scatter" in result.output
+    assert "why it can win" not in result.output  # the ring is picked there: nothing to explain
 
 
-def test_tune_writes_the_fastest_algorithm_and_auto_then_follows_it(tmp_path):
+def test_explain_says_why_gloo_wins_where_it_is_kept(monkeypatch):
+    monkeypatch.setattr(collectives_cli.torch.cuda, "is_available", lambda: False)
+    result = bench("--explain", "--launcher", "processes", "--ops", "all_reduce", "--min-bytes", "1M",
+                   "--max-bytes", "1M")
+    assert result.exit_code == 0, result.output
+    assert "where gloo's own is kept, this is why it can win" in result.output
+    assert "scheduler tick" in result.output and "memory bandwidth" in result.output
+
+
+def test_tune_records_native_unless_another_won_and_auto_then_follows_it(tmp_path):
     table_path = tmp_path / "tuned.json"
     measured = bench_json(tmp_path, "--tune", "--table", str(table_path), "--ops", "all_reduce",
                           "--min-bytes", "1K", "--max-bytes", "64K", "--factor", "8")
     assert "auto" not in {r["algo"] for r in measured}  # tuning compares real algorithms only
     table = AlgorithmTable.load(table_path)
     for nbytes in (1024, 8192, 65536):
-        rows = [r for r in measured if r["bytes"] == nbytes]
-        fastest = min(rows, key=lambda r: r["time_us"])["algo"]
+        times = {r["algo"]: r["time_us"] for r in measured if r["bytes"] == nbytes}
         choice = table.choose("all_reduce", nbytes, 2, "fabric")
-        assert choice.algo == fastest and choice.reason.startswith("fastest when measured")
+        if choice.algo != "native":  # only a clear winner replaces the backend's own
+            assert times[choice.algo] < times["native"] * (1 - tuning.MIN_MARGIN)
+            assert choice.reason.startswith(f"{choice.algo} took")
+        else:
+            assert choice.reason.startswith("native")
+        assert choice.reason.endswith(f"on fabric x2")
 
     followed = bench_json(tmp_path, "--table", str(table_path), "--ops", "all_reduce", "--algos", "auto",
                           "--min-bytes", "1K", "--max-bytes", "64K", "--factor", "8")
     assert [r["algo"] for r in followed] == [
         f"auto({table.choose('all_reduce', n, 2, 'fabric').algo})" for n in (1024, 8192, 65536)
     ]
+
+
+def _measured(algo: str, bursts: list[float]) -> Measurement:
+    median = sorted(bursts)[len(bursts) // 2]
+    return Measurement("all_reduce", algo, algo, 4096, 1024, "float32", median, None, None, 0, tuple(bursts))
+
+
+def test_tuning_keeps_native_when_the_difference_is_within_the_noise():
+    native = _measured("native", [100, 130, 90, 120, 110, 95, 125, 105])
+    ring = _measured("ring", [95, 125, 92, 118, 104, 97, 121, 100])  # 4% faster, noise about 12%
+    verdict = tuning.judge(native, [ring])
+    assert verdict.algo == "native"
+    assert "within the noise" in verdict.why
+
+
+def test_tuning_keeps_native_when_the_challenger_wins_the_median_but_not_the_rounds():
+    native = _measured("native", [100] * 8)
+    ring = _measured("ring", [50, 50, 50, 50, 50, 150, 150, 150])  # median 50, wins 5 of 8 rounds
+    assert tuning.judge(native, [ring]).algo == "native"
+
+
+def test_tuning_picks_a_clear_winner_and_says_by_how_much():
+    native = _measured("native", [100, 104, 98, 101, 99, 103, 97, 102])
+    ring = _measured("ring", [60, 62, 59, 61, 63, 60, 58, 61])
+    hd = _measured("hd", [70, 71, 69, 72, 70, 68, 71, 70])
+    verdict = tuning.judge(native, [hd, ring])
+    assert verdict.algo == "ring"
+    assert verdict.why.startswith("ring took 0.6") and "8/8 rounds" in verdict.why
+
+
+def test_tuning_says_native_was_fastest():
+    native = _measured("native", [50] * 4)
+    verdict = tuning.judge(native, [_measured("ring", [80] * 4)])
+    assert verdict == tuning.Verdict("native", "native fastest: the best other, ring, took 1.60x its time")
+
+
+def test_overhead_prints_ours_beside_the_bare_replay_per_algorithm_and_size():
+    result = bench("--overhead", *TINY, "--algos", "ring,hd,native", "--min-bytes", "4K", "--max-bytes", "16K",
+                   "--factor", "4")
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines() if not line.startswith("#")]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("all_reduce", str(size), algo) for size in (4096, 16384) for algo in ("ring", "hd", "native")
+    ]
+    messages = {(r[1], r[2]): int(r[3]) for r in rows}
+    assert messages[("4096", "ring")] == 4 and messages[("4096", "native")] == 0  # 2 ranks: 2 steps
+    for row in rows:
+        ours, bare, overhead = map(float, row[4:7])
+        assert overhead == pytest.approx(ours - bare, abs=0.11)
+
+
+def test_overhead_refuses_options_it_does_not_use(monkeypatch):
+    monkeypatch.setattr(collectives_cli, "run", lambda *a, **k: pytest.fail("ranks started"))
+    result = bench("--overhead", "--tune")
+    assert result.exit_code == 2 and "--overhead prints its own table" in result.output
+
+
+def replay_matches_ours(group, algo: str) -> bool:
+    """The bare replay of a recorded call, run on fresh inputs, gives what our call gives."""
+    events, (recording, case) = overhead.record_call(group, "all_reduce", 1001, torch.float32, torch.device("cpu"), algo)
+    case.reset()
+    overhead.bare_replay(events, group.transport, group.timeout)()
+    ours = case.inputs[0][1].clone()  # the same input, through our call
+    group.all_reduce(ours, algo=algo)
+    return torch.equal(case.result, ours) and torch.equal(ours, case.expected)
+
+
+@pytest.mark.parametrize("algo", ["ring", "hd", "native"])
+def test_the_bare_replay_moves_the_same_messages_as_our_call(algo):
+    assert paratrain.run(replay_matches_ours, 4, args=(algo,)) == {r: True for r in range(4)}
 
 
 def test_auto_and_explain_follow_a_given_table(tmp_path):

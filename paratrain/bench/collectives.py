@@ -8,7 +8,8 @@ The conventions are nccl-tests' (doc/PERFORMANCE.md there), so numbers compare d
   `auto` resolves here exactly as it would in a training step.
 - algbw = size / time; busbw = algbw x a per-op factor that makes the number comparable with
   the link (here: memory) bandwidth whatever the world size.
-- time is the mean over the timed iterations on each rank, then the slowest rank's.
+- time is per call: on each rank the median of bursts of calls (the algorithms take turns), then
+  the slowest rank's.
 - #wrong: inputs hold small integers whose reduction is exact in every dtype; after timing,
   inputs are reset and the collective runs once more, and mismatching elements are counted.
 """
@@ -95,6 +96,7 @@ class Measurement:
     algbw_gbps: float | None
     busbw_gbps: float | None
     wrong: int
+    bursts_us: tuple[float, ...] = ()  # per-call time of each burst, slowest rank's: what --tune weighs
 
     @property
     def label(self) -> str:
@@ -133,26 +135,29 @@ def run_sweep(group, sweep: Sweep) -> SweepResult | None:
     return result if group.rank == 0 else None
 
 
-def _measure(group, case: _Case, op: str, algo: str, seconds: float, sweep: Sweep, device) -> Measurement:
+def _measure(group, case: _Case, op: str, algo: str, bursts: list[float], sweep: Sweep, device) -> Measurement:
     case.reset()
     case.call(algo)
     _synchronize(device)
     wrong = case.count_wrong()
-    # Every rank's (time, wrong) in one call: the slowest rank's time, everyone's wrong elements.
-    mine = torch.tensor([seconds, float(wrong)], dtype=torch.float64, device=device)
-    everyone = group.all_gather(mine.new_empty(2 * group.size), mine, algo="native").cpu()
-    seconds, wrong = everyone[0::2].max().item(), int(everyone[1::2].sum().item())
+    # Every rank's (median, wrong, bursts...) in one call: the slowest rank's time and bursts,
+    # everyone's wrong elements. Bursts line up across ranks: each starts from a barrier.
+    mine = torch.tensor([statistics.median(bursts), float(wrong), *bursts], dtype=torch.float64, device=device)
+    everyone = group.all_gather(mine.new_empty(mine.numel() * group.size), mine, algo="native")
+    everyone = everyone.cpu().view(group.size, mine.numel())
+    seconds, wrong = everyone[:, 0].max().item(), int(everyone[:, 1].sum().item())
+    slowest_bursts = tuple(everyone[:, 2:].max(dim=0).values.mul(1e6).tolist())
     factor = bus_factor(op, group.size)
     algbw = None if factor is None else case.nbytes / seconds / 1e9
     return Measurement(
         op=op, algo=algo, resolved=group.resolve(op, algo, case.nbytes), bytes=case.nbytes,
         count=case.count, dtype=sweep.dtype, time_us=seconds * 1e6, algbw_gbps=algbw,
-        busbw_gbps=None if factor is None else algbw * factor, wrong=wrong,
+        busbw_gbps=None if factor is None else algbw * factor, wrong=wrong, bursts_us=slowest_bursts,
     )
 
 
-def _time_interleaved(group, case: _Case, algos, warmup: int, iters: int, device) -> dict[str, float]:
-    """Seconds per call of each algorithm on this rank: the median over bursts of calls.
+def _time_interleaved(group, case: _Case, algos, warmup: int, iters: int, device) -> dict[str, list[float]]:
+    """Seconds per call of each algorithm on this rank, one figure per burst of calls.
 
     The iterations are run in bursts, the algorithms taking turns (in a rotating order), so
     that a noisy moment on a shared machine falls on all of them alike instead of on
@@ -178,8 +183,8 @@ def _time_interleaved(group, case: _Case, algos, warmup: int, iters: int, device
                 case.call(algo)
             _synchronize(device)
             per_call[algo].append((time.perf_counter() - start) / per_burst)
-    # The median burst: one burst hit by another program's time slice does not count.
-    return {algo: statistics.median(times) for algo, times in per_call.items()}
+    # Callers take the median burst: one burst hit by another program's time slice does not count.
+    return per_call
 
 
 def _synchronize(device: torch.device) -> None:

@@ -9,7 +9,7 @@ gets an error naming the ranks that differ.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -54,12 +54,14 @@ def root(op: str, value, size: int) -> None:
 
 def flat_buffer(tensor: torch.Tensor) -> torch.Tensor:
     """A flat view to write results into: the tensor itself, or a contiguous copy."""
-    return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    if not tensor.is_contiguous():
+        return tensor.contiguous().view(-1)
+    return tensor if tensor.dim() == 1 else tensor.view(-1)  # a view costs a microsecond or two
 
 
 def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat, contiguous, read-only view of an input."""
-    return tensor.contiguous().view(-1)
+    return flat_buffer(tensor)
 
 
 def write_back(tensor: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -68,8 +70,10 @@ def write_back(tensor: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-@dataclass(frozen=True)
-class CallSignature:
+class CallSignature(NamedTuple):
+    """What a collective call is, as the debug check and the flight recorder see it. A named
+    tuple: every call makes one, and a tuple is the cheapest object to make."""
+
     op: str
     dtype: torch.dtype | None
     shape: tuple[int, ...]
@@ -84,7 +88,7 @@ class CallSignature:
         return cls(op, tensor.dtype, tuple(tensor.shape), reduce_op, root)
 
     def with_algo(self, algo: str) -> CallSignature:
-        return replace(self, algo=algo)
+        return self._replace(algo=algo)
 
     def encode(self) -> torch.Tensor:
         dims = list(self.shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(self.shape), _MAX_DIMS))

@@ -1,9 +1,10 @@
 """How `algo="auto"` picks an algorithm: from a table measured on this machine, else defaults.
 
 `paratrain bench collectives --tune` measures every algorithm and records, per (transport,
-world size, op, message size), the fastest one. Lookups use the nearest measured size (in
-log scale) for the nearest measured world size. Without a table the defaults below apply;
-each says why it is what it is, and `--explain` prints those reasons.
+world size, op, message size), the one to run there: the backend's own unless another was
+faster beyond the measured noise (see bench/tuning.py), with a line saying why. Lookups use the
+nearest measured size (in log scale) for the nearest measured world size. Without a table the
+defaults below apply; each says why it is what it is, and `--explain` prints those reasons.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Cho
                 "ring",
                 "gloo's reduce_scatter is a full all-reduce plus a copy; the ring moves half the bytes",
             )
-        return Choice("native", "gloo's own C++ collective has less per-message overhead than ours")
+        return Choice("native", "not measured here: gloo's own, the safe default; --tune measures whether"
+                                " ring or hd beat it on this machine")
     # The fabric: its native collectives are shared-memory reads, one pass over the inputs.
     if op in ("broadcast", "reduce", "all_to_all", "barrier") or nbytes < 64 * KIB:
         return Choice("native", "shared memory: every rank reads the inputs directly, no messages")
@@ -52,9 +54,10 @@ def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Cho
 
 
 class AlgorithmTable:
-    def __init__(self, measured: dict | None = None, path: Path | None = None):
+    def __init__(self, measured: dict | None = None, path: Path | None = None, why: dict | None = None):
         # measured[transport][world_size][op] = {bytes: algo}; keys are strings in the file.
         self.measured: dict[str, dict[str, dict[str, dict[str, str]]]] = measured or {}
+        self.why: dict[str, dict[str, dict[str, dict[str, str]]]] = why or {}  # same keys: the reason
         self.path = path
 
     @classmethod
@@ -64,25 +67,32 @@ class AlgorithmTable:
             return cls({}, path)
         try:
             data = json.loads(path.read_text())
-            measured = data["measured"]
-        except (OSError, ValueError, KeyError, TypeError) as error:
+            measured, why = data["measured"], data.get("why", {})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(
                 f"algorithm table {path} is unreadable ({error}); delete it or re-run "
                 "`paratrain bench collectives --tune`"
             ) from None
-        return cls(measured, path)
+        return cls(measured, path, why)
 
     def save(self, path: Path | str | None = None) -> Path:
         target = Path(path) if path is not None else (self.path or default_table_path())
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": 1, "measured": self.measured}, indent=1, sort_keys=True))
+        record = {"version": 1, "measured": self.measured, "why": self.why}
+        tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
         tmp.replace(target)  # never leave a half-written table behind
         return target
 
-    def record(self, transport: str, world_size: int, op: str, nbytes: int, algo: str) -> None:
+    def record(self, transport: str, world_size: int, op: str, nbytes: int, algo: str,
+               why: str | None = None) -> None:
         sizes = self.measured.setdefault(transport, {}).setdefault(str(world_size), {})
         sizes.setdefault(op, {})[str(nbytes)] = algo
+        reasons = self.why.setdefault(transport, {}).setdefault(str(world_size), {}).setdefault(op, {})
+        if why:
+            reasons[str(nbytes)] = why
+        else:
+            reasons.pop(str(nbytes), None)
 
     def choose(self, op: str, nbytes: int, world_size: int, transport: str) -> Choice:
         by_world = self.measured.get(transport, {})
@@ -94,7 +104,10 @@ class AlgorithmTable:
         nearest = min(sizes, key=lambda s: abs(math.log2(max(int(s), 1)) - math.log2(max(nbytes, 1))))
         algo = sizes[nearest]
         where = f"{transport} x{world}" + ("" if world == world_size else f" (nearest to x{world_size})")
-        return Choice(algo, f"fastest when measured at {_human(int(nearest))} on {where}")
+        why = self.why.get(transport, {}).get(str(world), {}).get(op, {}).get(nearest)
+        if why is None:  # a table written before reasons were kept, or by hand
+            return Choice(algo, f"fastest when measured at {_human(int(nearest))} on {where}")
+        return Choice(algo, f"{why}; measured at {_human(int(nearest))} on {where}")
 
 
 def _human(nbytes: int) -> str:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from paratrain.comm import checks
-from paratrain.comm.algorithms import ALGORITHMS, algorithms_for
+from paratrain.comm.algorithms import ALGORITHMS, OPS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from paratrain.comm.flight import Call
@@ -29,6 +30,7 @@ from paratrain.comm.transport.base import P2POp
 DEFAULT_TIMEOUT_S = 300.0  # generous: a first NCCL call or a slow rank on a busy host is normal
 _USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
 _DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
+_VALID = {op: frozenset(algorithms_for(op)) for op in OPS}  # checked on every call: built once
 
 
 def _env_flag(name: str) -> bool:
@@ -68,6 +70,8 @@ class P2PHandle:
             self._tensor.copy_(self._staging.view(self._tensor.shape))
         self._call.complete()
         self.completed = True
+        self._group._retire(self._link.finished)  # not freed here: see Group._retired
+        self._link = self._work = None
 
 
 def _timed(execute):
@@ -119,6 +123,14 @@ class Group:
         self._key = self._recorder.group_key(self.ranks)
         self._executor: ThreadPoolExecutor | None = None
         self._scratch = ScratchPool()  # collectives run one at a time, so one pool serves all
+        self._token: torch.Tensor | None = None  # what a barrier reduces
+        # The works of the last calls, freed only once newer calls have finished. gloo frees a
+        # finished message's buffer by spinning (sched_yield) until its I/O thread lets go of it;
+        # freed the moment it finished, that thread has often just been preempted by ours, and
+        # on the 2-core machine the next message then waited a scheduler tick (4 ms) in 9 calls
+        # of 10. Kept a call longer, the same works are freed at no cost. (They hold their
+        # tensors for as long.)
+        self._retired: deque[list] = deque(maxlen=2)
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, transport={self.kind})"
@@ -156,6 +168,11 @@ class Group:
             self._failed(call, error)
             raise
         return P2PHandle(self, call, link, work, op.tensor if target is None else target, op.tensor)
+
+    def _retire(self, works: list) -> None:
+        """Keep finished works until two newer batches have finished (see `_retired`)."""
+        if works:
+            self._retired.append(works)
 
     def _failed(self, call: Call, error: Exception) -> None:
         """Mark `call` failed; a timeout, a lost peer or a mismatch also writes the flight
@@ -226,6 +243,7 @@ class Group:
                     result = body(chosen, link)
                 except TRANSPORT_ERRORS as error:  # a native collective's own
                     raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
+                self._retire(link.finished)
             except Exception as error:
                 self._failed(call, error)
                 raise
@@ -253,8 +271,8 @@ class Group:
 
     def resolve(self, op_name: str, algo: str, nbytes: int) -> str:
         """The algorithm that will run: `algo` itself, or the table's pick for `auto`."""
-        valid = algorithms_for(op_name)
-        if algo not in valid:
+        if algo not in _VALID[op_name]:
+            valid = algorithms_for(op_name)
             raise ValueError(f"{op_name}: unknown algorithm {algo!r}; valid: {', '.join(valid)}")
         if algo != "auto":
             return algo
@@ -394,7 +412,9 @@ class Group:
 
     def barrier(self, algo: str = "auto", async_op: bool = False):
         """Return only when every rank has entered the barrier."""
-        token = torch.zeros(1, device=getattr(self.transport, "device", None) or "cpu")
+        if self._token is None:  # all zeros, so summing it leaves it as it was: one serves every call
+            self._token = torch.zeros(1, device=getattr(self.transport, "device", None) or "cpu")
+        token = self._token
 
         def body(chosen, link):
             if chosen == "native":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from typing import NamedTuple
+
 from paratrain.comm.errors import (
     CommTimeoutError, FabricAborted, PeerLostError, TransportFailure, TransportTimeout,
 )
@@ -29,7 +31,24 @@ def original_cause(error: Exception) -> BaseException:
     return error.__cause__ or error
 
 
+class Step(NamedTuple):
+    """One step of an exchange: send `send` to `dst` while receiving `recv` from `src`
+    (combined into it with `reduce`, if set). Either side may be None."""
+
+    send: torch.Tensor | None = None
+    dst: int | None = None
+    recv: torch.Tensor | None = None
+    src: int | None = None
+    reduce: str | None = None
+
+
 class Link:
+    """Point-to-point for one collective call. Every message of every call goes through here,
+    so it is kept lean: one P2POp per message, no copies, no sorting, no lists made twice."""
+
+    __slots__ = ("transport", "scratch", "rank", "size", "op_name", "seq", "tag", "timeout", "segment_bytes",
+                 "finished")
+
     def __init__(self, transport, op_name: str, seq: int, tag: int, timeout: float, segment_bytes: int,
                  scratch: ScratchPool | None = None):
         self.transport = transport
@@ -38,23 +57,26 @@ class Link:
         self.op_name, self.seq, self.tag = op_name, seq, tag
         self.timeout = timeout
         self.segment_bytes = segment_bytes
+        self.finished: list = []  # every work this call waited for: the Group frees them later
 
     def start(self, ops: list[P2POp]) -> list:
         for op in ops:
             op.tag = self.tag
-        try:
-            return self.transport.start(ops)
-        except TRANSPORT_ERRORS as error:
-            raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
+        return self._post(ops)
 
     def wait(self, works: list) -> None:
         # Receives first: on the fabric a send completes only once its receiver has copied it,
         # so two ranks that both waited on their sends first would wait for each other forever.
-        for work in sorted(works, key=lambda w: w.kind != "recv"):
-            try:
-                work.wait(self.timeout)
-            except TRANSPORT_ERRORS as error:
-                raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
+        try:
+            for work in works:
+                if work.kind == "recv":
+                    work.wait(self.timeout)
+            for work in works:
+                if work.kind != "recv":
+                    work.wait(self.timeout)
+        except TRANSPORT_ERRORS as error:
+            raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
+        self.finished += works
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         if tensor.numel() == 0:  # both sides know the size, so both skip
@@ -72,10 +94,11 @@ class Link:
     def start_recvs(self, pieces: list[torch.Tensor], peer: int, reduce: str | None = None) -> list:
         return self.start([P2POp("recv", piece, peer, reduce=reduce) for piece in pieces])
 
-    def segments(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Split a message so that reducing one piece overlaps the transfer of the next."""
-        step = max(1, self.segment_bytes // max(1, flat.element_size()))
-        return list(flat.split(step)) if flat.numel() > step else [flat]
+    def segments(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Split a message so that reducing one piece overlaps the transfer of the next (a
+        message that fits one segment, the common case, is returned as it is)."""
+        step = self.segment_bytes // flat.element_size() or 1
+        return flat.split(step) if flat.numel() > step else (flat,)
 
     def exchange(
         self,
@@ -87,9 +110,51 @@ class Link:
     ) -> None:
         """Send `send` to `dst` while receiving `recv` from `src` (combining with `reduce` if set),
         segment by segment, all posted at once and completed in order."""
-        ops = []
-        if recv is not None and recv.numel() > 0:
-            ops += [P2POp("recv", piece, src, reduce=reduce) for piece in self.segments(recv)]
-        if send is not None and send.numel() > 0:
-            ops += [P2POp("send", piece, dst) for piece in self.segments(send)]
-        self.wait(self.start(ops))
+        self.run_steps([Step(send, dst, recv, src, reduce)])
+
+    def run_steps(self, steps: list[Step]) -> None:
+        """Run exchange steps in order; a step's sends may depend on its predecessor's receives.
+
+        Each step's receives are posted before the step before it sends (where the transport
+        allows it), so a peer that reaches a step finds its receive already posted: gloo sends
+        a message only once the receiver has asked for it, and a send that has to wait for that
+        costs a hand-off between threads on both ranks, each of which can wait a scheduler tick
+        on a busy machine. Sends are waited for at the end: a step never writes what an earlier
+        one is still sending (an all-gather overwrites a part only with values that could not
+        exist before the peer had received that part from us).
+        """
+        # Every message is made before the first is posted: between a receive completing and
+        # the next send going out there is only the wait's own work.
+        receives = [self._receives(step) for step in steps]
+        sends = [self._sends(step) for step in steps]
+        if not self.transport.posts_ahead:  # NCCL: each step's sends and receives in one batch
+            for step_receives, step_sends in zip(receives, sends):
+                self.wait(self._post(step_receives + step_sends))
+            return
+        sent = []
+        pending = self._post(receives[0]) if steps else []
+        for index in range(len(steps)):
+            following = self._post(receives[index + 1]) if index + 1 < len(steps) else []
+            sent += self._post(sends[index])
+            self.wait(pending)
+            pending = following
+        self.wait(sent)
+
+    def _post(self, ops: list[P2POp]) -> list:
+        """transport.start for ops already tagged with this call's tag."""
+        if not ops:
+            return []
+        try:
+            return self.transport.start(ops)
+        except TRANSPORT_ERRORS as error:
+            raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
+
+    def _receives(self, step: Step) -> list[P2POp]:
+        if step.recv is None or step.recv.numel() == 0:
+            return []
+        return [P2POp("recv", piece, step.src, self.tag, step.reduce) for piece in self.segments(step.recv)]
+
+    def _sends(self, step: Step) -> list[P2POp]:
+        if step.send is None or step.send.numel() == 0:
+            return []
+        return [P2POp("send", piece, step.dst, self.tag) for piece in self.segments(step.send)]

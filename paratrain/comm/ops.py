@@ -47,6 +47,11 @@ def part_sizes(count: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+def split_parts(flat: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+    """Views of the `parts` pieces of `part_sizes(flat.numel(), parts)`, made in one call."""
+    return flat.tensor_split(parts)
+
+
 def part_bounds(count: int, parts: int) -> list[tuple[int, int]]:
     """(start, end) element offsets of each part of `part_sizes(count, parts)`."""
     bounds, start = [], 0

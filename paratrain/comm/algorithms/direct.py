@@ -10,12 +10,8 @@ from __future__ import annotations
 import torch
 
 from paratrain.comm.link import Link
-from paratrain.comm.ops import combine_, part_bounds
+from paratrain.comm.ops import combine_, split_parts
 from paratrain.comm.transport.base import P2POp
-
-
-def _views(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    return [flat[start:end] for start, end in part_bounds(flat.numel(), parts)]
 
 
 def _others(link: Link) -> list[int]:
@@ -46,7 +42,7 @@ def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
 
 def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: str) -> None:
     """Each rank sends part j straight to rank j and folds in what the others send it."""
-    parts = _views(input, link.size)
+    parts = split_parts(input, link.size)
     output.copy_(parts[link.rank])
     ops = [P2POp("send", parts[peer], peer) for peer in _others(link) if parts[peer].numel()]
     ops += [P2POp("recv", output, peer, reduce=op) for peer in _others(link) if output.numel()]
@@ -54,7 +50,7 @@ def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: st
 
 
 def all_gather(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
-    parts = _views(output, link.size)
+    parts = split_parts(output, link.size)
     parts[link.rank].copy_(input)
     ops = [P2POp("send", input, peer) for peer in _others(link) if input.numel()]
     ops += [P2POp("recv", parts[peer], peer) for peer in _others(link) if parts[peer].numel()]
@@ -62,7 +58,7 @@ def all_gather(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
 
 
 def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
-    send_parts, receive_parts = _views(input, link.size), _views(output, link.size)
+    send_parts, receive_parts = split_parts(input, link.size), split_parts(output, link.size)
     receive_parts[link.rank].copy_(send_parts[link.rank])
     ops = [P2POp("send", send_parts[p], p) for p in _others(link) if send_parts[p].numel()]
     ops += [P2POp("recv", receive_parts[p], p) for p in _others(link) if receive_parts[p].numel()]

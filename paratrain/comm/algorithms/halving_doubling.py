@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.comm.link import Link
+from paratrain.comm.link import Link, Step
 from paratrain.comm.ops import part_bounds
 
 
@@ -42,32 +42,29 @@ class _Layout:
         return buf[self.offsets[rank] : self.offsets[rank + 1]]
 
 
-def _halve(link: Link, layout: _Layout, buf: torch.Tensor, op: str) -> None:
+def _halving_steps(layout: _Layout, buf: torch.Tensor, op: str) -> list[Step]:
     v, lo, hi = layout.virtual, 0, layout.p
-    distance = layout.p // 2
+    distance, steps = layout.p // 2, []
     while distance >= 1:
         mid = lo + distance
         keep, give = ((lo, mid), (mid, hi)) if v < mid else ((mid, hi), (lo, mid))
         peer = layout.real(v ^ distance)
-        link.exchange(
-            send=layout.elements(buf, *give), dst=peer,
-            recv=layout.elements(buf, *keep), src=peer, reduce=op,
-        )
+        steps.append(Step(layout.elements(buf, *give), peer, layout.elements(buf, *keep), peer, op))
         lo, hi = keep
         distance //= 2
+    return steps
 
 
-def _double(link: Link, layout: _Layout, buf: torch.Tensor) -> None:
-    v, distance = layout.virtual, 1
+def _doubling_steps(layout: _Layout, buf: torch.Tensor) -> list[Step]:
+    v, distance, steps = layout.virtual, 1, []
     while distance < layout.p:
         mine = v & ~(distance - 1)
         theirs = (v ^ distance) & ~(distance - 1)
         peer = layout.real(v ^ distance)
-        link.exchange(
-            send=layout.elements(buf, mine, mine + distance), dst=peer,
-            recv=layout.elements(buf, theirs, theirs + distance), src=peer,
-        )
+        steps.append(Step(layout.elements(buf, mine, mine + distance), peer,
+                          layout.elements(buf, theirs, theirs + distance), peer))
         distance *= 2
+    return steps
 
 
 def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
@@ -78,8 +75,8 @@ def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
         return
     if layout.in_pair:
         link.recv(buf, layout.partner, reduce=op)
-    _halve(link, layout, buf, op)
-    _double(link, layout, buf)
+    # One run: each step's receive is posted while the step before is in flight.
+    link.run_steps(_halving_steps(layout, buf, op) + _doubling_steps(layout, buf))
     if layout.in_pair:
         link.send(buf, layout.partner)
 
@@ -93,7 +90,7 @@ def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: st
     scratch = link.scratch.copy_of("hd", input)
     if layout.in_pair:
         link.recv(scratch, layout.partner, reduce=op)
-    _halve(link, layout, scratch, op)
+    link.run_steps(_halving_steps(layout, scratch, op))
     if layout.in_pair:
         link.send(layout.own_part(scratch, layout.partner), layout.partner)
     output.copy_(layout.own_part(scratch, link.rank))
@@ -108,6 +105,6 @@ def all_gather(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
     layout.own_part(output, link.rank).copy_(input)
     if layout.in_pair:
         link.recv(layout.own_part(output, layout.partner), layout.partner)
-    _double(link, layout, output)
+    link.run_steps(_doubling_steps(layout, output))
     if layout.in_pair:
         link.send(output, layout.partner)

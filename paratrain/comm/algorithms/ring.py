@@ -2,62 +2,54 @@
 
 All-reduce = reduce-scatter + all-gather, each n-1 steps that move 1/n of the buffer: a rank
 sends 2(n-1)/n of the buffer in total, the least any all-reduce can, which is why NCCL and
-gloo use rings for large messages. Each step is cut into segments (Link.exchange) so that
-reducing one segment overlaps the transfer of the next. Latency grows with n, so small
-messages prefer the tree or halving-doubling.
+gloo use rings for large messages. Each step is cut into segments (Link.run_steps) so that
+reducing one segment overlaps the transfer of the next, and its receives are posted while the
+step before is still in flight. Latency grows with n, so small messages prefer the tree or
+halving-doubling.
 """
 
 from __future__ import annotations
 
 import torch
 
-from paratrain.comm.link import Link
-from paratrain.comm.ops import part_bounds
+from paratrain.comm.link import Link, Step
+from paratrain.comm.ops import split_parts
 
 
-def _views(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    return [flat[start:end] for start, end in part_bounds(flat.numel(), parts)]
-
-
-def reduce_scatter_inplace(link: Link, buf: torch.Tensor, op: str) -> None:
-    """Afterwards part `rank` of buf holds the reduction over all ranks (others: partial sums).
+def reduce_scatter_steps(link: Link, parts: tuple[torch.Tensor, ...], op: str) -> list[Step]:
+    """Afterwards parts[rank] holds the reduction over all ranks (others: partial sums).
 
     At step s rank r passes part r-s-1 to its right and folds part r-s-2 from its left into its
     own copy; after n-1 steps part r has passed through every rank.
     """
     n, r = link.size, link.rank
-    parts = _views(buf, n)
     right, left = (r + 1) % n, (r - 1) % n
-    for step in range(n - 1):
-        link.exchange(
-            send=parts[(r - step - 1) % n], dst=right,
-            recv=parts[(r - step - 2) % n], src=left, reduce=op,
-        )
+    return [Step(parts[(r - s - 1) % n], right, parts[(r - s - 2) % n], left, op) for s in range(n - 1)]
 
 
-def all_gather_inplace(link: Link, buf: torch.Tensor) -> None:
-    """Part r of buf is rank r's on entry; afterwards every part is everyone's."""
+def all_gather_steps(link: Link, parts: tuple[torch.Tensor, ...]) -> list[Step]:
+    """parts[r] is rank r's on entry; afterwards every part is everyone's."""
     n, r = link.size, link.rank
-    parts = _views(buf, n)
     right, left = (r + 1) % n, (r - 1) % n
-    for step in range(n - 1):
-        link.exchange(send=parts[(r - step) % n], dst=right, recv=parts[(r - step - 1) % n], src=left)
+    return [Step(parts[(r - s) % n], right, parts[(r - s - 1) % n], left) for s in range(n - 1)]
 
 
 def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
-    reduce_scatter_inplace(link, buf, op)
-    all_gather_inplace(link, buf)
+    parts = split_parts(buf, link.size)
+    # One run of steps, so the all-gather's first receive is posted during the last reduction.
+    link.run_steps(reduce_scatter_steps(link, parts, op) + all_gather_steps(link, parts))
 
 
 def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: str) -> None:
-    scratch = link.scratch.copy_of("ring", input)
-    reduce_scatter_inplace(link, scratch, op)
-    output.copy_(_views(scratch, link.size)[link.rank])
+    parts = split_parts(link.scratch.copy_of("ring", input), link.size)
+    link.run_steps(reduce_scatter_steps(link, parts, op))
+    output.copy_(parts[link.rank])
 
 
 def all_gather(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
-    _views(output, link.size)[link.rank].copy_(input)
-    all_gather_inplace(link, output)
+    parts = split_parts(output, link.size)
+    parts[link.rank].copy_(input)
+    link.run_steps(all_gather_steps(link, parts))
 
 
 def broadcast(link: Link, buf: torch.Tensor, root: int) -> None:
@@ -97,9 +89,9 @@ def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
 def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
     """n-1 shift steps: at step s send the part for rank r+s, receive the part from rank r-s."""
     n, r = link.size, link.rank
-    send_parts = _views(input, n)
-    receive_parts = _views(output, n)  # n equal parts: each is this rank's share of one input
+    send_parts = split_parts(input, n)
+    receive_parts = split_parts(output, n)  # n equal parts: each is this rank's share of one input
     receive_parts[r].copy_(send_parts[r])
-    for step in range(1, n):
-        to, frm = (r + step) % n, (r - step) % n
-        link.exchange(send=send_parts[to], dst=to, recv=receive_parts[frm], src=frm)
+    # Every step reads the input and writes its own part of the output: nothing to wait for.
+    link.run_steps([Step(send_parts[(r + s) % n], (r + s) % n, receive_parts[(r - s) % n], (r - s) % n)
+                    for s in range(1, n)])

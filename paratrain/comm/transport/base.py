@@ -8,7 +8,7 @@ from typing import Literal, Protocol
 import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class P2POp:
     """One send or receive. A receive with `reduce` set combines into `tensor` instead of
     overwriting it, which lets a transport reduce straight out of the peer's buffer."""
@@ -35,6 +35,8 @@ class Transport(Protocol):
     kind: str  # "fabric", "gloo" or "nccl": the key the algorithm table is indexed by
     global_ranks: tuple[int, ...]  # rank r of this transport is rank global_ranks[r] of the world
     flight: object  # the FlightRecords (flight.py) of this process's ranks
+    segment_bytes: int  # how large a piece of a ring step suits this transport
+    posts_ahead: bool  # may receives be posted in a batch of their own, before the sends they pair with
 
     def start(self, ops: list[P2POp]) -> list[Work]:
         """Start all `ops` together (NCCL needs paired sends/receives posted as one batch).

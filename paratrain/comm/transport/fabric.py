@@ -200,6 +200,7 @@ class FabricTransport:
         # A fabric message is one copy done by the receiver: nothing overlaps it, so cutting
         # it into segments would only add hand-shakes. Split only very large messages.
         self.segment_bytes = 64 << 20
+        self.posts_ahead = True  # a receive is matched by its number, whenever it was posted
         self._counter_lock = threading.Lock()
         self._sent: dict[tuple[int, int], int] = {}
         self._received: dict[tuple[int, int], int] = {}

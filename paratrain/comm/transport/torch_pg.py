@@ -15,7 +15,7 @@ import torch.distributed as dist
 from paratrain.comm.errors import TransportFailure, TransportTimeout
 from paratrain.comm.flight import process_records
 from paratrain.comm.ops import combine_, part_sizes
-from paratrain.comm.scratch import ScratchPool
+from paratrain.comm.scratch import StagingPool
 from paratrain.comm.transport.base import P2POp
 
 # torch 2.13 renamed the tensor collectives; keep working on releases before the rename.
@@ -25,9 +25,14 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+@functools.lru_cache(maxsize=8)
+def _delta(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)  # built once per timeout: every wait of every call uses one
+
+
 def _wait(work, timeout: float, peer: int | None) -> None:
     try:
-        work.wait(timeout=timedelta(seconds=timeout))
+        work.wait(_delta(timeout))
     except RuntimeError as error:
         # gloo: "Timed out waiting ...ms for recv operation"; NCCL's watchdog: "...timed out".
         if "timed out" in str(error).lower():
@@ -51,12 +56,14 @@ def _native(collective):
 
 
 class _TorchWork:
-    """One op's handle. With NCCL a batch completes as a whole, so each op of a batch holds
-    every work of the batch."""
+    """One op's handle: gloo's own work for it, or with NCCL the batch's works (a batch
+    completes as a whole)."""
 
-    def __init__(self, works: list, op: P2POp, staging: torch.Tensor | None):
+    __slots__ = ("works", "op", "staging", "pool", "peer", "kind", "done")
+
+    def __init__(self, works, op: P2POp, staging: torch.Tensor | None, pool: StagingPool | None = None):
         self.works, self.op, self.staging, self.peer = works, op, staging, op.peer
-        self.kind = op.kind
+        self.pool, self.kind = pool, op.kind
         self.done = False
 
     def wait(self, timeout: float) -> None:
@@ -66,6 +73,7 @@ class _TorchWork:
             _wait(work, timeout, self.peer)
         if self.staging is not None:  # a receive that reduces: combine what arrived
             combine_(self.op.tensor, self.staging, self.op.reduce)
+            self.pool.give_back(self.staging)
         self.done = True
 
 
@@ -85,50 +93,53 @@ class TorchTransport:
         self.kind = "nccl" if "nccl" in backend and _cuda_available() else "gloo"
         # gloo moves bytes on its own threads: while one segment is reduced the next arrives.
         self.segment_bytes = 1 << 20
-        self._scratch = ScratchPool()
+        # gloo matches each receive on its own, so an algorithm may post the next step's
+        # receives early; NCCL must pair each step's sends and receives in one batch.
+        self.posts_ahead = self.kind == "gloo"
+        self.staging = StagingPool()
         # Where tensors the transport makes for itself (a barrier's token) should live.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")
 
-    def _staging(self, op: P2POp, index: int) -> torch.Tensor | None:
-        """Where a reducing receive lands before it is combined. Only one batch of reducing
-        receives is ever in flight (each algorithm waits for one before starting the next),
-        so the buffers are reused by position in the batch."""
-        if op.kind != "recv" or not op.reduce:
-            return None
-        return self._scratch.get(("staging", index), op.tensor).view(op.tensor.shape)
-
     def start(self, ops: list[P2POp]) -> list:
+        if ops and ops[0].tensor.is_cuda:
+            return self._start_batched(ops)
+        # gloo: each op goes straight to the process group (what dist.isend/irecv end in, less
+        # their per-call argument checks, which `Group` has already made), with group ranks.
+        handles = []
+        send, recv = self.pg.send, self.pg.recv
         for op in ops:
             if not 0 <= op.peer < self.size:
                 raise ValueError(f"peer rank {op.peer} out of range for world size {self.size}")
-        stagings = [self._staging(op, index) for index, op in enumerate(ops)]
-        if ops and ops[0].tensor.is_cuda:
-            # NCCL deadlocks on paired blocking sends; batch_isend_irecv posts them as a group.
-            p2p = [
-                dist.P2POp(
-                    dist.isend if op.kind == "send" else dist.irecv,
-                    op.tensor if staging is None else staging,
-                    self._global[op.peer],
-                    self.pg,
-                    op.tag,
-                )
-                for op, staging in zip(ops, stagings)
-            ]
-            works = dist.batch_isend_irecv(p2p) if p2p else []
-            return [_TorchWork(works, op, s) for op, s in zip(ops, stagings)]
-        handles = []
-        for op, staging in zip(ops, stagings):
-            peer = self._global[op.peer]
+            staging = None
             try:  # gloo refuses to post on a connection it already knows is closed
                 if op.kind == "send":
-                    work = dist.isend(op.tensor, peer, group=self.pg, tag=op.tag)
+                    work = send([_plain(op.tensor)], op.peer, op.tag)
+                elif op.reduce:  # lands beside its target, combined when waited for
+                    staging = self.staging.take(op.tensor)
+                    work = recv([_plain(staging)], op.peer, op.tag)
                 else:
-                    buffer = op.tensor if staging is None else staging
-                    work = dist.irecv(buffer, peer, group=self.pg, tag=op.tag)
+                    work = recv([_plain(op.tensor)], op.peer, op.tag)
             except RuntimeError as error:
                 raise TransportFailure(op.peer, str(error)) from error
-            handles.append(_TorchWork([work], op, staging))
+            handles.append(_TorchWork((work,), op, staging, self.staging))
         return handles
+
+    def _start_batched(self, ops: list[P2POp]) -> list:
+        # NCCL deadlocks on paired blocking sends; batch_isend_irecv posts them as a group.
+        stagings = [self.staging.take(op.tensor) if op.kind == "recv" and op.reduce else None for op in ops]
+        p2p = []
+        for op, staging in zip(ops, stagings):
+            if not 0 <= op.peer < self.size:
+                raise ValueError(f"peer rank {op.peer} out of range for world size {self.size}")
+            p2p.append(dist.P2POp(
+                dist.isend if op.kind == "send" else dist.irecv,
+                op.tensor if staging is None else staging,
+                self._global[op.peer],
+                self.pg,
+                op.tag,
+            ))
+        works = dist.batch_isend_irecv(p2p)
+        return [_TorchWork(works, op, s, self.staging) for op, s in zip(ops, stagings)]
 
     def torch_process_group(self, timeout: float):
         return self.pg
@@ -205,6 +216,11 @@ class TorchTransport:
     @_native
     def native_barrier(self, timeout):
         self._run(dist.barrier(group=self.pg, async_op=True), timeout)
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """gloo moves real numbers: a complex tensor travels as its (real, imaginary) pairs."""
+    return torch.view_as_real(tensor) if tensor.dtype.is_complex else tensor
 
 
 def _pad_parts(flat: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor:

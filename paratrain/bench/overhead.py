@@ -1,0 +1,243 @@
+"""`paratrain bench collectives --overhead`: what paratrain's call path costs over the raw
+point-to-point it issues.
+
+Each algorithm's call is recorded once where it meets the transport (every batch of sends and
+receives it starts, every wait, every native collective), then replayed bare: on processes
+straight on the process group's own `send`/`recv` (what `dist.isend`/`dist.irecv` end in) and
+`work.wait()`, with an `add_` for each receive that reduces; on threads through the fabric's
+`start` and `wait`. The replay runs no paratrain code between those calls (no Group, Link,
+argument checks, flight recorder, algorithm or table lookup), so ours - bare is what paratrain
+adds per call, moving the same messages between the same buffers. What an algorithm computes
+outside its receives (direct's fold at the root, a reduce-scatter's scratch copy) is not
+replayed, so it counts as ours.
+
+Timing: one call at a time, each started from a barrier so that no rank's clock includes
+waiting for another; ours and bare alternate, and which goes first alternates too. Per rank
+the median over rounds, then the slowest rank's. Wall time and the calling thread's CPU time
+are both reported: on a shared machine the CPU figure is the steadier of the two.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from paratrain.bench.collectives import DTYPES, _build_case, _synchronize
+from paratrain.comm.group import Group
+from paratrain.comm.transport.base import P2POp
+
+
+class RecordingTransport:
+    """A transport that passes everything to `inner` and keeps a list of what it was asked."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.events: list[tuple] = []  # ("start", ops) | ("wait", op index) | ("native", name, args)
+        self.ops = 0  # p2p ops started so far
+
+    def __getattr__(self, name):  # rank, size, kind, flight, segment_bytes, ... and the natives
+        attribute = getattr(self.inner, name)
+        if not name.startswith("native_"):
+            return attribute
+
+        def native(*args):
+            self.events.append(("native", name, args))
+            return attribute(*args)
+
+        return native
+
+    def start(self, ops: list[P2POp]) -> list:
+        works = self.inner.start(ops)
+        self.events.append(("start", [(op.kind, op.tensor, op.peer, op.reduce) for op in ops]))
+        first, self.ops = self.ops, self.ops + len(ops)
+        return [_RecordedWork(self.events, first + i, work) for i, work in enumerate(works)]
+
+
+class _RecordedWork:
+    def __init__(self, events: list, index: int, work):
+        self.events, self.index, self.work = events, index, work
+        self.kind, self.peer = work.kind, work.peer
+
+    def wait(self, timeout: float) -> None:
+        self.events.append(("wait", self.index))
+        self.work.wait(timeout)
+
+
+def record_call(group: Group, op: str, count: int, dtype, device, algo: str):
+    """Make one `algo` call of `op` through a recording transport. Returns the events and the
+    recording group, whose buffers (and the case's) the events' tensors live in."""
+    recorder = RecordingTransport(group.transport)
+    recording = Group(recorder, timeout=group.timeout, table=group.table, segment_bytes=group.segment_bytes)
+    case = _build_case(recording, op, count, dtype, device)
+    case.reset()
+    case.call(algo)
+    _synchronize(device)
+    return recorder.events, (recording, case)
+
+
+def bare_replay(events: list[tuple], transport, timeout: float):
+    """A function that issues `events` again with nothing between the transport's own calls."""
+    if transport.kind == "fabric":
+        return _fabric_replay(events, transport, timeout)
+    return _torch_replay(events, transport)
+
+
+def _torch_replay(events, transport):
+    """The bare program: each step a (what, argument, extra) triple, everything it needs (the
+    receive's staging buffer, where a reduction lands) decided here, before any timing."""
+    pg, program, reductions = transport.pg, [], {}
+    cuda = any(event[0] == "start" and event[1] and event[1][0][1].is_cuda for event in events)
+    index = 0
+    for event in events:
+        if event[0] == "start":
+            posts = []
+            for kind, tensor, peer, reduce in event[1]:
+                if kind == "recv" and reduce:
+                    staging = torch.empty_like(tensor)
+                    reductions[index] = (tensor, staging)
+                    tensor = staging
+                posts.append((pg.send if kind == "send" else pg.recv, [tensor], peer))
+                index += 1
+            if cuda:  # NCCL pairs sends with receives only inside one batch
+                posts = [torch.distributed.P2POp(torch.distributed.isend if post == pg.send else torch.distributed.irecv,
+                                                 tensors[0], transport.global_ranks[peer], pg)
+                         for post, tensors, peer in posts]
+            program.append(("batch" if cuda else "post", posts, None))
+        elif event[0] == "wait":
+            program.append(("wait", event[1], reductions.get(event[1])))
+        else:
+            program.append(("native", getattr(transport, event[1]), event[2]))
+
+    def replay() -> None:
+        works = []
+        for step, arg, extra in program:
+            if step == "post":
+                for post, tensors, peer in arg:
+                    works.append(post(tensors, peer, 0))
+            elif step == "wait":
+                works[arg].wait()
+                if extra is not None:
+                    extra[0].add_(extra[1])
+            elif step == "batch":
+                batch = torch.distributed.batch_isend_irecv(arg)
+                works += [_Batch(batch)] * len(arg)
+            else:
+                arg(*extra)
+
+    return replay
+
+
+class _Batch:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _fabric_replay(events, transport, timeout):
+    program = []
+    for event in events:
+        if event[0] == "start":
+            program.append(("post", [P2POp(kind, tensor, peer, 0, reduce) for kind, tensor, peer, reduce in event[1]], None))
+        elif event[0] == "wait":
+            program.append(("wait", event[1], None))
+        else:
+            program.append(("native", getattr(transport, event[1]), event[2]))
+
+    def replay() -> None:
+        works = []
+        for step, arg, extra in program:
+            if step == "post":
+                works += transport.start(arg)
+            elif step == "wait":
+                works[arg].wait(timeout)
+            else:
+                arg(*extra)
+
+    return replay
+
+
+@dataclass
+class OverheadRow:
+    op: str
+    algo: str
+    bytes: int
+    messages: int  # p2p sends and receives one call starts on rank 0
+    ours_us: float
+    bare_us: float
+    ours_cpu_us: float
+    bare_cpu_us: float
+
+    @property
+    def overhead_us(self) -> float:
+        return self.ours_us - self.bare_us
+
+    @property
+    def cpu_overhead_us(self) -> float:
+        return self.ours_cpu_us - self.bare_cpu_us
+
+
+def run_overhead(group: Group, plan, counts, dtype: str, warmup: int, rounds: int) -> list[OverheadRow] | None:
+    """What every rank runs for --overhead; rank 0 returns the rows."""
+    device = getattr(group.transport, "device", None) or torch.device("cpu")
+    rows = []
+    for op, algos in plan:
+        for count in (0,) if op == "barrier" else counts:
+            for algo in algos:
+                rows.append(_measure(group, op, algo, count, DTYPES[dtype], device, warmup, rounds))
+    return rows if group.rank == 0 else None
+
+
+def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadRow:
+    chosen = group.resolve(op, algo, count * dtype.itemsize)
+    events, keep_alive = record_call(group, op, count, dtype, device, chosen)
+    bare = bare_replay(events, group.transport, group.timeout)
+    case = _build_case(group, op, count, dtype, device)
+    case.reset()
+    ours = lambda: case.call(chosen)  # noqa: E731 - the pair below reads best side by side
+    for _ in range(warmup):
+        ours()
+        bare()
+    times = {"ours": ([], []), "bare": ([], [])}
+    for round_ in range(rounds):
+        order = (("ours", ours), ("bare", bare)) if round_ % 2 == 0 else (("bare", bare), ("ours", ours))
+        for name, call in order:
+            group.barrier(algo="native")
+            cpu, wall = time.thread_time(), time.perf_counter()
+            call()
+            _synchronize(device)
+            times[name][0].append(time.perf_counter() - wall)
+            times[name][1].append(time.thread_time() - cpu)
+    mine = [statistics.median(series) for name in ("ours", "bare") for series in times[name]]
+    medians = torch.tensor(mine, dtype=torch.float64, device=device)
+    everyone = group.all_gather(medians.new_empty(4 * group.size), medians, algo="native").cpu()
+    slowest = everyone.view(group.size, 4).max(dim=0).values.mul_(1e6).tolist()
+    messages = sum(len(event[1]) for event in events if event[0] == "start")
+    del keep_alive
+    return OverheadRow(op, algo if algo == chosen else f"{algo}({chosen})", count * dtype.itemsize, messages,
+                       ours_us=slowest[0], ours_cpu_us=slowest[1], bare_us=slowest[2], bare_cpu_us=slowest[3])
+
+
+def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
+    lines = [
+        "#",
+        "# overhead: paratrain's call vs a bare replay of the same transport calls (same messages,",
+        f"# same buffers); one call at a time from a barrier, alternating, median of {rounds} rounds,",
+        "# slowest rank. cpu = the calling thread's CPU time. overhead = ours - bare.",
+        f"# {'op':<14}  {'size (B)':>10}  {'algo':<12}  {'msgs':>4}  {'ours':>9}  {'bare':>9}  {'overhead':>9}"
+        f"  {'ratio':>6}  {'ours cpu':>9}  {'bare cpu':>9}  {'cpu over':>9}",
+        f"# {'':<14}  {'':>10}  {'':<12}  {'':>4}  {'(us)':>9}  {'(us)':>9}  {'(us)':>9}"
+        f"  {'':>6}  {'(us)':>9}  {'(us)':>9}  {'(us)':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r.op:<14}  {r.bytes:>10}  {r.algo:<12}  {r.messages:>4}  {r.ours_us:>9.1f}  {r.bare_us:>9.1f}"
+            f"  {r.overhead_us:>9.1f}  {r.ours_us / r.bare_us:>5.2f}x  {r.ours_cpu_us:>9.1f}  {r.bare_cpu_us:>9.1f}"
+            f"  {r.cpu_overhead_us:>9.1f}"
+        )
+    return lines
