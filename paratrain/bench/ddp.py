@@ -181,14 +181,14 @@ def build_records(models, modes, measured, *, launcher, batch_per_rank, steps, w
 
 def table_lines(records: list[dict]) -> list[str]:
     lines = [
-        f"# {'model':<11} {'params':>11}  {'mode':<6} {'world':>5}  {'step_ms (mean ± stdev)':>22}"
+        f"# {'model':<11} {'params':>11}  {'mode':<10} {'world':>5}  {'step_ms (mean ± stdev)':>22}"
         f"  {'vs torch':>8}  {'comm_ms':>8}  {'exposed_ms':>10}  {'comm share':>10}",
     ]
     for r in records:
         ratio = f"{r['ratio_to_torch']:.2f}x" if r["ratio_to_torch"] is not None else "-"
         step = f"{r['step_ms']:.1f} ± {r['step_ms_stdev']:.1f}"
         lines.append(
-            f"  {r['model']:<11} {r['params']:>11,}  {r['mode']:<6} {r['world_size']:>5}  {step:>22}"
+            f"  {r['model']:<11} {r['params']:>11,}  {r['mode']:<10} {r['world_size']:>5}  {step:>22}"
             f"  {ratio:>8}  {r['comm_ms']:>8.1f}  {r['exposed_comm_ms']:>10.1f}  {r['comm_share']:>10.0%}"
         )
     return lines
