@@ -102,8 +102,9 @@ def _torch_replay(events, transport):
                 posts.append((pg.send if kind == "send" else pg.recv, [tensor], peer))
                 index += 1
             if cuda:  # NCCL pairs sends with receives only inside one batch
-                posts = [torch.distributed.P2POp(torch.distributed.isend if post == pg.send else torch.distributed.irecv,
-                                                 tensors[0], transport.global_ranks[peer], pg)
+                dist = torch.distributed
+                posts = [dist.P2POp(dist.isend if post == pg.send else dist.irecv, tensors[0],
+                                    transport.global_ranks[peer], pg)
                          for post, tensors, peer in posts]
             program.append(("batch" if cuda else "post", posts, None))
         elif event[0] == "wait":
@@ -143,7 +144,8 @@ def _fabric_replay(events, transport, timeout):
     program = []
     for event in events:
         if event[0] == "start":
-            program.append(("post", [P2POp(kind, tensor, peer, 0, reduce) for kind, tensor, peer, reduce in event[1]], None))
+            ops = [P2POp(kind, tensor, peer, 0, reduce) for kind, tensor, peer, reduce in event[1]]
+            program.append(("post", ops, None))
         elif event[0] == "wait":
             program.append(("wait", event[1], None))
         else:

@@ -1,12 +1,13 @@
 """How `bench collectives --tune` turns measurements into the algorithm table `auto` reads.
 
 The backend's own collective is the default, and another algorithm replaces it only when the
-measurements say so beyond doubt: its median is faster than native's by more than the noise
-measured in the same run, and it beat native in at least 3 of every 4 rounds they ran side by
-side. A sweep runs the algorithms in interleaved bursts, so round i of every algorithm saw the
-same moment of the machine; comparing round by round cancels most of what a busy machine does
-to both. Picking by a bare minimum, as before, let noise choose: `auto` came out slower than
-native at some sizes on a shared 2-core machine.
+measurements say so beyond doubt. A sweep runs the algorithms in interleaved bursts, so round i
+of every algorithm saw the same moment of the machine; the challenger's time over native's,
+round by round, cancels most of what a busy machine does to both. The challenger wins when the
+median of those ratios is below 1 by more than the noise (half their interquartile range, at
+least MIN_MARGIN) and it was faster in at least 3 of every 4 rounds. Picking by a bare minimum,
+as before, let noise choose: `auto` came out slower than native at some sizes on a shared
+2-core machine.
 """
 
 from __future__ import annotations
@@ -28,32 +29,34 @@ class Verdict:
     why: str  # one line for --explain
 
 
-def noise(bursts: tuple[float, ...]) -> float:
-    """Half the interquartile range of a series of burst times, relative to its median."""
-    if len(bursts) < 2:
+def noise(ratios: list[float]) -> float:
+    """Half the interquartile range of the per-round ratios."""
+    if len(ratios) < 2:
         return 0.0
-    q1, _, q3 = statistics.quantiles(bursts, n=4, method="inclusive")
-    return (q3 - q1) / 2 / statistics.median(bursts)
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return (q3 - q1) / 2
 
 
 def judge(native: Measurement, challengers: list[Measurement]) -> Verdict:
     """Native, unless a challenger is faster by more than the noise and wins most rounds."""
-    rounds = min([len(native.bursts_us)] + [len(c.bursts_us) for c in challengers])
     if not challengers:
         return Verdict("native", "native: nothing else was measured")
     best, detail = None, []
-    for challenger in sorted(challengers, key=lambda m: m.time_us):
-        ratio = challenger.time_us / native.time_us
-        wins = sum(c < n for c, n in zip(challenger.bursts_us[:rounds], native.bursts_us[:rounds]))
-        margin = max(MIN_MARGIN, noise(native.bursts_us), noise(challenger.bursts_us))
-        detail.append((challenger.algo, ratio, wins, margin))
-        if best is None and ratio < 1 - margin and wins >= WIN_SHARE * rounds:
+    for challenger in challengers:
+        ratios = [c / n for c, n in zip(challenger.bursts_us, native.bursts_us)]
+        if not ratios:  # no rounds recorded: the medians are all there is
+            ratios = [challenger.time_us / native.time_us]
+        ratio = statistics.median(ratios)
+        wins = sum(r < 1 for r in ratios)
+        margin = max(MIN_MARGIN, noise(ratios))
+        detail.append((challenger.algo, ratio, wins, len(ratios), margin))
+        if ratio < 1 - margin and wins >= WIN_SHARE * len(ratios) and (best is None or ratio < best[1]):
             best = detail[-1]
     if best is not None:
-        algo, ratio, wins, margin = best
+        algo, ratio, wins, rounds, margin = best
         return Verdict(algo, f"{algo} took {ratio:.2f}x native's time, faster in {wins}/{rounds} rounds"
                              f" (noise +-{margin:.0%})")
-    algo, ratio, wins, margin = detail[0]  # the fastest challenger, which still did not make it
+    algo, ratio, wins, rounds, margin = min(detail, key=lambda d: d[1])  # the closest, still not enough
     if ratio >= 1:
         return Verdict("native", f"native fastest: the best other, {algo}, took {ratio:.2f}x its time")
     return Verdict("native", f"native kept: {algo} took {ratio:.2f}x its time, faster in {wins}/{rounds}"
