@@ -27,6 +27,7 @@ import re
 import shutil
 import warnings
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -90,17 +91,10 @@ def save(group, directory: str | Path, step: int, tensors: dict[str, torch.Tenso
     group.barrier()
     mine = temporary / f"rank-{group.rank:05d}"
     mine.mkdir()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(mine), no_dist=True)
-    except (CheckpointException, Exception) as error:  # DCP's exception is a BaseException
-        cause = _first_failure(error)
-        previous = complete_checkpoints(directory)
-        raise CheckpointError(
-            f"rank {group.rank} could not save {final.name}: {type(cause).__name__}: {cause}; "
-            + (f"the last complete checkpoint is {previous[-1]}" if previous else "no earlier checkpoint exists")
-        ) from error
+    previous = complete_checkpoints(directory)
+    last_good = f"the last complete checkpoint is {previous[-1]}" if previous else "no earlier checkpoint exists"
+    with _dcp_call(f"rank {group.rank} could not save {final.name}", last_good):
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(mine), no_dist=True)
     _write_json(mine / CHECKSUMS, {p.name: _checksum(p) for p in sorted(mine.iterdir()) if p.name != CHECKSUMS})
     group.barrier()  # every rank's part is on disk
     if group.rank == 0:
@@ -113,6 +107,19 @@ def save(group, directory: str | Path, step: int, tensors: dict[str, torch.Tenso
             shutil.rmtree(old, ignore_errors=True)
     group.barrier()
     return final
+
+
+@contextmanager
+def _dcp_call(what: str, then: str = ""):
+    """Run a DCP call without process group (its warning about that silenced), and turn its
+    failure into a CheckpointError: `what`: the writer's or reader's own error[; `then`]."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            yield
+    except (CheckpointException, Exception) as error:  # DCP's exception is a BaseException
+        cause = _first_failure(error)
+        raise CheckpointError(f"{what}: {type(cause).__name__}: {cause}" + (f"; {then}" if then else "")) from error
 
 
 def _first_failure(error: BaseException) -> BaseException:
@@ -211,13 +218,8 @@ class CheckpointReader:
             rank_dir, entry = self.where[key]
             by_dir.setdefault(rank_dir, {})[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
         for rank_dir, tensors in by_dir.items():
-            try:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                    dcp.load(tensors, storage_reader=dcp.FileSystemReader(rank_dir), no_dist=True)
-            except (CheckpointException, Exception) as error:  # DCP's exception is a BaseException
-                cause = _first_failure(error)
-                raise CheckpointError(f"{rank_dir} cannot be read: {type(cause).__name__}: {cause}") from error
+            with _dcp_call(f"{rank_dir} cannot be read"):
+                dcp.load(tensors, storage_reader=dcp.FileSystemReader(rank_dir), no_dist=True)
         return {key: tensor for tensors in by_dir.values() for key, tensor in tensors.items()}
 
 
