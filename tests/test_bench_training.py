@@ -114,3 +114,34 @@ def test_bench_tp_trains_the_same_model_as_pytorchs_dtensor_tensor_parallelism()
     ours_ms, torch_ms, ratio, loss_diff = map(float, row[1:])
     assert ours_ms > 0 and torch_ms > 0 and ratio == pytest.approx(ours_ms / torch_ms, rel=0.01)
     assert loss_diff <= 1e-4
+
+
+def test_train_benchmark_prints_throughput_flops_and_the_scaling_table():
+    from paratrain.cli import main
+
+    result = CliRunner().invoke(main, ["train", "--model", "mlp", "--benchmark", "--max-nproc", "2", "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines() if line[:8].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 2] and [int(r[2]) for r in rows] == [32, 64]  # batch per replica fixed
+    for world, _, _, step_ms, samples_s, _, gflop_s, per_rank, speedup, efficiency in rows:
+        assert float(step_ms) > 0 and float(gflop_s) == pytest.approx(float(per_rank) * int(world), rel=0.02)
+        assert float(efficiency) == pytest.approx(float(speedup) / int(world), abs=0.01)
+    refused = CliRunner().invoke(main, ["train", "--model", "mlp", "--max-nproc", "2"])
+    assert refused.exit_code == 2 and "--max-nproc goes with --benchmark" in refused.output
+
+
+def test_benchmark_flops_are_the_models_matmuls():
+    """mlp: Linear(in, h) -> GELU -> Linear(h, classes) on B samples. Forward 2B(in*h + h*c);
+    backward: both weight gradients, and the input gradient of the second layer only."""
+    from paratrain.models import model_config
+    from paratrain.plan.flops import step_flops
+    from paratrain.plan.shapes import GPTShape
+    from paratrain.train.benchmark import flops_per_step
+    from paratrain.train.config import TrainConfig, apply_overrides
+
+    config = apply_overrides(TrainConfig(), {"model.name": "mlp", "data.global_batch": 32})
+    m = model_config("mlp")
+    B, i, h, c = 32, m.in_dim, m.hidden, m.classes
+    assert flops_per_step(config) == 2 * B * (i * h + h * c) + 2 * B * (i * h + h * c) + 2 * B * h * c
+    gpt = apply_overrides(TrainConfig(), {"model.name": "gpt-tiny", "data.global_batch": 8})
+    assert flops_per_step(gpt) == step_flops(GPTShape.from_config(model_config("gpt-tiny")), 8)

@@ -77,7 +77,12 @@ def describe_run(config: TrainConfig, world: int) -> list[str]:
 @training_options
 @checkpoint_options
 @click.option("--plan-only", is_flag=True, help="Print the model, mesh, schedule and memory per rank; do not train.")
-def train(config_path, plan_only, **flags):
+@click.option("--benchmark", is_flag=True,
+              help="Measure instead of train: synthetic data, throughput and achieved FLOP/s (with "
+                   "--max-nproc, for every world size up to it: the scaling table).")
+@click.option("--max-nproc", type=click.IntRange(min=1),
+              help="With --benchmark: every world size up to this (multiples of pp x tp), batch per replica fixed.")
+def train(config_path, plan_only, benchmark, max_nproc, **flags):
     """Train a model on a world of ranks: data, tensor and pipeline parallelism.
 
     \b
@@ -89,6 +94,7 @@ def train(config_path, plan_only, **flags):
       torchrun --nproc-per-node 4 -m paratrain train --model mlp16
       paratrain train --model gpt-tiny --tp 2 --save-dir ckpt --save-every 10
       paratrain train --model gpt-tiny --nproc 4 --save-dir ckpt --resume --steps 100
+      paratrain train --model gpt-tiny --benchmark --max-nproc 4 --steps 10
     """
     config, world = validated_config(config_path, flags)
     leader = not in_torchrun() or os.environ.get("RANK") == "0"
@@ -97,6 +103,17 @@ def train(config_path, plan_only, **flags):
         for line in describe_run(config, world):
             click.echo(line)
     if plan_only:
+        return
+    if max_nproc and not benchmark:
+        raise click.UsageError("--max-nproc goes with --benchmark")
+    if benchmark:
+        if in_torchrun():
+            raise click.UsageError("--benchmark starts its own worlds: run it without torchrun")
+        from paratrain.train.benchmark import benchmark as measure
+
+        click.echo(f"# paratrain train --benchmark: {config.model.name}, {config.steps} steps per world size, "
+                   f"launcher {config.parallel.launcher}")
+        measure(config, world, max_nproc)
         return
     results = run(train_rank, config.parallel.nproc, launcher=config.parallel.launcher, args=(config,),
                   timeout=config.parallel.timeout, debug=config.parallel.debug or None,
