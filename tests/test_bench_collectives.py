@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 import paratrain
 from paratrain.bench import collectives_cli, overhead, tuning
+from paratrain.comm.group import Group
 from paratrain.bench.collectives import Measurement, bus_factor, element_counts
 from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
 from paratrain.bench.membw import copy_bandwidth_gbps
@@ -205,6 +206,22 @@ def test_overhead_prints_ours_beside_the_bare_replay_per_algorithm_and_size():
     for row in rows:
         ours, bare, overhead = map(float, row[4:7])
         assert overhead == pytest.approx(ours - bare, abs=0.11)
+        assert float(row[11]) > 0  # paratrain's own call path, against a transport that moves nothing
+    assert "# largest path: " in result.output
+
+
+def null_transport_calls(group) -> tuple[list, float]:
+    """What the transport underneath saw while the call-path figure was measured."""
+    recorder = overhead.RecordingTransport(group.transport)
+    seen = Group(recorder, timeout=group.timeout, table=group.table)
+    per_call = overhead.call_path_us(seen, "all_reduce", 4096, torch.float32, torch.device("cpu"), "ring", calls=10)
+    return recorder.events, per_call
+
+
+def test_the_call_path_figure_runs_our_code_but_moves_no_message():
+    results = paratrain.run(null_transport_calls, 2)
+    for events, per_call in results.values():
+        assert events == [] and per_call > 0
 
 
 def test_overhead_refuses_options_it_does_not_use(monkeypatch):

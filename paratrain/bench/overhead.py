@@ -15,6 +15,14 @@ Timing: one call at a time, each started from a barrier so that no rank's clock 
 waiting for another; ours and bare alternate, and which goes first alternates too. Per rank
 the median over rounds, then the slowest rank's. Wall time and the calling thread's CPU time
 are both reported: on a shared machine the CPU figure is the steadier of the two.
+
+Both differences also hold the transport's own variance: when a send finds its receive already
+posted, gloo writes it on the calling thread, otherwise later on its own thread, and a few
+microseconds more or less between two calls decide which, and how long the other rank waits.
+So each call is also made once more against a transport that moves nothing (every send and
+receive returns done at once, a native collective returns at once): that time is paratrain's
+call path and nothing else (argument checks, the table, the flight recorder, Group, Link, the
+algorithm's steps), the figure the 50 us budget is about.
 """
 
 from __future__ import annotations
@@ -64,6 +72,55 @@ class _RecordedWork:
     def wait(self, timeout: float) -> None:
         self.events.append(("wait", self.index))
         self.work.wait(timeout)
+
+
+class NullTransport:
+    """A transport that moves nothing: every op is done as soon as it starts, every native
+    collective returns at once. Otherwise it is `inner` (rank, size, kind, flight, ...)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name.startswith("native_"):
+            return _do_nothing
+        return getattr(self.inner, name)
+
+    def start(self, ops: list[P2POp]) -> list:
+        return [_DoneWork(op.kind, op.peer) for op in ops]
+
+
+def _do_nothing(*args) -> None:
+    return None
+
+
+class _DoneWork:
+    __slots__ = ("kind", "peer")
+
+    def __init__(self, kind: str, peer: int):
+        self.kind, self.peer = kind, peer
+
+    def wait(self, timeout: float) -> None:
+        return None
+
+
+def call_path_us(group: Group, op: str, count: int, dtype, device, algo: str, calls: int = 200) -> float:
+    """Microseconds per call of paratrain's own code: `algo`'s call of `op` made `calls` times
+    against a NullTransport (the median of five runs of calls/5)."""
+    null = Group(NullTransport(group.transport), timeout=group.timeout, table=group.table,
+                 segment_bytes=group.segment_bytes)
+    case = _build_case(null, op, count, dtype, device)
+    case.reset()
+    per_run = max(1, calls // 5)
+    for _ in range(per_run):  # warm-up: scratch buffers made, code paths taken once
+        case.call(algo)
+    runs = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(per_run):
+            case.call(algo)
+        runs.append((time.perf_counter() - started) / per_run)
+    return statistics.median(runs) * 1e6
 
 
 def record_call(group: Group, op: str, count: int, dtype, device, algo: str):
@@ -174,6 +231,7 @@ class OverheadRow:
     bare_us: float
     ours_cpu_us: float
     bare_cpu_us: float
+    path_us: float = 0.0  # paratrain's own code per call (against a NullTransport)
 
     @property
     def overhead_us(self) -> float:
@@ -216,13 +274,15 @@ def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadR
             times[name][0].append(time.perf_counter() - wall)
             times[name][1].append(time.thread_time() - cpu)
     mine = [statistics.median(series) for name in ("ours", "bare") for series in times[name]]
+    mine.append(call_path_us(group, op, count, dtype, device, chosen) * 1e-6)
     medians = torch.tensor(mine, dtype=torch.float64, device=device)
-    everyone = group.all_gather(medians.new_empty(4 * group.size), medians, algo="native").cpu()
-    slowest = everyone.view(group.size, 4).max(dim=0).values.mul_(1e6).tolist()
+    everyone = group.all_gather(medians.new_empty(5 * group.size), medians, algo="native").cpu()
+    slowest = everyone.view(group.size, 5).max(dim=0).values.mul_(1e6).tolist()
     messages = sum(len(event[1]) for event in events if event[0] == "start")
     del keep_alive
     return OverheadRow(op, algo if algo == chosen else f"{algo}({chosen})", count * dtype.itemsize, messages,
-                       ours_us=slowest[0], ours_cpu_us=slowest[1], bare_us=slowest[2], bare_cpu_us=slowest[3])
+                       ours_us=slowest[0], ours_cpu_us=slowest[1], bare_us=slowest[2], bare_cpu_us=slowest[3],
+                       path_us=slowest[4])
 
 
 def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
@@ -231,15 +291,21 @@ def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
         "# overhead: paratrain's call vs a bare replay of the same transport calls (same messages,",
         f"# same buffers); one call at a time from a barrier, alternating, median of {rounds} rounds,",
         "# slowest rank. cpu = the calling thread's CPU time. overhead = ours - bare.",
-        f"# {'op':<14}  {'size (B)':>10}  {'algo':<12}  {'msgs':>4}  {'ours':>9}  {'bare':>9}  {'overhead':>9}"
-        f"  {'ratio':>6}  {'ours cpu':>9}  {'bare cpu':>9}  {'cpu over':>9}",
-        f"# {'':<14}  {'':>10}  {'':<12}  {'':>4}  {'(us)':>9}  {'(us)':>9}  {'(us)':>9}"
-        f"  {'':>6}  {'(us)':>9}  {'(us)':>9}  {'(us)':>9}",
+        "# path = paratrain's own code per call: the same call against a transport that moves",
+        "# nothing (checks, table, flight recorder, Group, Link, algorithm; no transport).",
+        f"# {'op':<14}  {'size (B)':>10}  {'algo':<12}  {'msgs':>4}  {'ours':>8}  {'bare':>8}  {'overhead':>8}"
+        f"  {'ratio':>6}  {'ours cpu':>8}  {'bare cpu':>8}  {'cpu over':>8}  {'path':>6}",
+        f"# {'':<14}  {'':>10}  {'':<12}  {'':>4}  {'(us)':>8}  {'(us)':>8}  {'(us)':>8}"
+        f"  {'':>6}  {'(us)':>8}  {'(us)':>8}  {'(us)':>8}  {'(us)':>6}",
     ]
     for r in rows:
         lines.append(
-            f"  {r.op:<14}  {r.bytes:>10}  {r.algo:<12}  {r.messages:>4}  {r.ours_us:>9.1f}  {r.bare_us:>9.1f}"
-            f"  {r.overhead_us:>9.1f}  {r.ours_us / r.bare_us:>5.2f}x  {r.ours_cpu_us:>9.1f}  {r.bare_cpu_us:>9.1f}"
-            f"  {r.cpu_overhead_us:>9.1f}"
+            f"  {r.op:<14}  {r.bytes:>10}  {r.algo:<12}  {r.messages:>4}  {r.ours_us:>8.1f}  {r.bare_us:>8.1f}"
+            f"  {r.overhead_us:>8.1f}  {r.ours_us / r.bare_us:>5.2f}x  {r.ours_cpu_us:>8.1f}  {r.bare_cpu_us:>8.1f}"
+            f"  {r.cpu_overhead_us:>8.1f}  {r.path_us:>6.1f}"
         )
+    if rows:
+        worst = max(rows, key=lambda r: r.path_us)
+        lines.append(f"# largest path: {worst.path_us:.1f} us ({worst.op} {worst.algo} at {worst.bytes} B); "
+                     f"budget 50 us: {'within' if worst.path_us <= 50 else 'OVER'}")
     return lines

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain.comm.ops import part_bounds
 from paratrain.parallel.data.zero import ZeroOneDataParallel
 from paratrain.parallel.tensor.layers import shard
 from paratrain.parallel.tensor.tp_comms import all_gather_along
@@ -73,14 +72,8 @@ def _optimizer_state_by_param(state: TrainState) -> dict[int, dict[str, torch.Te
         return {id(p): dict(s) for p, s in state.optimizer.state.items()}
     zero = state.dp
     shard_state = state.optimizer.state.get(zero.shard, {})
-    flat = {}
-    for key, value in shard_state.items():
-        if value.dim() == 0:
-            flat[key] = value
-            continue
-        whole = torch.empty_like(zero.flat_params, dtype=value.dtype)
-        zero.group.all_gather(whole, value.contiguous(), zero.algo)
-        flat[key] = whole
+    flat = {key: value if value.dim() == 0 else zero.gather_shards(value.contiguous())
+            for key, value in shard_state.items()}
     result, offset = {}, 0
     for param in zero.params:
         end = offset + param.numel()
@@ -129,7 +122,7 @@ def _restore_optimizer(state: TrainState, by_param: dict[int, dict[str, torch.Te
                     optimizer.state[param] = by_param[id(param)]
         return
     zero = state.dp
-    zero.shard.data.copy_(_own_part(zero.flat_params, zero))  # the optimizer's copy of the loaded weights
+    zero.shard.data.copy_(zero.own_part(zero.flat_params))  # the optimizer's copy of the loaded weights
     keys = set().union(*(set(s) for s in by_param.values())) if by_param else set()
     restored = {}
     for key in keys:
@@ -137,11 +130,7 @@ def _restore_optimizer(state: TrainState, by_param: dict[int, dict[str, torch.Te
         if values[0].dim() == 0:
             restored[key] = values[0].clone()
         else:
-            restored[key] = _own_part(torch.cat([v.reshape(-1) for v in values]), zero).clone()
+            restored[key] = zero.own_part(torch.cat([v.reshape(-1) for v in values]))
     if restored:
         optimizer.state[zero.shard] = restored
 
-
-def _own_part(flat: torch.Tensor, zero) -> torch.Tensor:
-    start, end = part_bounds(flat.numel(), zero.group.size)[zero.group.rank]
-    return flat[start:end]

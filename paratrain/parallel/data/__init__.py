@@ -24,7 +24,7 @@ def build_data_parallel(module, group, *, mode="ddp", algo="auto", naive_layout=
     if zero and mode == "torch":  # PyTorch's own: DDP with ZeroRedundancyOptimizer
         return TorchDataParallel(module, group, group.transport.torch_process_group(group.timeout), bucket_mb, zero=True)
     if zero:
-        return ZeroOneDataParallel(module, group, algo)
+        return ZeroOneDataParallel(module, group, algo, bucket_mb, first_bucket_mb)
     if local_sgd:
         return LocalSGD(module, group, algo, every=local_sgd)
     compressor = build_compressor(compress)

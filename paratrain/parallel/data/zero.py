@@ -5,8 +5,12 @@ updates only its part of the parameters with its own optimizer state (1/n of Ada
 and an all-gather puts the updated parts back together. The reduce-scatter plus all-gather
 moves the same bytes as one all-reduce, and optimizer memory drops n-fold.
 
-Parameters and gradients are views into two flat buffers, so the all-gather lands directly
-in the model's parameters.
+As in our DDP, parameters are grouped into buckets in the order backward produces their
+gradients, and each bucket's reduce-scatter starts on the communication thread as soon as its
+last gradient is in, while backward goes on with earlier layers. So every bucket is sharded on
+its own: this rank owns part `rank` of each bucket, and its shard (what the optimizer sees) is
+those parts end to end. Parameters and gradients are views into two flat buffers laid out
+bucket by bucket, so the all-gather lands directly in the model's parameters.
 """
 
 from __future__ import annotations
@@ -15,14 +19,18 @@ import torch
 
 from paratrain.comm.ops import part_bounds
 from paratrain.parallel.data.base import DataParallel
+from paratrain.parallel.data.buckets import MIB, assign_buckets
+from paratrain.parallel.data.compression import Pending
 
 
 class ZeroOneDataParallel(DataParallel):
-    def __init__(self, module, group, algo="auto"):
+    def __init__(self, module, group, algo="auto", bucket_mb=25.0, first_bucket_mb=1.0):
         super().__init__(module, group, algo)
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        count = sum(p.numel() for p in self.params)
+        trained = [p for p in module.parameters() if p.requires_grad]
+        buckets = assign_buckets(trained, int(bucket_mb * MIB), int(first_bucket_mb * MIB))
+        self.params = [param for bucket in buckets for param in bucket]  # in flat-buffer order
         first = self.params[0]
+        count = sum(p.numel() for p in self.params)
         self.flat_params = torch.empty(count, dtype=first.dtype, device=first.device)
         self.flat_grads = torch.zeros_like(self.flat_params)
         offset = 0
@@ -32,22 +40,97 @@ class ZeroOneDataParallel(DataParallel):
             param.data = self.flat_params[offset:end].view_as(param)
             param.grad = self.flat_grads[offset:end].view_as(param)
             offset = end
-        start, end = part_bounds(count, group.size)[group.rank]
+        # Bucket k covers flat[starts[k]:ends[k]]; this rank owns part `rank` of it, which sits
+        # at shard[shard_starts[k]:...] in the optimizer's shard.
+        self._ranges, self._owned, shard_offset = [], [], 0
+        offset = 0
+        for bucket in buckets:
+            end = offset + sum(p.numel() for p in bucket)
+            mine = part_bounds(end - offset, group.size)[group.rank]
+            self._ranges.append((offset, end))
+            self._owned.append((offset + mine[0], offset + mine[1], shard_offset))
+            shard_offset += mine[1] - mine[0]
+            offset = end
+        self._bucket_of = {id(p): k for k, bucket in enumerate(buckets) for p in bucket}
+        self._bucket_params = [{id(p) for p in bucket} for bucket in buckets]
         # The shard the optimizer sees: its own tensor, as optimizers keep state per tensor.
-        self.shard = torch.nn.Parameter(self.flat_params[start:end].clone())
+        self.shard = torch.nn.Parameter(self.own_part(self.flat_params).clone())
         self.shard.grad = torch.zeros_like(self.shard)
+        self._waiting: list[set[int]] = []  # per bucket, params whose gradient is not in yet
+        self._next_to_start = 0
+        self._pending: list[Pending] = []
+        self._reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in trained]
+
+    # ---- the layout: whole flat buffer <-> this rank's shard ------------------------------
+
+    def own_part(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's parts of a flat-buffer-shaped tensor, end to end (a shard's layout)."""
+        return torch.cat([flat[start:end] for start, end, _ in self._owned])
+
+    def gather_shards(self, shard_like: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard_like` (laid out as the shard) put together in flat-buffer order."""
+        whole = torch.empty_like(self.flat_params, dtype=shard_like.dtype)
+        for k in range(len(self._ranges)):
+            self.group.all_gather(self._flat_part(whole, k), self._shard_part(shard_like, k), self.algo)
+        return whole
+
+    def _flat_part(self, flat: torch.Tensor, k: int) -> torch.Tensor:
+        start, end = self._ranges[k]
+        return flat[start:end]
+
+    def _shard_part(self, shard: torch.Tensor, k: int) -> torch.Tensor:
+        start, end, at = self._owned[k]
+        return shard[at : at + end - start]
+
+    # ---- the step ------------------------------------------------------------------------
 
     def make_optimizer(self, build):
         return build([self.shard])
 
+    def _grad_ready(self, param) -> None:
+        if not self._syncing:
+            return
+        self._waiting[self._bucket_of[id(param)]].discard(id(param))
+        self._start_ready_buckets()
+
+    def grad_ready(self, param) -> None:
+        if id(param) in self._bucket_of:
+            self._grad_ready(param)
+
+    def _start_ready_buckets(self, everything: bool = False) -> None:
+        # In bucket order on every rank, so all ranks issue the same collectives in turn.
+        while self._next_to_start < len(self._ranges):
+            k = self._next_to_start
+            if self._waiting[k] and not everything:
+                return
+            handle = self.group.reduce_scatter(
+                self._shard_part(self.shard.grad, k), self._flat_part(self.flat_grads, k), "avg", self.algo,
+                async_op=True)
+            self._pending.append(Pending([handle]))
+            self._next_to_start += 1
+
     def finish_gradients(self) -> None:
-        with self.timer.blocking():
-            self.group.reduce_scatter(self.shard.grad, self.flat_grads, "avg", self.algo)
+        # Buckets with a parameter that got no gradient this step never started: they start now.
+        self._start_ready_buckets(everything=True)
+        for pending in self._pending:
+            pending.finish(self.timer)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pending, self._next_to_start = [], 0
+        self._waiting = [set(ids) for ids in self._bucket_params]
 
     def step(self, optimizer) -> None:
         optimizer.step()
         with self.timer.blocking():
-            self.group.all_gather(self.flat_params, self.shard.data, self.algo)
+            handles = [
+                self.group.all_gather(self._flat_part(self.flat_params, k), self._shard_part(self.shard.data, k),
+                                      self.algo, async_op=True)
+                for k in range(len(self._ranges))
+            ]
+            for handle in handles:
+                handle.wait()
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()
