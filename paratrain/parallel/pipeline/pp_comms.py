@@ -6,6 +6,11 @@ posts its activation and carries on with its next action; the handles are waited
 end of the step. An activation is preceded by a small header (dtype and shape), since the
 receiver cannot know, for instance, whether autocast made it bfloat16. A gradient needs none:
 it has the shape and dtype of the activation its receiver sent.
+
+A receive can be posted ahead (`expect_activation`, `expect_gradient`) while the rank still
+computes: gloo sends a message only once its receiver has asked for it, so a receive posted
+only when the data is needed costs a hand-off between threads on both ranks on top of the
+transfer, which shows up as bubble.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class PipelineLink:
         self._sends: list = []
         self._sent_headers: dict[int, tuple] = {}  # chunk -> (dtype, shape) already announced
         self._known_headers: dict[int, tuple] = {}  # chunk -> (dtype, shape) announced to us
+        self._posted: dict[int, tuple] = {}  # tag -> (buffer, handle) of a receive posted ahead
 
     def _tag(self, direction, chunk, microbatch) -> int:
         return message_tag(direction, chunk, microbatch, self.num_chunks, self.microbatches)
@@ -55,8 +61,35 @@ class PipelineLink:
         self._log(f"send_forward chunk {chunk} mb {microbatch} -> rank {peer} {tuple(tensor.shape)}")
         self._sends.append(self.group.isend(tensor.contiguous(), peer, tag))
 
+    def expect_activation(self, peer: int, chunk: int, microbatch: int, device) -> None:
+        """Post the receive of `recv_activation(peer, chunk, microbatch)` now, if its shape is
+        known (after the chunk's first activation, which brings the header)."""
+        tag = self._tag(FORWARD, chunk, microbatch)
+        if chunk in self._known_headers and tag not in self._posted:
+            dtype, shape = self._known_headers[chunk]
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            self._posted[tag] = (buffer, self.group.irecv(buffer, peer, tag))
+
+    def expect_gradient(self, like: torch.Tensor, peer: int, chunk: int, microbatch: int) -> None:
+        """Post the receive of `recv_gradient(like, peer, chunk, microbatch)` now."""
+        tag = self._tag(BACKWARD, chunk + 1, microbatch)
+        if tag not in self._posted:
+            buffer = torch.empty_like(like)
+            self._posted[tag] = (buffer, self.group.irecv(buffer, peer, tag))
+
+    def _posted_receive(self, tag: int) -> torch.Tensor | None:
+        if tag not in self._posted:
+            return None
+        buffer, handle = self._posted.pop(tag)
+        handle.wait()
+        return buffer
+
     def recv_activation(self, peer: int, chunk: int, microbatch: int, device) -> torch.Tensor:
         tag = self._tag(FORWARD, chunk, microbatch)
+        posted = self._posted_receive(tag)
+        if posted is not None:
+            self._log(f"recv_forward chunk {chunk} mb {microbatch} <- rank {peer} {tuple(posted.shape)} (posted ahead)")
+            return posted
         if chunk not in self._known_headers:
             header = torch.empty(_HEADER, dtype=torch.int64)
             self.group.recv(header, peer, tag)
@@ -75,9 +108,13 @@ class PipelineLink:
     def recv_gradient(self, like: torch.Tensor, peer: int, chunk: int, microbatch: int) -> torch.Tensor:
         """The gradient of the output of `chunk`, sent back by the owner of chunk+1."""
         self._log(f"recv_backward chunk {chunk} mb {microbatch} <- rank {peer}")
-        return self.group.recv(torch.empty_like(like), peer, self._tag(BACKWARD, chunk + 1, microbatch))
+        tag = self._tag(BACKWARD, chunk + 1, microbatch)
+        posted = self._posted_receive(tag)
+        return posted if posted is not None else self.group.recv(torch.empty_like(like), peer, tag)
 
     def wait_sends(self) -> None:
         for handle in self._sends:
             handle.wait()
         self._sends.clear()
+        if self._posted:  # every receive posted ahead is one the schedule makes
+            raise RuntimeError(f"pipeline: {len(self._posted)} receive(s) posted ahead were never taken")

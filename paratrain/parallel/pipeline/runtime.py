@@ -47,6 +47,33 @@ class PipelineRuntime:
         # The last pass that produces each chunk's weight gradients: data parallelism may
         # reduce them only then (earlier passes accumulate without communicating).
         self._final_grad_action = {a.stage: a for a in self.actions if a.op == grad_op}
+        # For each action, the index of the next one that receives from another rank: its
+        # receive is posted while this one computes (see PipelineLink.expect_activation).
+        self._next_receive: list[int | None] = []
+        following = None
+        for index in reversed(range(len(self.actions))):
+            self._next_receive.append(following)
+            if self._receives_remotely(self.actions[index]):
+                following = index
+        self._next_receive.reverse()
+
+    def _receives_remotely(self, action) -> bool:
+        c, owner = action.stage, self.schedule.owner
+        if action.op == "F":
+            return c > 0 and owner(c - 1) != self.rank
+        return action.op == "B" and c != self.last_chunk and owner(c + 1) != self.rank
+
+    def _post_next_receive(self, index: int, stash) -> None:
+        """Post the receive the next receiving action will need, where it can be posted now."""
+        following = self._next_receive[index]
+        if following is None:
+            return
+        action = self.actions[following]
+        m, c = action.microbatch, action.stage
+        if action.op == "F":
+            self.link.expect_activation(self.schedule.owner(c - 1), c, m, self.device)
+        elif (m, c) in stash and stash[(m, c)][1] is not None:  # B: once its forward has run
+            self.link.expect_gradient(stash[(m, c)][1], self.schedule.owner(c + 1), c, m)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -62,7 +89,7 @@ class PipelineRuntime:
         stash: dict[tuple[int, int], list] = {}
         loss_sum, busy, peak = 0.0, 0.0, 0
         started = time.perf_counter()
-        for action in self.actions:
+        for index, action in enumerate(self.actions):
             m, c = action.microbatch, action.stage
             if action.op == "F":
                 if c == 0:
@@ -72,6 +99,7 @@ class PipelineRuntime:
                 else:
                     x = self.link.recv_activation(self.schedule.owner(c - 1), c, m, self.device)
                     x.requires_grad_()
+                self._post_next_receive(index, stash)
                 begin = time.perf_counter()
                 # The loss too runs under autocast, as in the reference: autocast computes
                 # cross-entropy in fp32 (outside it, bf16 logits give a bf16 loss).
@@ -85,12 +113,14 @@ class PipelineRuntime:
                 busy += time.perf_counter() - begin
                 stash[(m, c)] = [x, out, None, records]
                 peak = max(peak, len(stash))
+                self._post_next_receive(index, stash)  # a B of this very (m, c) can post only now
                 if c != self.last_chunk and self.schedule.owner(c + 1) != self.rank:
                     self.link.send_activation(out.detach(), self.schedule.owner(c + 1), c + 1, m)
             elif action.op == "B":
                 x, out, _, records = stash[(m, c)]
                 grad = self._output_grad(m, c, out, stash)
                 stash[(m, c)][2] = grad
+                self._post_next_receive(index, stash)
                 begin = time.perf_counter()
                 with self._sync_if_final(action):
                     if self.splitters:
@@ -107,6 +137,7 @@ class PipelineRuntime:
                     self._release(stash, m, c)
             else:  # "W"
                 x, out, grad, kept = stash[(m, c)]
+                self._post_next_receive(index, stash)
                 begin = time.perf_counter()
                 with self._sync_if_final(action):
                     if self.splitters:
