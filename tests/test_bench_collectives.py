@@ -206,7 +206,9 @@ def test_overhead_prints_ours_beside_the_bare_replay_per_algorithm_and_size():
     for row in rows:
         ours, bare, overhead = map(float, row[4:7])
         assert overhead == pytest.approx(ours - bare, abs=0.11)
-        assert float(row[11]) > 0  # paratrain's own call path, against a transport that moves nothing
+        burst_ours, burst_bare, burst_ratio = float(row[8]), float(row[9]), float(row[10].rstrip("x"))
+        assert burst_ratio == pytest.approx(burst_ours / burst_bare, abs=0.006)
+        assert float(row[13]) > 0  # paratrain's own call path, against a transport that moves nothing
     assert "# largest path: " in result.output
 
 

@@ -19,6 +19,11 @@ are both reported: on a shared machine the CPU figure is the steadier of the two
 Both differences also hold the transport's own variance: when a send finds its receive already
 posted, gloo writes it on the calling thread, otherwise later on its own thread, and a few
 microseconds more or less between two calls decide which, and how long the other rank waits.
+A second timing takes the calls as a training step makes them, back to back: interleaved
+bursts of BURST_CALLS calls each, ours and bare, the median burst's time per call. Where a lone
+call from a barrier mostly measures how fast two ranks' threads wake each other, a burst shows
+what a call costs in a stream of them.
+
 So each call is also made once more against a transport that moves nothing (every send and
 receive returns done at once, a native collective returns at once): that time is paratrain's
 call path and nothing else (argument checks, the table, the flight recorder, Group, Link, the
@@ -221,6 +226,10 @@ def _fabric_replay(events, transport, timeout):
     return replay
 
 
+BURST_CALLS = 5  # calls per burst
+BURSTS = 6  # bursts per side
+
+
 @dataclass
 class OverheadRow:
     op: str
@@ -232,14 +241,12 @@ class OverheadRow:
     ours_cpu_us: float
     bare_cpu_us: float
     path_us: float = 0.0  # paratrain's own code per call (against a NullTransport)
+    burst_ours_us: float = 0.0  # per call, in bursts of back-to-back calls
+    burst_bare_us: float = 0.0
 
     @property
     def overhead_us(self) -> float:
         return self.ours_us - self.bare_us
-
-    @property
-    def cpu_overhead_us(self) -> float:
-        return self.ours_cpu_us - self.bare_cpu_us
 
 
 def run_overhead(group: Group, plan, counts, dtype: str, warmup: int, rounds: int) -> list[OverheadRow] | None:
@@ -273,39 +280,55 @@ def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadR
             _synchronize(device)
             times[name][0].append(time.perf_counter() - wall)
             times[name][1].append(time.thread_time() - cpu)
+    bursts = {"ours": [], "bare": []}
+    for burst in range(2 * BURSTS):
+        name, call = (("ours", ours), ("bare", bare))[(burst + burst // 2) % 2]  # ours bare bare ours ...
+        group.barrier(algo="native")
+        wall = time.perf_counter()
+        for _ in range(BURST_CALLS):
+            call()
+        _synchronize(device)
+        bursts[name].append((time.perf_counter() - wall) / BURST_CALLS)
     mine = [statistics.median(series) for name in ("ours", "bare") for series in times[name]]
+    mine += [statistics.median(bursts["ours"]), statistics.median(bursts["bare"])]
     mine.append(call_path_us(group, op, count, dtype, device, chosen) * 1e-6)
     medians = torch.tensor(mine, dtype=torch.float64, device=device)
-    everyone = group.all_gather(medians.new_empty(5 * group.size), medians, algo="native").cpu()
-    slowest = everyone.view(group.size, 5).max(dim=0).values.mul_(1e6).tolist()
+    everyone = group.all_gather(medians.new_empty(len(mine) * group.size), medians, algo="native").cpu()
+    slowest = everyone.view(group.size, len(mine)).max(dim=0).values.mul_(1e6).tolist()
     messages = sum(len(event[1]) for event in events if event[0] == "start")
     del keep_alive
     return OverheadRow(op, algo if algo == chosen else f"{algo}({chosen})", count * dtype.itemsize, messages,
                        ours_us=slowest[0], ours_cpu_us=slowest[1], bare_us=slowest[2], bare_cpu_us=slowest[3],
-                       path_us=slowest[4])
+                       burst_ours_us=slowest[4], burst_bare_us=slowest[5], path_us=slowest[6])
 
 
 def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
     lines = [
         "#",
         "# overhead: paratrain's call vs a bare replay of the same transport calls (same messages,",
-        f"# same buffers); one call at a time from a barrier, alternating, median of {rounds} rounds,",
-        "# slowest rank. cpu = the calling thread's CPU time. overhead = ours - bare.",
+        f"# same buffers). alone: one call at a time from a barrier, alternating, median of {rounds} rounds;",
+        f"# burst: {BURSTS} interleaved bursts of {BURST_CALLS} back-to-back calls each, median per call.",
+        "# Slowest rank. overhead = ours - bare (alone). cpu = the calling thread's CPU time (alone).",
         "# path = paratrain's own code per call: the same call against a transport that moves",
         "# nothing (checks, table, flight recorder, Group, Link, algorithm; no transport).",
-        f"# {'op':<14}  {'size (B)':>10}  {'algo':<12}  {'msgs':>4}  {'ours':>8}  {'bare':>8}  {'overhead':>8}"
-        f"  {'ratio':>6}  {'ours cpu':>8}  {'bare cpu':>8}  {'cpu over':>8}  {'path':>6}",
-        f"# {'':<14}  {'':>10}  {'':<12}  {'':>4}  {'(us)':>8}  {'(us)':>8}  {'(us)':>8}"
-        f"  {'':>6}  {'(us)':>8}  {'(us)':>8}  {'(us)':>8}  {'(us)':>6}",
+        f"# {'op':<10}  {'size (B)':>9}  {'algo':<10}  {'msgs':>4}  {'ours':>8}  {'bare':>8}  {'overhead':>8}"
+        f"  {'ratio':>6}  {'burst':>8}  {'burst':>8}  {'burst':>6}  {'ours':>7}  {'bare':>7}  {'path':>6}",
+        f"# {'':<10}  {'':>9}  {'':<10}  {'':>4}  {'alone':>8}  {'alone':>8}  {'':>8}"
+        f"  {'alone':>6}  {'ours':>8}  {'bare':>8}  {'ratio':>6}  {'cpu':>7}  {'cpu':>7}  {'':>6}",
+        f"# {'':<10}  {'':>9}  {'':<10}  {'':>4}  {'(us)':>8}  {'(us)':>8}  {'(us)':>8}"
+        f"  {'':>6}  {'(us)':>8}  {'(us)':>8}  {'':>6}  {'(us)':>7}  {'(us)':>7}  {'(us)':>6}",
     ]
     for r in rows:
         lines.append(
-            f"  {r.op:<14}  {r.bytes:>10}  {r.algo:<12}  {r.messages:>4}  {r.ours_us:>8.1f}  {r.bare_us:>8.1f}"
-            f"  {r.overhead_us:>8.1f}  {r.ours_us / r.bare_us:>5.2f}x  {r.ours_cpu_us:>8.1f}  {r.bare_cpu_us:>8.1f}"
-            f"  {r.cpu_overhead_us:>8.1f}  {r.path_us:>6.1f}"
+            f"  {r.op:<10}  {r.bytes:>9}  {r.algo:<10}  {r.messages:>4}  {r.ours_us:>8.1f}  {r.bare_us:>8.1f}"
+            f"  {r.overhead_us:>8.1f}  {r.ours_us / r.bare_us:>5.2f}x  {r.burst_ours_us:>8.1f}  {r.burst_bare_us:>8.1f}"
+            f"  {r.burst_ours_us / r.burst_bare_us:>5.2f}x  {r.ours_cpu_us:>7.1f}  {r.bare_cpu_us:>7.1f}  {r.path_us:>6.1f}"
         )
     if rows:
         worst = max(rows, key=lambda r: r.path_us)
         lines.append(f"# largest path: {worst.path_us:.1f} us ({worst.op} {worst.algo} at {worst.bytes} B); "
                      f"budget 50 us: {'within' if worst.path_us <= 50 else 'OVER'}")
+        ratios = [r.burst_ours_us / r.burst_bare_us for r in rows if r.messages]
+        if ratios:
+            lines.append(f"# burst ratio of our algorithms (ours / bare, per call): {min(ratios):.2f}x to {max(ratios):.2f}x")
     return lines
