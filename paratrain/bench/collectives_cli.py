@@ -141,8 +141,9 @@ def _thread_devices(nproc: int):
                    "unless --tune is also given (then it explains the new table).")
 @click.option("--overhead", is_flag=True,
               help="Per algorithm and size, time our call beside a bare replay of the same transport calls "
-                   "(torch.distributed's send/recv on processes, the fabric's on threads): what paratrain adds "
-                   "per call, in us of wall and CPU time. [default ops: all_reduce]")
+                   "(torch.distributed's send/recv on processes, the fabric's on threads), one call at a time "
+                   "and in bursts of back-to-back calls; and paratrain's own code per call, timed against a "
+                   "transport that moves nothing (the 'path' column). [default ops: all_reduce]")
 @click.option("--table", "table_path", type=click.Path(dir_okay=False, path_type=Path),
               default=default_table_path,
               show_default="$PARATRAIN_ALGO_TABLE or ~/.cache/paratrain/algorithms.json",
