@@ -27,6 +27,18 @@ def server():
     srv.stop()
 
 
+@pytest.fixture(scope="session")
+def four_workers(tmp_path_factory):
+    """One dispatcher with four workers and an instruction log, shared by the sharding tests and
+    the four-worker training test (a start costs seconds, and each worker's first optimizer step
+    seconds more)."""
+    log = tmp_path_factory.mktemp("four-workers") / "instructions.log"
+    srv = LocalServer.start(4, extra_args=("--instruction-log", str(log)))
+    srv.log = log
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture
 def client(server):
     session = gt.connect(server.address)

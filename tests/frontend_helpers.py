@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import zmq
 
@@ -31,6 +32,15 @@ def stop(process: subprocess.Popen, timeout: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def wait_until(condition, timeout: float, what: str, interval: float = 0.1):
+    """Poll `condition()` until it returns something true (-> that value); fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
+        time.sleep(interval)
+    return value
 
 
 @contextlib.contextmanager

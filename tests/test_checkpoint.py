@@ -50,14 +50,14 @@ def merged_state(results) -> dict:
     return state
 
 
-def interrupted_and_resumed(tmp_path, world, launcher="threads", resume_overrides=None, resume_world=None, **overrides):
+def interrupted_and_resumed(tmp_path, world, resume_overrides=None, resume_world=None, **overrides):
     """(uninterrupted results, results of the run resumed from its step-3 checkpoint)."""
     config = make_config(tmp_path, **overrides)
-    whole = run(train_and_return_state, world, launcher=launcher, args=(config,))
+    whole = run(train_and_return_state, world, args=(config,))
     resumed_config = make_config(tmp_path, **{**overrides, **(resume_overrides or {})})
     resumed_config.checkpoint.resume = str(tmp_path / "step-000003")
     resumed_config.checkpoint.dir = str(tmp_path / "after-resume")
-    resumed = run(train_and_return_state, resume_world or world, launcher=launcher, args=(resumed_config,))
+    resumed = run(train_and_return_state, resume_world or world, args=(resumed_config,))
     return whole, resumed
 
 
@@ -86,9 +86,21 @@ def test_resume_gives_the_uninterrupted_losses_bit_for_bit(tmp_path, world, over
         assert torch.equal(merged_state(resumed)[name], value), name
 
 
-def test_resume_on_processes_gives_the_same_losses(tmp_path):
-    whole, resumed = interrupted_and_resumed(tmp_path, 2, launcher="processes")
-    assert losses_of(resumed) == losses_of(whole)[3:]
+@pytest.fixture(scope="module")
+def whole_on_processes(tmp_path_factory):
+    """(save dir, results): 12 uninterrupted steps on 2 processes, a checkpoint every 3. The
+    process tests below compare with it (process start-up costs seconds)."""
+    save_dir = tmp_path_factory.mktemp("whole-on-processes")
+    return save_dir, run(train_rank, 2, launcher="processes", args=(make_config(save_dir, steps=12),))
+
+
+def test_resume_on_processes_gives_the_same_losses(tmp_path, whole_on_processes):
+    save_dir, whole = whole_on_processes
+    config = make_config(tmp_path, steps=12)
+    config.checkpoint.resume = str(save_dir / "step-000006")  # kept: steps 6, 9 and 12
+    resumed = run(train_rank, 2, launcher="processes", args=(config,))
+    assert resumed[0]["log"][0]["step"] == 6
+    assert losses_of(resumed) == losses_of(whole)[6:]
 
 
 @pytest.mark.parametrize("saved, world, resumed_as, resumed_world", [
@@ -215,10 +227,10 @@ def test_a_killed_rank_fails_the_run_naming_it_and_its_signal(tmp_path):
     assert "rank 1" in message and "SIGKILL" in message, message
 
 
-def test_with_max_restarts_a_killed_rank_resumes_and_finishes_like_an_uninterrupted_run(tmp_path):
+def test_with_max_restarts_a_killed_rank_resumes_and_finishes_like_an_uninterrupted_run(tmp_path, whole_on_processes):
     config = make_config(tmp_path / "restarted", **{"steps": 12, "checkpoint.every": 2})
     restarted = run(train_and_die_once, 2, launcher="processes", args=(config, 2), timeout=30, max_restarts=1)
-    whole = run(train_rank, 2, launcher="processes", args=(make_config(tmp_path / "whole", **{"steps": 12}),))
+    _, whole = whole_on_processes
     assert restarted[0]["log"][0]["step"] > 0  # the last attempt started from a checkpoint
     assert restarted[0]["summary"]["final_loss"] == whole[0]["summary"]["final_loss"]
     manifest = json.loads((complete_checkpoints(tmp_path / "restarted")[-1] / "manifest.json").read_text())

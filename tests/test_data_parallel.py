@@ -29,9 +29,12 @@ def make_config(**overrides) -> TrainConfig:
     return apply_overrides(TrainConfig(), {**base, **overrides})
 
 
-def assert_matches_reference(config: TrainConfig, world_size: int, launcher: str = "threads") -> None:
+def assert_matches_reference(config: TrainConfig, world_size: int) -> None:
+    assert_results_match_reference(config, run(train_and_return_state, world_size, args=(config,)))
+
+
+def assert_results_match_reference(config: TrainConfig, results: dict) -> None:
     reference_losses, reference_state = reference_run(config)
-    results = run(train_and_return_state, world_size, launcher=launcher, args=(config,))
     losses = [entry["loss"] for entry in results[0]["log"]]
     assert len(losses) == len(reference_losses)
     for step, (ours, ref) in enumerate(zip(losses, reference_losses)):
@@ -75,17 +78,34 @@ def test_ddp_on_a_cnn_with_real_digits_matches_single_process():
     assert_matches_reference(config, 2)
 
 
-def test_torch_zero_redundancy_optimizer_matches_single_process_on_processes():
+# Trained one after another in one world of 2 processes: process start-up costs seconds.
+ON_PROCESSES = {
+    "ddp": make_config(**{"parallel.dp_mode": "ddp", "steps": 5}),
+    "torch": make_config(**{"parallel.dp_mode": "torch", "steps": 5}),
+    "torch-zero": make_config(**{"parallel.dp_mode": "torch", "parallel.zero": 1, "parallel.launcher": "processes",
+                                 "optim.name": "adamw", "optim.lr": 0.01, "optim.weight_decay": 0.1, "steps": 5}),
+}
+
+
+def train_each_and_return_state(group, configs):
+    return {name: train_and_return_state(group, config) for name, config in configs.items()}
+
+
+@pytest.fixture(scope="module")
+def trained_on_processes() -> dict:
+    """{mode: {rank: result}} for each of ON_PROCESSES."""
+    by_rank = run(train_each_and_return_state, 2, launcher="processes", args=(ON_PROCESSES,))
+    return {name: {rank: result[name] for rank, result in by_rank.items()} for name in ON_PROCESSES}
+
+
+def test_torch_zero_redundancy_optimizer_matches_single_process_on_processes(trained_on_processes):
     """PyTorch's ZeRO-1 (DDP + ZeroRedundancyOptimizer), the peer of ours in `bench ddp`."""
-    config = make_config(**{"parallel.dp_mode": "torch", "parallel.zero": 1, "parallel.launcher": "processes",
-                            "optim.name": "adamw", "optim.lr": 0.01, "optim.weight_decay": 0.1, "steps": 5})
-    assert_matches_reference(config, 2, launcher="processes")
+    assert_results_match_reference(ON_PROCESSES["torch-zero"], trained_on_processes["torch-zero"])
 
 
-def test_ddp_and_torch_ddp_match_with_real_processes():
-    """One launch per mode: process start-up costs seconds."""
-    assert_matches_reference(make_config(**{"parallel.dp_mode": "ddp", "steps": 5}), 2, launcher="processes")
-    assert_matches_reference(make_config(**{"parallel.dp_mode": "torch", "steps": 5}), 2, launcher="processes")
+def test_ddp_and_torch_ddp_match_with_real_processes(trained_on_processes):
+    assert_results_match_reference(ON_PROCESSES["ddp"], trained_on_processes["ddp"])
+    assert_results_match_reference(ON_PROCESSES["torch"], trained_on_processes["torch"])
 
 
 def test_same_seed_gives_the_same_losses_run_after_run():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import paratrain.frontend as gt
-from frontend_helpers import raw_client, raw_sync
+from frontend_helpers import raw_client, raw_sync, wait_until
 
 
 def test_shape_errors_raise_at_the_line_that_made_them(client):
@@ -89,22 +89,21 @@ def test_malformed_messages_get_an_error_reply_and_nothing_breaks(client, server
 def test_a_departed_client_has_its_tensors_freed(client, server):
     from paratrain.frontend.top import Monitor
 
+    import time
+
     monitor = Monitor(server.address)
     try:
         def held():
-            import time
-
-            time.sleep(1.2)  # the next worker heartbeat carries the new figure
             return monitor.stats()["workers"][0]["memory"]
 
         other = gt.Session(server.address)
         big = other.call("zeros", [1024, 1024], {"dtype": None})[0]
         other.sync()
+        time.sleep(1.2)  # the next worker heartbeat carries the new figure
         before = held()
         other.close()
         del big
-        after = held()
-        assert before - after >= 4 * 1024 * 1024
+        wait_until(lambda: before - held() >= 4 * 1024 * 1024, 15, "the departed client's 4 MiB freed")
     finally:
         monitor.close()
 
@@ -129,8 +128,9 @@ def test_a_killed_client_has_its_tensors_freed_after_its_heartbeats_stop(server)
         held = monitor.stats()["workers"][0]["memory"]
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-        time.sleep(5.5)  # the server's --client-timeout is 3 s; then a heartbeat reports memory
-        assert held - monitor.stats()["workers"][0]["memory"] >= 4 * 1024 * 1024
+        # The server's --client-timeout is 3 s; then a heartbeat reports the memory.
+        wait_until(lambda: held - monitor.stats()["workers"][0]["memory"] >= 4 * 1024 * 1024, 30,
+                   "the killed client's 4 MiB freed")
     finally:
         monitor.close()
         if child.poll() is None:

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import paratrain.frontend as gt
-from paratrain.frontend.server import LocalServer
 
 SIGNALS = {
     "rep": {"workers": [0, 1]},
@@ -28,12 +27,8 @@ SIGNALS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("sharding") / "instructions.log"
-    srv = LocalServer.start(4, extra_args=("--instruction-log", str(log)))
-    srv.log = log
-    yield srv
-    srv.stop()
+def server(four_workers):
+    return four_workers  # conftest's, shared with test_frontend_workers.py
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 import paratrain.frontend as gt
-from frontend_helpers import PYTHON_M_PARATRAIN, free_port, stop
+from frontend_helpers import PYTHON_M_PARATRAIN, free_port, stop, wait_until
 from paratrain.cli import main as paratrain_cli
 from paratrain.frontend.server import LocalServer, wait_until_ready
 
@@ -125,10 +125,9 @@ def test_top_shows_every_worker_and_client(two_workers):
     assert result.output.count("alive") == 2 and "clients" in result.output and "ops/s" in result.output
 
 
-def test_layers_on_four_workers_train_with_adamw_like_pytorch():
-    server = LocalServer.start(4)
+def test_layers_on_four_workers_train_with_adamw_like_pytorch(four_workers):
+    gt.connect(four_workers.address)
     try:
-        gt.connect(server.address)
         layers, reference = _layers_on_workers([5, 8, 8, 8, 4], [0, 1, 2, 3])
         params = [p for layer in layers for p in layer.parameters()]
         torch_params = [p for layer in reference for p in layer.parameters()]
@@ -136,7 +135,6 @@ def test_layers_on_four_workers_train_with_adamw_like_pytorch():
                            torch.optim.AdamW(torch_params, lr=0.01), steps=5)
     finally:
         gt.disconnect()
-        server.stop()
 
 
 def test_a_killed_worker_fails_its_clients_at_their_next_sync_and_the_rest_go_on():
@@ -153,9 +151,10 @@ def test_a_killed_worker_fails_its_clients_at_their_next_sync_and_the_rest_go_on
         survivor = first if doomed is second else second
         x = doomed.call("ones", [4], {"dtype": None})[0]
         assert x.numpy().sum() == 4
-        info = [w for w in _worker_pids(address) if w["rank"] == doomed.home][0]
+        info = _worker_info(address, doomed.home)
         os.kill(info["pid"], signal.SIGKILL)
-        time.sleep(3.5)
+        wait_until(lambda: not _worker_info(address, doomed.home)["alive"], 30,
+                   "the dispatcher sees the killed worker lost (--worker-timeout 2)")
         y = x * 2
         with pytest.raises(gt.FrontendError, match=f"worker {doomed.home} is lost"):
             y.numpy()
@@ -167,6 +166,10 @@ def test_a_killed_worker_fails_its_clients_at_their_next_sync_and_the_rest_go_on
         stop(serve)
         for worker in workers:
             stop(worker)
+
+
+def _worker_info(address, rank):
+    return next(w for w in _worker_pids(address) if w["rank"] == rank)
 
 
 def _worker_pids(address):
