@@ -37,7 +37,21 @@ def reference_losses():
     return reference_run(config)[0]
 
 
-def _frontend_losses(server, config_name, microbatches, schedule="1f1b", virtual_stages=1):
+@pytest.fixture(scope="module")
+def frontend_losses(server):
+    """The demo's losses for a layout, trained once per layout (two tests train the seed's)."""
+    trained = {}
+
+    def losses(config_name, microbatches, schedule="1f1b", virtual_stages=1):
+        key = (config_name, microbatches, schedule, virtual_stages)
+        if key not in trained:
+            trained[key] = _frontend_losses(server, *key)
+        return trained[key]
+
+    return losses
+
+
+def _frontend_losses(server, config_name, microbatches, schedule, virtual_stages):
     import paratrain.frontend as gt
     from train import train
 
@@ -62,15 +76,15 @@ def _relative(ours, reference):
     ("tp1_pp8.yaml", 8, "gpipe", 1),
     ("dp8.yaml", 1, "1f1b", 1),
 ])
-def test_the_demo_trains_like_one_process_from_any_layout(server, reference_losses, config_name, microbatches,
-                                                          schedule, virtual_stages):
-    losses = _frontend_losses(server, config_name, microbatches, schedule, virtual_stages)
+def test_the_demo_trains_like_one_process_from_any_layout(frontend_losses, reference_losses, config_name,
+                                                          microbatches, schedule, virtual_stages):
+    losses = frontend_losses(config_name, microbatches, schedule, virtual_stages)
     assert len(losses) == STEPS
     assert _relative(losses, reference_losses) <= 1e-5, (losses, reference_losses)
     assert losses[-1] < losses[0]
 
 
-def test_the_seed_layout_matches_paratrain_train_tp2_pp4(server):
+def test_the_seed_layout_matches_paratrain_train_tp2_pp4(frontend_losses):
     from paratrain.launch import run
     from paratrain.train.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
     from paratrain.train.loop import train_rank
@@ -80,7 +94,7 @@ def test_the_seed_layout_matches_paratrain_train_tp2_pp4(server):
                          parallel=ParallelConfig(tp=2, pp=4, schedule="1f1b", microbatches=4))
     results = run(train_rank, 8, launcher="threads", args=(config,))
     spmd = [entry["loss"] for entry in results[min(results)]["log"]]
-    assert _relative(_frontend_losses(server, "sharding_config.yaml", 4), spmd) <= 1e-5
+    assert _relative(frontend_losses("sharding_config.yaml", 4), spmd) <= 1e-5
 
 
 def test_zero_bubble_schedules_are_refused_with_the_reason():
