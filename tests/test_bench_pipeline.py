@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from paratrain.cli import main
@@ -36,3 +37,17 @@ def test_bench_pipeline_compares_ours_with_torch_pipelining(tmp_path):
     ours = next(r for r in records if r["impl"] == "paratrain" and r["schedule"] == "1f1b")
     assert ours["ratio_to_torch"] > 0 and 0 <= ours["bubble_measured"] < 1
     assert ours["bubble_theoretical"] == 1 / 3  # (p-1)/(m+p-1) with p=2, m=2
+    assert 0 <= ours["bubble_simulated"] < 1
+
+
+def test_the_simulated_bubble_is_the_theoretical_one_for_equal_stages_and_grows_with_imbalance():
+    import torch
+
+    from paratrain.bench.pipeline import _simulated_bubble
+    from paratrain.parallel.pipeline.simulate import theoretical_bubble
+
+    equal = torch.tensor([[1.0, 2.0, 0.0]] * 4)  # per stage: F, B, W seconds
+    assert _simulated_bubble("1f1b", 4, 8, equal) == pytest.approx(theoretical_bubble("1f1b", 4, 8))
+    lopsided = equal.clone()
+    lopsided[3] *= 1.5  # the last stage (the head and loss) 50% slower
+    assert _simulated_bubble("1f1b", 4, 8, lopsided) > theoretical_bubble("1f1b", 4, 8) + 0.05

@@ -21,7 +21,7 @@ import torch
 from paratrain.launch import run
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.schedules import SCHEDULES, build_schedule
-from paratrain.parallel.pipeline.simulate import theoretical_bubble
+from paratrain.parallel.pipeline.simulate import simulate, theoretical_bubble
 from paratrain.parallel.pipeline.split import pipeline_layers, split_layers
 from paratrain.train.setup import build_seeded_model, dataset_for
 
@@ -65,6 +65,7 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
             runners.append(("torch.pipelining", name, lambda s=step: s(inputs, targets)))
     times = {(impl, name): [] for impl, name, _ in runners}
     bubbles = {(impl, name): [] for impl, name, _ in runners}
+    op_seconds = {(impl, name): {"F": 0.0, "B": 0.0, "W": 0.0} for impl, name, _ in runners}
     for iteration in range(warmup + steps):
         for impl, name, fn in runners:  # alternate: noise falls on every runner alike
             group.barrier("native")
@@ -76,22 +77,37 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
                 times[(impl, name)].append(elapsed)
                 if stats:
                     bubbles[(impl, name)].append(1 - stats["busy_s"] / stats["total_s"])
+                    for op, seconds in stats["op_s"].items():
+                        op_seconds[(impl, name)][op] += seconds
     # The step takes as long as its slowest rank; bubbles are averaged over ranks.
-    gathered = torch.tensor([[statistics.fmean(times[k]), statistics.fmean(bubbles[k]) if bubbles[k] else -1.0]
+    # Per runner: step time, bubble, and this rank's mean time per F, B and W action.
+    actions = microbatches * steps
+    gathered = torch.tensor([[statistics.fmean(times[k]), statistics.fmean(bubbles[k]) if bubbles[k] else -1.0,
+                              *(op_seconds[k][op] / actions for op in "FBW")]
                              for k in times], dtype=torch.float64)
     everyone = torch.empty(group.size * gathered.numel(), dtype=torch.float64)
     group.all_gather(everyone, gathered.view(-1), algo="native")
-    per_rank = everyone.view(group.size, len(times), 2)
+    per_rank = everyone.view(group.size, len(times), 5)
     records = []
     for index, (impl, name) in enumerate(times):
         bubble = per_rank[:, index, 1]
+        ours = bubble.min() >= 0
         records.append({
             "impl": impl, "schedule": name, "stages": group.size, "microbatches": microbatches,
             "step_ms": per_rank[:, index, 0].max().item() * 1e3,
-            "bubble_measured": bubble.mean().item() if bubble.min() >= 0 else None,
+            "bubble_measured": bubble.mean().item() if ours else None,
+            "bubble_simulated": _simulated_bubble(name, group.size, microbatches, per_rank[:, index, 2:]) if ours else None,
             "bubble_theoretical": theoretical_bubble(name, group.size, microbatches, 1),
         })
     return records
+
+
+def _simulated_bubble(name: str, stages: int, microbatches: int, action_s: torch.Tensor) -> float:
+    """The schedule's bubble with this run's measured compute time per action on each stage
+    (action_s[rank] = mean F, B, W seconds) and communication free: what the stages' imbalance
+    alone leaves idle. The measured bubble's excess over it is communication and the runtime."""
+    costs = {op: action_s[:, i].tolist() for i, op in enumerate("FBW")}
+    return simulate(build_schedule(name, stages, microbatches), costs).bubble
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -130,14 +146,21 @@ def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup,
     records = run(bench_rank, nproc, launcher=launcher,
                   args=(model, names, microbatches, global_batch, steps, warmup))[0]
     reference = {r["schedule"]: r["step_ms"] for r in records if r["impl"] == "torch.pipelining"}
-    click.echo(f"{'impl':<17} {'schedule':<9} {'step ms':>9} {'vs torch':>9} {'bubble measured':>16} {'theoretical':>12}")
+    click.echo(f"{'impl':<17} {'schedule':<9} {'step ms':>9} {'vs torch':>9} {'bubble measured':>16} "
+               f"{'simulated':>10} {'theoretical':>12}")
     for record in records:
         ratio = record["step_ms"] / reference[record["schedule"]] if record["schedule"] in reference else None
         record["ratio_to_torch"] = ratio
-        measured = f"{record['bubble_measured']:.1%}" if record["bubble_measured"] is not None else "-"
+        measured, simulated = (f"{record[key]:.1%}" if record[key] is not None else "-"
+                               for key in ("bubble_measured", "bubble_simulated"))
         click.echo(f"{record['impl']:<17} {record['schedule']:<9} {record['step_ms']:>9.1f} "
-                   f"{(f'{ratio:.2f}x' if ratio else '-'):>9} {measured:>16} {record['bubble_theoretical']:>11.1%}")
+                   f"{(f'{ratio:.2f}x' if ratio else '-'):>9} {measured:>16} {simulated:>10} "
+                   f"{record['bubble_theoretical']:>11.1%}")
     click.echo("# vs torch: our step time / torch.distributed.pipelining's for the same schedule (lower is faster)")
+    click.echo("# bubble: measured = share of a rank's step not computing (mean over ranks); simulated = the schedule")
+    click.echo("#   played with this run's mean F/B/W time per stage and free communication (the stages' imbalance")
+    click.echo("#   alone); theoretical = equal stages, B = 2F (split: B = W = F). measured - simulated: communication")
+    click.echo("#   and the runtime's own time.")
     if json_path:
         with open(json_path, "w") as handle:
             json.dump(records, handle, indent=1)

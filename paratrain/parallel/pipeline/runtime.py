@@ -87,7 +87,8 @@ class PipelineRuntime:
         microbatches = self.schedule.microbatches
         # (microbatch, chunk) -> [input, output, output grad, linear records then what W needs]
         stash: dict[tuple[int, int], list] = {}
-        loss_sum, busy, peak = 0.0, 0.0, 0
+        loss_sum, peak = 0.0, 0
+        op_s = {"F": 0.0, "B": 0.0, "W": 0.0}  # compute time per kind of action
         started = time.perf_counter()
         for index, action in enumerate(self.actions):
             m, c = action.microbatch, action.stage
@@ -110,7 +111,7 @@ class PipelineRuntime:
                         out = self.loss_fn(out, targets[m]) / microbatches
                 if c == self.last_chunk:
                     loss_sum += out.item()
-                busy += time.perf_counter() - begin
+                op_s["F"] += time.perf_counter() - begin
                 stash[(m, c)] = [x, out, None, records]
                 peak = max(peak, len(stash))
                 self._post_next_receive(index, stash)  # a B of this very (m, c) can post only now
@@ -130,7 +131,7 @@ class PipelineRuntime:
                             torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
                     else:
                         torch.autograd.backward(out, grad)
-                busy += time.perf_counter() - begin
+                op_s["B"] += time.perf_counter() - begin
                 if c > 0 and self.schedule.owner(c - 1) != self.rank:
                     self.link.send_gradient(x.grad, self.schedule.owner(c - 1), c, m)
                 if not self.schedule.split_backward:
@@ -145,13 +146,13 @@ class PipelineRuntime:
                     else:
                         params = [p for p in self.chunks[c].parameters() if p.requires_grad]
                         torch.autograd.backward(out, grad, inputs=params)
-                busy += time.perf_counter() - begin
+                op_s["W"] += time.perf_counter() - begin
                 self._release(stash, m, c)
         self.link.wait_sends()
         total = time.perf_counter() - started
         # peak_stashed: most (microbatch, chunk) entries held at once; left_stashed: at the end (0)
-        return {"loss_sum": loss_sum, "busy_s": busy, "total_s": total, "peak_stashed": peak,
-                "left_stashed": len(stash)}
+        return {"loss_sum": loss_sum, "busy_s": sum(op_s.values()), "op_s": op_s, "total_s": total,
+                "peak_stashed": peak, "left_stashed": len(stash)}
 
     def _output_grad(self, m: int, c: int, out: torch.Tensor, stash) -> torch.Tensor | None:
         if c == self.last_chunk:
