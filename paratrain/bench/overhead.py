@@ -85,6 +85,9 @@ class NullTransport:
 
     def __init__(self, inner):
         self.inner = inner
+        # Copied, not forwarded: a lookup through __getattr__ on every call would be timed too.
+        for name in ("rank", "size", "kind", "global_ranks", "flight", "segment_bytes", "posts_ahead"):
+            setattr(self, name, getattr(inner, name))
 
     def __getattr__(self, name):
         if name.startswith("native_"):

@@ -104,8 +104,10 @@ class Link:
         of about `segment_bytes`, but never more than MAX_SEGMENTS of them, as each message costs
         the same few microseconds of Python whatever its size (a message that fits one segment,
         the common case, is returned as it is)."""
-        pieces = min(MAX_SEGMENTS, -(-flat.numel() * flat.element_size() // self.segment_bytes))
-        return flat.tensor_split(pieces) if pieces > 1 else (flat,)
+        nbytes = flat.numel() * flat.element_size()
+        if nbytes <= self.segment_bytes:
+            return (flat,)
+        return flat.tensor_split(min(MAX_SEGMENTS, -(-nbytes // self.segment_bytes)))
 
     def exchange(
         self,
@@ -131,9 +133,11 @@ class Link:
         exist before the peer had received that part from us).
         """
         # Every message is made before the first is posted: between a receive completing and
-        # the next send going out there is only the wait's own work.
-        receives = [self._receives(step) for step in steps]
-        sends = [self._sends(step) for step in steps]
+        # the next send going out there is only the wait's own work. A ring passes each part
+        # through several steps: each tensor is cut into segments once.
+        cut: dict[int, tuple[torch.Tensor, ...]] = {}
+        receives = [self._messages("recv", step.recv, step.src, step.reduce, cut) for step in steps]
+        sends = [self._messages("send", step.send, step.dst, None, cut) for step in steps]
         if not self.transport.posts_ahead:  # NCCL: each step's sends and receives in one batch
             for step_receives, step_sends in zip(receives, sends):
                 self.wait(self._post(step_receives + step_sends))
@@ -156,12 +160,12 @@ class Link:
         except TRANSPORT_ERRORS as error:
             raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
 
-    def _receives(self, step: Step) -> list[P2POp]:
-        if step.recv is None or step.recv.numel() == 0:
+    def _messages(self, kind: str, tensor: torch.Tensor | None, peer: int | None, reduce: str | None,
+                  cut: dict[int, tuple[torch.Tensor, ...]]) -> list[P2POp]:
+        """One P2POp per segment of `tensor` (none for a missing or empty one)."""
+        if tensor is None or tensor.numel() == 0:
             return []
-        return [P2POp("recv", piece, step.src, self.tag, step.reduce) for piece in self.segments(step.recv)]
-
-    def _sends(self, step: Step) -> list[P2POp]:
-        if step.send is None or step.send.numel() == 0:
-            return []
-        return [P2POp("send", piece, step.dst, self.tag) for piece in self.segments(step.send)]
+        pieces = cut.get(id(tensor))
+        if pieces is None:
+            pieces = cut[id(tensor)] = self.segments(tensor)
+        return [P2POp(kind, piece, peer, self.tag, reduce) for piece in pieces]
