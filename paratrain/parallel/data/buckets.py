@@ -9,7 +9,8 @@ buffer that gets communicated: no copy in, no copy out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,10 +22,6 @@ class Bucket:
     index: int
     params: list[torch.nn.Parameter]
     buffer: torch.Tensor  # flat, holds every param's gradient
-    pending: set[int] = field(default_factory=set)  # ids of params whose grad is not ready yet
-
-    def reset(self) -> None:
-        self.pending = {id(p) for p in self.params}
 
 
 def assign_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, first_bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
@@ -55,7 +52,37 @@ def build_buckets(params: list[torch.nn.Parameter], bucket_bytes: int, first_buc
                 view.copy_(param.grad)
             param.grad = view
             offset += param.numel()
-        bucket = Bucket(index, group, buffer)
-        bucket.reset()
-        buckets.append(bucket)
+        buckets.append(Bucket(index, group, buffer))
     return buckets
+
+
+class StartInOrder:
+    """Starts each bucket's communication once backward has filled it, strictly in bucket
+    order (0, 1, 2, ...), so that every rank issues the same collectives in the same order
+    whatever order its hooks fire in. `start(k)` starts bucket k; `reset()` begins a step."""
+
+    def __init__(self, buckets: list[list[torch.nn.Parameter]], start: Callable[[int], None]):
+        self._bucket_of = {id(p): k for k, params in enumerate(buckets) for p in params}
+        self._members = [{id(p) for p in params} for params in buckets]
+        self._start = start
+        self.reset()
+
+    def reset(self) -> None:
+        self.waiting = [set(members) for members in self._members]  # per bucket: grads not in yet
+        self.started = 0  # buckets started so far this step
+
+    def ready(self, param) -> None:
+        """`param`'s gradient is complete for this step (parameters outside every bucket are ignored)."""
+        k = self._bucket_of.get(id(param))
+        if k is not None:
+            self.waiting[k].discard(id(param))
+            self.start_ready()
+
+    def start_ready(self, everything: bool = False) -> None:
+        """Start the filled buckets at the front of the order (with `everything`: all the rest,
+        for parameters that got no gradient this step)."""
+        while self.started < len(self.waiting):
+            if self.waiting[self.started] and not everything:
+                return
+            self._start(self.started)
+            self.started += 1

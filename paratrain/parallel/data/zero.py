@@ -19,7 +19,7 @@ import torch
 
 from paratrain.comm.ops import part_bounds
 from paratrain.parallel.data.base import DataParallel
-from paratrain.parallel.data.buckets import MIB, assign_buckets
+from paratrain.parallel.data.buckets import MIB, StartInOrder, assign_buckets
 from paratrain.parallel.data.compression import Pending
 
 
@@ -51,15 +51,11 @@ class ZeroOneDataParallel(DataParallel):
             self._owned.append((offset + mine[0], offset + mine[1], shard_offset))
             shard_offset += mine[1] - mine[0]
             offset = end
-        self._bucket_of = {id(p): k for k, bucket in enumerate(buckets) for p in bucket}
-        self._bucket_params = [{id(p) for p in bucket} for bucket in buckets]
         # The shard the optimizer sees: its own tensor, as optimizers keep state per tensor.
         self.shard = torch.nn.Parameter(self.own_part(self.flat_params).clone())
         self.shard.grad = torch.zeros_like(self.shard)
-        self._waiting: list[set[int]] = []  # per bucket, params whose gradient is not in yet
-        self._next_to_start = 0
-        self._pending: list[Pending] = []
-        self._reset()
+        self._pending: list[Pending] = []  # the reduce-scatters in flight, in bucket order
+        self._order = StartInOrder(buckets, self._start_bucket)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in trained]
 
     # ---- the layout: whole flat buffer <-> this rank's shard ------------------------------
@@ -89,37 +85,24 @@ class ZeroOneDataParallel(DataParallel):
         return build([self.shard])
 
     def _grad_ready(self, param) -> None:
-        if not self._syncing:
-            return
-        self._waiting[self._bucket_of[id(param)]].discard(id(param))
-        self._start_ready_buckets()
+        if self._syncing:
+            self._order.ready(param)
 
     def grad_ready(self, param) -> None:
-        if id(param) in self._bucket_of:
-            self._grad_ready(param)
+        self._grad_ready(param)
 
-    def _start_ready_buckets(self, everything: bool = False) -> None:
-        # In bucket order on every rank, so all ranks issue the same collectives in turn.
-        while self._next_to_start < len(self._ranges):
-            k = self._next_to_start
-            if self._waiting[k] and not everything:
-                return
-            handle = self.group.reduce_scatter(
-                self._shard_part(self.shard.grad, k), self._flat_part(self.flat_grads, k), "avg", self.algo,
-                async_op=True)
-            self._pending.append(Pending([handle]))
-            self._next_to_start += 1
+    def _start_bucket(self, k: int) -> None:
+        handle = self.group.reduce_scatter(
+            self._shard_part(self.shard.grad, k), self._flat_part(self.flat_grads, k), "avg", self.algo, async_op=True)
+        self._pending.append(Pending([handle]))
 
     def finish_gradients(self) -> None:
         # Buckets with a parameter that got no gradient this step never started: they start now.
-        self._start_ready_buckets(everything=True)
+        self._order.start_ready(everything=True)
         for pending in self._pending:
             pending.finish(self.timer)
-        self._reset()
-
-    def _reset(self) -> None:
-        self._pending, self._next_to_start = [], 0
-        self._waiting = [set(ids) for ids in self._bucket_params]
+        self._pending = []
+        self._order.reset()
 
     def step(self, optimizer) -> None:
         optimizer.step()
