@@ -264,10 +264,12 @@ class Group:
         return self._executor
 
     def close(self) -> None:
-        """Stop the communication thread (if async calls started one)."""
+        """Stop the communication thread (if async calls started one) and free the finished
+        works still held (see `_retired`) while their process group is still alive."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._retired.clear()
 
     def resolve(self, op_name: str, algo: str, nbytes: int) -> str:
         """The algorithm that will run: `algo` itself, or the table's pick for `auto`."""
