@@ -40,8 +40,8 @@ class ZeroOneDataParallel(DataParallel):
             param.data = self.flat_params[offset:end].view_as(param)
             param.grad = self.flat_grads[offset:end].view_as(param)
             offset = end
-        # Bucket k covers flat[starts[k]:ends[k]]; this rank owns part `rank` of it, which sits
-        # at shard[shard_starts[k]:...] in the optimizer's shard.
+        # _ranges[k] = (start, end): bucket k in the flat buffers. _owned[k] = (start, end, at):
+        # this rank's part of bucket k in the flat buffers, and where it sits in the shard.
         self._ranges, self._owned, shard_offset = [], [], 0
         offset = 0
         for bucket in buckets:
