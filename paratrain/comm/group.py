@@ -11,9 +11,8 @@ all ranks are making the same call. Every call is kept in the rank's flight reco
 from __future__ import annotations
 
 import os
-import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -22,6 +21,7 @@ from paratrain.comm.algorithms import ALGORITHMS, OPS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from paratrain.comm.flight import Call
+from paratrain.comm.handles import CollectiveHandle, P2PHandle, timed
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
 from paratrain.comm.ops import check_reduce_op, divide_, part_sizes
 from paratrain.comm.scratch import ScratchPool
@@ -48,52 +48,6 @@ def timeout_from_env() -> float:
     if value <= 0:
         raise ValueError(f"PARATRAIN_TIMEOUT must be positive, got {raw!r}")
     return value
-
-
-class P2PHandle:
-    """The result of isend/irecv: `wait()` blocks until the transfer is done."""
-
-    def __init__(self, group: Group, call: Call, link: Link, work, tensor: torch.Tensor, staging: torch.Tensor):
-        self._group, self._call = group, call
-        self._link, self._work, self._tensor, self._staging = link, work, tensor, staging
-        self.completed = False
-
-    def wait(self) -> None:
-        if self.completed:
-            return
-        try:
-            self._link.wait([self._work])
-        except Exception as error:
-            self._group._failed(self._call, error)
-            raise
-        if self._staging is not self._tensor:  # a non-contiguous receive: copy into place
-            self._tensor.copy_(self._staging.view(self._tensor.shape))
-        self._call.complete()
-        self.completed = True
-        self._group._retire(self._link.finished)  # not freed here: see Group._retired
-        self._link = self._work = None
-
-
-def _timed(execute):
-    started = time.perf_counter()
-    result = execute()
-    return result, started, time.perf_counter()
-
-
-class CollectiveHandle:
-    """An async collective in flight. `wait()` returns its result (or raises its error);
-    `started`/`finished` (perf_counter seconds) say when the communication thread ran it."""
-
-    def __init__(self, future: Future, op: str, seq: int):
-        self._future, self.op, self.seq = future, op, seq
-        self.started = self.finished = None
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def wait(self):
-        result, self.started, self.finished = self._future.result()
-        return result
 
 
 class Group:
@@ -251,7 +205,7 @@ class Group:
             return result
 
         if async_op:
-            return CollectiveHandle(self._comm_thread().submit(_timed, execute), op_name, seq)
+            return CollectiveHandle(self._comm_thread().submit(timed, execute), op_name, seq)
         if self._executor is not None:
             # Calls run in the order they were made on every rank, or ranks would wait on each
             # other's different calls: a blocking call queues behind the pending async ones.

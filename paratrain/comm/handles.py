@@ -1,0 +1,66 @@
+"""What `Group`'s asynchronous calls return: a handle to wait on.
+
+A point-to-point handle waits on its transport work (through the call's `Link`, so a failure
+names the call) and then retires it to the group; a collective handle wraps the future of a
+call run on the group's communication thread, and says when that thread ran it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from paratrain.comm.flight import Call
+    from paratrain.comm.group import Group
+    from paratrain.comm.link import Link
+
+
+class P2PHandle:
+    """The result of isend/irecv: `wait()` blocks until the transfer is done."""
+
+    def __init__(self, group: Group, call: Call, link: Link, work, tensor: torch.Tensor, staging: torch.Tensor):
+        self._group, self._call = group, call
+        self._link, self._work, self._tensor, self._staging = link, work, tensor, staging
+        self.completed = False
+
+    def wait(self) -> None:
+        if self.completed:
+            return
+        try:
+            self._link.wait([self._work])
+        except Exception as error:
+            self._group._failed(self._call, error)
+            raise
+        if self._staging is not self._tensor:  # a non-contiguous receive: copy into place
+            self._tensor.copy_(self._staging.view(self._tensor.shape))
+        self._call.complete()
+        self.completed = True
+        self._group._retire(self._link.finished)  # not freed here: see Group._retired
+        self._link = self._work = None
+
+
+def timed(execute):
+    """(execute(), when it started, when it ended): what a CollectiveHandle's future holds."""
+    started = time.perf_counter()
+    result = execute()
+    return result, started, time.perf_counter()
+
+
+class CollectiveHandle:
+    """An async collective in flight. `wait()` returns its result (or raises its error);
+    `started`/`finished` (perf_counter seconds) say when the communication thread ran it."""
+
+    def __init__(self, future: Future, op: str, seq: int):
+        self._future, self.op, self.seq = future, op, seq
+        self.started = self.finished = None
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def wait(self):
+        result, self.started, self.finished = self._future.result()
+        return result
