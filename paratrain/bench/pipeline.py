@@ -2,8 +2,8 @@
 
 Both run the same GPT chunks (our balanced split) on the same microbatches, one process per
 stage, in one launch, alternating step by step so that machine noise hits both alike. Ours
-runs each schedule asked for and reports its measured bubble (time a rank spent not
-computing) beside the schedule's theoretical one; PyTorch's Schedule1F1B (and ScheduleGPipe)
+runs each schedule asked for and reports its measured bubble (the share of the step's time,
+summed over ranks, that no rank spent computing) beside the schedule's theoretical one; PyTorch's Schedule1F1B (and ScheduleGPipe)
 is the reference for step time. Only forward and backward are timed: no optimizer step.
 """
 
@@ -64,7 +64,7 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
             step = _torch_step_fn(mine, group.rank, group.size, microbatches, dataset.loss, name)
             runners.append(("torch.pipelining", name, lambda s=step: s(inputs, targets)))
     times = {(impl, name): [] for impl, name, _ in runners}
-    bubbles = {(impl, name): [] for impl, name, _ in runners}
+    busy = {(impl, name): [] for impl, name, _ in runners}  # this rank's compute seconds per step
     op_seconds = {(impl, name): {"F": 0.0, "B": 0.0, "W": 0.0} for impl, name, _ in runners}
     for iteration in range(warmup + steps):
         for impl, name, fn in runners:  # alternate: noise falls on every runner alike
@@ -76,27 +76,29 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
             if iteration >= warmup:
                 times[(impl, name)].append(elapsed)
                 if stats:
-                    bubbles[(impl, name)].append(1 - stats["busy_s"] / stats["total_s"])
+                    busy[(impl, name)].append(stats["busy_s"])
                     for op, seconds in stats["op_s"].items():
                         op_seconds[(impl, name)][op] += seconds
-    # The step takes as long as its slowest rank; bubbles are averaged over ranks.
-    # Per runner: step time, bubble, and this rank's mean time per F, B and W action.
+    # Per runner and rank: each step's time and compute time, and the mean time per F, B and W.
     actions = microbatches * steps
-    gathered = torch.tensor([[statistics.fmean(times[k]), statistics.fmean(bubbles[k]) if bubbles[k] else -1.0,
-                              *(op_seconds[k][op] / actions for op in "FBW")]
+    gathered = torch.tensor([[*times[k], *(busy[k] or [-1.0] * steps), *(op_seconds[k][op] / actions for op in "FBW")]
                              for k in times], dtype=torch.float64)
     everyone = torch.empty(group.size * gathered.numel(), dtype=torch.float64)
     group.all_gather(everyone, gathered.view(-1), algo="native")
-    per_rank = everyone.view(group.size, len(times), 5)
+    per_rank = everyone.view(group.size, len(times), 2 * steps + 3)
     records = []
     for index, (impl, name) in enumerate(times):
-        bubble = per_rank[:, index, 1]
-        ours = bubble.min() >= 0
+        step_s = per_rank[:, index, :steps].max(dim=0).values  # a step lasts until its slowest rank ends
+        busy_s = per_rank[:, index, steps : 2 * steps]
+        ours = busy_s.min() >= 0
+        # The bubble as theory counts it: of p ranks x the step's time, the share not computing. (A
+        # rank's own time would flatter it: the last stage finishes a backward before the first.)
+        bubble = (1 - busy_s.sum(dim=0) / (group.size * step_s)).mean().item()
         records.append({
             "impl": impl, "schedule": name, "stages": group.size, "microbatches": microbatches,
-            "step_ms": per_rank[:, index, 0].max().item() * 1e3,
-            "bubble_measured": bubble.mean().item() if ours else None,
-            "bubble_simulated": _simulated_bubble(name, group.size, microbatches, per_rank[:, index, 2:]) if ours else None,
+            "step_ms": step_s.mean().item() * 1e3,
+            "bubble_measured": bubble if ours else None,
+            "bubble_simulated": _simulated_bubble(name, group.size, microbatches, per_rank[:, index, 2 * steps :]) if ours else None,
             "bubble_theoretical": theoretical_bubble(name, group.size, microbatches, 1),
         })
     return records
@@ -157,7 +159,8 @@ def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup,
                    f"{(f'{ratio:.2f}x' if ratio else '-'):>9} {measured:>16} {simulated:>10} "
                    f"{record['bubble_theoretical']:>11.1%}")
     click.echo("# vs torch: our step time / torch.distributed.pipelining's for the same schedule (lower is faster)")
-    click.echo("# bubble: measured = share of a rank's step not computing (mean over ranks); simulated = the schedule")
+    click.echo("# bubble: measured = share of the step's time x ranks not spent computing (the step ends with its")
+    click.echo("#   slowest rank, as in theory); simulated = the schedule")
     click.echo("#   played with this run's mean F/B/W time per stage and free communication (the stages' imbalance")
     click.echo("#   alone); theoretical = equal stages, B = 2F (split: B = W = F). measured - simulated: communication")
     click.echo("#   and the runtime's own time.")

@@ -10,7 +10,10 @@ it has the shape and dtype of the activation its receiver sent.
 A receive can be posted ahead (`expect_activation`, `expect_gradient`) while the rank still
 computes: gloo sends a message only once its receiver has asked for it, so a receive posted
 only when the data is needed costs a hand-off between threads on both ranks on top of the
-transfer, which shows up as bubble.
+transfer, which shows up as bubble. Once the first step has taught both ends every message's
+shape, the runtime posts all of a step's receives before its first action: a receive posted
+mid-step waits, now and then, for milliseconds on gloo's I/O thread (which holds the
+connection while it reads a message and is itself waiting for a core on a busy host).
 """
 
 from __future__ import annotations
@@ -70,12 +73,21 @@ class PipelineLink:
             buffer = torch.empty(shape, dtype=dtype, device=device)
             self._posted[tag] = (buffer, self.group.irecv(buffer, peer, tag))
 
-    def expect_gradient(self, like: torch.Tensor, peer: int, chunk: int, microbatch: int) -> None:
-        """Post the receive of `recv_gradient(like, peer, chunk, microbatch)` now."""
+    def expect_gradient(self, like: torch.Tensor | None, peer: int, chunk: int, microbatch: int, device=None) -> None:
+        """Post the receive of `recv_gradient(like, peer, chunk, microbatch)` now. Without `like`
+        (the forward has not run yet), only if an activation of this chunk was sent before: the
+        gradient has its dtype and shape."""
         tag = self._tag(BACKWARD, chunk + 1, microbatch)
-        if tag not in self._posted:
+        if tag in self._posted:
+            return
+        if like is not None:
             buffer = torch.empty_like(like)
-            self._posted[tag] = (buffer, self.group.irecv(buffer, peer, tag))
+        elif chunk + 1 in self._sent_headers:
+            dtype, shape = self._sent_headers[chunk + 1]
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            return
+        self._posted[tag] = (buffer, self.group.irecv(buffer, peer, tag))
 
     def _posted_receive(self, tag: int) -> torch.Tensor | None:
         if tag not in self._posted:

@@ -63,6 +63,21 @@ class PipelineRuntime:
             return c > 0 and owner(c - 1) != self.rank
         return action.op == "B" and c != self.last_chunk and owner(c + 1) != self.rank
 
+    def _post_step_receives(self) -> None:
+        """Post every receive of the step whose message shape is known (all of them, after the
+        first step), before the first action: see pp_comms. Costs one buffer of a chunk's
+        input per microbatch and direction held from the step's start, little beside the
+        activations a chunk stashes for its backward."""
+        owner = self.schedule.owner
+        for action in self.actions:
+            if not self._receives_remotely(action):
+                continue
+            m, c = action.microbatch, action.stage
+            if action.op == "F":
+                self.link.expect_activation(owner(c - 1), c, m, self.device)
+            else:
+                self.link.expect_gradient(None, owner(c + 1), c, m, self.device)
+
     def _post_next_receive(self, index: int, stash) -> None:
         """Post the receive the next receiving action will need, where it can be posted now."""
         following = self._next_receive[index]
@@ -90,6 +105,7 @@ class PipelineRuntime:
         loss_sum, peak = 0.0, 0
         op_s = {"F": 0.0, "B": 0.0, "W": 0.0}  # compute time per kind of action
         started = time.perf_counter()
+        self._post_step_receives()
         for index, action in enumerate(self.actions):
             m, c = action.microbatch, action.stage
             if action.op == "F":
