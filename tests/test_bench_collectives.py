@@ -97,6 +97,22 @@ def test_table_has_nccl_tests_columns_and_closing_lines():
     assert native_row.split()[-1] == "1.00x"  # native against itself
 
 
+def test_auto_lines_judge_the_picks_and_call_the_rest_noise():
+    from paratrain.bench.report import auto_lines
+
+    def row(algo, resolved, nbytes, time_us):
+        return Measurement("all_reduce", algo, resolved, nbytes, nbytes // 4, "float32", time_us, 1.0, 1.0, 0)
+
+    rows = [row("auto", "hd", 1024, 50.0), row("native", "native", 1024, 100.0),      # picked, 2.00x
+            row("auto", "ring", 4096, 125.0), row("native", "native", 4096, 100.0),   # picked, 0.80x
+            row("auto", "native", 8192, 90.0), row("native", "native", 8192, 100.0),  # kept, 1.11x
+            row("ring", "ring", 8192, 70.0)]
+    (line,) = auto_lines(rows)
+    assert "ran another algorithm at 2 of 3 sizes, faster than native at 1 of them (0.80x to 2.00x)" in line
+    assert "kept native at 1: the same call, so their ratios (1.11x) are this run's noise" in line
+    assert auto_lines([row("ring", "ring", 8192, 70.0), row("native", "native", 8192, 100.0)]) == []
+
+
 def test_explain_prints_auto_choices_without_starting_a_world(monkeypatch):
     monkeypatch.setattr(collectives_cli, "run", lambda *a, **k: pytest.fail("--explain started ranks"))
     result = bench("--explain", "--launcher", "threads", "--ops", "all_reduce,barrier",

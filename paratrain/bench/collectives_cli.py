@@ -210,6 +210,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
     measurements = result.measurements
     lines = report.header_lines(info) + [f"# note: {note}" for note in notes]
     lines += report.table_lines(measurements, result.world_size) + report.summary_lines(measurements)
+    lines += report.auto_lines(measurements)
     click.echo("\n".join(lines))
     if json_path:
         report.write_json(json_path, measurements, launched_by, result.world_size)

@@ -107,6 +107,35 @@ def summary_lines(measurements: list[Measurement]) -> list[str]:
     return lines
 
 
+def auto_lines(measurements: list[Measurement]) -> list[str]:
+    """Per op measured with both `auto` and native: where auto ran another algorithm, how it
+    did against native; where it kept native, it made the very same call, so the spread of
+    those ratios is what this run's noise alone does to two identical calls."""
+    lines = []
+    by_op: dict[str, dict[str, dict[int, Measurement]]] = defaultdict(lambda: defaultdict(dict))
+    for m in measurements:
+        if m.algo in ("auto", "native"):
+            by_op[m.op][m.algo][m.bytes] = m
+    for op, rows in by_op.items():
+        pairs = [(auto, rows["native"][size]) for size, auto in rows["auto"].items() if size in rows["native"]]
+        if not pairs:
+            continue
+        picked = [native.time_us / auto.time_us for auto, native in pairs if auto.resolved != "native"]
+        kept = [native.time_us / auto.time_us for auto, native in pairs if auto.resolved == "native"]
+        text = f"# auto vs native, {op}: ran another algorithm at {len(picked)} of {len(pairs)} sizes"
+        if picked:
+            faster = sum(ratio >= 1 for ratio in picked)
+            text += f", faster than native at {faster} of them ({_span(picked)})"
+        if kept:
+            text += f"; kept native at {len(kept)}: the same call, so their ratios ({_span(kept)}) are this run's noise"
+        lines.append(text)
+    return lines
+
+
+def _span(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}x to {max(ratios):.2f}x"
+
+
 def json_records(measurements: list[Measurement], launcher: str, world_size: int) -> list[dict]:
     records = []
     for m in measurements:
