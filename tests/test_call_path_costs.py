@@ -125,3 +125,31 @@ def test_a_large_message_is_cut_into_a_bounded_number_of_segments():
 
     results = paratrain.run(ring_messages_with_tiny_segments, 2, timeout=RUN_TIMEOUT_S)
     assert results == {r: 4 * MAX_SEGMENTS for r in range(2)}  # 2 steps x (send + receive) x pieces
+
+
+def tiny_segment_all_reduce(group: Group, algo: str) -> None:
+    counted = Group(group.transport, timeout=group.timeout, table=group.table, segment_bytes=16)
+    tensor = torch.ones(COUNT)
+    counted.all_reduce(tensor, algo=algo)
+    assert torch.equal(tensor, torch.full((COUNT,), float(group.size)))
+
+
+@pytest.mark.parametrize("algo", ["ring", "hd"])
+def test_each_range_a_call_moves_is_cut_into_segments_once(monkeypatch, algo):
+    """Cutting a tensor into segments costs a few microseconds of views, so a range that
+    several steps move is cut once per call: the ring's 4 parts at 4 ranks, and hd's 4 ranges
+    (the doubling moves the very ranges the halving moved)."""
+    from paratrain.comm.link import Link
+
+    cuts = []
+    original = Link.segments
+
+    def counted(self, flat):
+        pieces = original(self, flat)
+        if len(pieces) > 1:
+            cuts.append(self.rank)
+        return pieces
+
+    monkeypatch.setattr(Link, "segments", counted)
+    paratrain.run(tiny_segment_all_reduce, 4, args=(algo,), timeout=RUN_TIMEOUT_S)
+    assert sorted(cuts) == sorted(list(range(4)) * 4), cuts

@@ -27,6 +27,7 @@ class _Layout:
         self.partner = rank + 1 if self.folded else rank - 1  # within a pair (2i, 2i+1)
         self.in_pair = rank < 2 * self.extra
         self.virtual = (rank // 2) if self.in_pair else rank - self.extra
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def real(self, virtual: int) -> int:
         return 2 * virtual + 1 if virtual < self.extra else virtual + self.extra
@@ -35,8 +36,14 @@ class _Layout:
         return virtual + min(virtual, self.extra)
 
     def elements(self, buf: torch.Tensor, v_lo: int, v_hi: int) -> torch.Tensor:
-        """The elements owned by virtual ranks [v_lo, v_hi)."""
-        return buf[self.offsets[self.first_part(v_lo)] : self.offsets[self.first_part(v_hi)]]
+        """The elements owned by virtual ranks [v_lo, v_hi): one view per range and call, so
+        that the doubling, which moves the very ranges the halving moved, finds them already
+        cut into segments (Link cuts each tensor once per call)."""
+        key = (id(buf), v_lo, v_hi)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = buf[self.offsets[self.first_part(v_lo)] : self.offsets[self.first_part(v_hi)]]
+        return view
 
     def own_part(self, buf: torch.Tensor, rank: int) -> torch.Tensor:
         return buf[self.offsets[rank] : self.offsets[rank + 1]]
