@@ -294,7 +294,7 @@ def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadR
         bursts[name].append((time.perf_counter() - wall) / BURST_CALLS)
     mine = [statistics.median(series) for name in ("ours", "bare") for series in times[name]]
     mine += [statistics.median(bursts["ours"]), statistics.median(bursts["bare"])]
-    mine.append(call_path_us(group, op, count, dtype, device, chosen) * 1e-6)
+    mine.append(_path_alone(group, op, count, dtype, device, chosen) * 1e-6)
     medians = torch.tensor(mine, dtype=torch.float64, device=device)
     everyone = group.all_gather(medians.new_empty(len(mine) * group.size), medians, algo="native").cpu()
     slowest = everyone.view(group.size, len(mine)).max(dim=0).values.mul_(1e6).tolist()
@@ -303,6 +303,18 @@ def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadR
     return OverheadRow(op, algo if algo == chosen else f"{algo}({chosen})", count * dtype.itemsize, messages,
                        ours_us=slowest[0], ours_cpu_us=slowest[1], bare_us=slowest[2], bare_cpu_us=slowest[3],
                        burst_ours_us=slowest[4], burst_bare_us=slowest[5], path_us=slowest[6])
+
+
+def _path_alone(group: Group, op, count, dtype, device, algo) -> float:
+    """call_path_us on each rank in turn, the others waiting in a barrier: ranks timing their
+    paths at once would share the cores (4 processes on 2 cores doubled every path) and, on
+    threads, one interpreter."""
+    path = 0.0
+    for turn in range(group.size):
+        if turn == group.rank:
+            path = call_path_us(group, op, count, dtype, device, algo)
+        group.barrier(algo="native")
+    return path
 
 
 def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:

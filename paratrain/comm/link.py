@@ -72,13 +72,14 @@ class Link:
     def wait(self, works: list) -> None:
         # Receives first: on the fabric a send completes only once its receiver has copied it,
         # so two ranks that both waited on their sends first would wait for each other forever.
+        self._complete([work for work in works if work.kind == "recv"] +
+                       [work for work in works if work.kind != "recv"])
+
+    def _complete(self, works: list) -> None:
+        """Wait for `works` in their order (the caller has put receives first)."""
         try:
             for work in works:
-                if work.kind == "recv":
-                    work.wait(self.timeout)
-            for work in works:
-                if work.kind != "recv":
-                    work.wait(self.timeout)
+                work.wait(self.timeout)
         except TRANSPORT_ERRORS as error:
             raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
         self.finished += works
@@ -147,9 +148,9 @@ class Link:
         for index in range(len(steps)):
             following = self._post(receives[index + 1]) if index + 1 < len(steps) else []
             sent += self._post(sends[index])
-            self.wait(pending)
+            self._complete(pending)  # only receives
             pending = following
-        self.wait(sent)
+        self._complete(sent)  # only sends, after every receive
 
     def _post(self, ops: list[P2POp]) -> list:
         """transport.start for ops already tagged with this call's tag."""
