@@ -2,9 +2,9 @@
 
 Both run the same GPT chunks (our balanced split) on the same microbatches, one process per
 stage, in one launch, alternating step by step so that machine noise hits both alike. Ours
-runs each schedule asked for and reports its measured bubble (the share of the step's time,
-summed over ranks, that no rank spent computing) beside the schedule's theoretical one; PyTorch's Schedule1F1B (and ScheduleGPipe)
-is the reference for step time. Only forward and backward are timed: no optimizer step.
+runs each schedule asked for and reports its measured bubble (of ranks x the step's time,
+the share not spent computing) beside the schedule's theoretical one; PyTorch's Schedule1F1B
+(and ScheduleGPipe) is the reference for step time. Only forward and backward are timed: no optimizer step.
 """
 
 from __future__ import annotations
