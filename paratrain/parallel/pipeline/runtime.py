@@ -68,27 +68,26 @@ class PipelineRuntime:
         first step), before the first action: see pp_comms. Costs one buffer of a chunk's
         input per microbatch and direction held from the step's start, little beside the
         activations a chunk stashes for its backward."""
-        owner = self.schedule.owner
         for action in self.actions:
-            if not self._receives_remotely(action):
-                continue
-            m, c = action.microbatch, action.stage
-            if action.op == "F":
-                self.link.expect_activation(owner(c - 1), c, m, self.device)
-            else:
-                self.link.expect_gradient(None, owner(c + 1), c, m, self.device)
+            if self._receives_remotely(action):
+                self._expect(action)
 
     def _post_next_receive(self, index: int, stash) -> None:
         """Post the receive the next receiving action will need, where it can be posted now."""
         following = self._next_receive[index]
-        if following is None:
-            return
-        action = self.actions[following]
+        if following is not None:
+            action = self.actions[following]
+            entry = stash.get((action.microbatch, action.stage))
+            self._expect(action, entry[1] if entry is not None else None)
+
+    def _expect(self, action, output: torch.Tensor | None = None) -> None:
+        """Post the receive `action` will take: an F's activation, or a B's gradient, shaped
+        like the forward's `output` or, before that has run, like the activation sent."""
         m, c = action.microbatch, action.stage
         if action.op == "F":
             self.link.expect_activation(self.schedule.owner(c - 1), c, m, self.device)
-        elif (m, c) in stash and stash[(m, c)][1] is not None:  # B: once its forward has run
-            self.link.expect_gradient(stash[(m, c)][1], self.schedule.owner(c + 1), c, m)
+        else:
+            self.link.expect_gradient(output, self.schedule.owner(c + 1), c, m, self.device)
 
     def _autocast(self):
         if self.autocast_dtype is None:
