@@ -24,6 +24,7 @@ from paratrain.comm.flight import Call
 from paratrain.comm.handles import CollectiveHandle, P2PHandle, timed
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
 from paratrain.comm.ops import check_reduce_op, divide_, part_sizes
+from paratrain.comm.plans import CallPlans
 from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.transport.base import P2POp
 
@@ -77,6 +78,7 @@ class Group:
         self._key = self._recorder.group_key(self.ranks)
         self._executor: ThreadPoolExecutor | None = None
         self._scratch = ScratchPool()  # collectives run one at a time, so one pool serves all
+        self._plans = CallPlans()  # the messages of recent all-reduces, replayed when a tensor comes back
         self._token: torch.Tensor | None = None  # what a barrier reduces
         # The works of the last calls, freed only once newer calls have finished. gloo frees a
         # finished message's buffer by spinning (sched_yield) until its I/O thread lets go of it;
@@ -224,6 +226,7 @@ class Group:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._retired.clear()
+        self._plans.clear()
 
     def resolve(self, op_name: str, algo: str, nbytes: int) -> str:
         """The algorithm that will run: `algo` itself, or the table's pick for `auto`."""
@@ -246,7 +249,7 @@ class Group:
                 if chosen == "native":
                     self.transport.native_all_reduce(buf, base, self.timeout)
                 else:
-                    ALGORITHMS["all_reduce"][chosen](link, buf, base)
+                    self._plans.all_reduce(link, tensor, buf, chosen, base, ALGORITHMS["all_reduce"][chosen])
             if op == "avg":
                 divide_(buf, self.size)
             return checks.write_back(tensor, buf)

@@ -22,6 +22,10 @@ MAX_SEGMENTS = 4
 # What transports raise when a wait gives up or a peer is gone.
 TRANSPORT_ERRORS = (TransportTimeout, TransportFailure, FabricAborted)
 
+# What a call posted, as Link.run_steps runs it: for each run, its steps' receives and sends
+# (one list of P2POps per step). A Program can be played again (Link.replay, see plans.py).
+Program = list[tuple[list[list[P2POp]], list[list[P2POp]]]]
+
 
 def comm_error(error: Exception, rank: int, op_name: str, seq: int, timeout: float) -> Exception:
     """The error a caller sees for a transport's `error`: who, in which call, for whom. Raise it
@@ -52,7 +56,7 @@ class Link:
     so it is kept lean: one P2POp per message, no copies, no sorting, no lists made twice."""
 
     __slots__ = ("transport", "scratch", "rank", "size", "op_name", "seq", "tag", "timeout", "segment_bytes",
-                 "finished")
+                 "finished", "program")
 
     def __init__(self, transport, op_name: str, seq: int, tag: int, timeout: float, segment_bytes: int,
                  scratch: ScratchPool | None = None):
@@ -63,8 +67,11 @@ class Link:
         self.timeout = timeout
         self.segment_bytes = segment_bytes
         self.finished: list = []  # every work this call waited for: the Group frees them later
+        self.program: Program | None = None  # when a list, every run of steps is recorded in it
 
     def start(self, ops: list[P2POp]) -> list:
+        if self.program is not None:  # only whole runs of steps can be recorded and replayed
+            raise RuntimeError(f"{self.op_name}: an algorithm that posts its own messages cannot be replayed")
         for op in ops:
             op.tag = self.tag
         return self._post(ops)
@@ -87,12 +94,12 @@ class Link:
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         if tensor.numel() == 0:  # both sides know the size, so both skip
             return
-        self.wait(self.start([P2POp("send", tensor, peer)]))
+        self._play([[]], [[P2POp("send", tensor, peer, self.tag)]])
 
     def recv(self, tensor: torch.Tensor, peer: int, reduce: str | None = None) -> None:
         if tensor.numel() == 0:
             return
-        self.wait(self.start([P2POp("recv", tensor, peer, reduce=reduce)]))
+        self._play([[P2POp("recv", tensor, peer, self.tag, reduce)]], [[]])
 
     def start_sends(self, pieces: list[torch.Tensor], peer: int) -> list:
         return self.start([P2POp("send", piece, peer) for piece in pieces])
@@ -139,14 +146,31 @@ class Link:
         cut: dict[int, tuple[torch.Tensor, ...]] = {}
         receives = [self._messages("recv", step.recv, step.src, step.reduce, cut) for step in steps]
         sends = [self._messages("send", step.send, step.dst, None, cut) for step in steps]
+        self._play(receives, sends)
+
+    def replay(self, program: Program) -> None:
+        """Post and complete a recorded call's messages again, as this call's."""
+        tag = self.tag
+        for receives, sends in program:
+            for step in receives + sends:
+                for op in step:
+                    op.tag = tag
+        for receives, sends in program:
+            self._play(receives, sends)
+
+    def _play(self, receives: list[list[P2POp]], sends: list[list[P2POp]]) -> None:
+        """Run steps given as their messages (see run_steps)."""
+        if self.program is not None:
+            self.program.append((receives, sends))
         if not self.transport.posts_ahead:  # NCCL: each step's sends and receives in one batch
             for step_receives, step_sends in zip(receives, sends):
                 self.wait(self._post(step_receives + step_sends))
             return
         sent = []
-        pending = self._post(receives[0]) if steps else []
-        for index in range(len(steps)):
-            following = self._post(receives[index + 1]) if index + 1 < len(steps) else []
+        pending = self._post(receives[0]) if receives else []
+        last = len(receives) - 1
+        for index in range(last + 1):
+            following = self._post(receives[index + 1]) if index < last else []
             sent += self._post(sends[index])
             self._complete(pending)  # only receives
             pending = following
