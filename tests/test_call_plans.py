@@ -1,6 +1,6 @@
-"""Call plans (comm/plans.py): an all-reduce on a tensor already all-reduced replays the first
-call's messages. A replay must give what a fresh call gives, build nothing, and never outlive
-or outguess its tensor."""
+"""Call plans (comm/plans.py): the second all-reduce on a tensor records its messages, every
+later one replays them. A replay must give what a fresh call gives, build nothing, and never
+outlive or outguess its tensor."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def repeated_all_reduces(group: Group, algo: str, count: int, calls: int) -> lis
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
 @pytest.mark.parametrize("algo", ["ring", "hd"])
 def test_repeated_calls_on_one_tensor_replay_one_plan_and_sum_right(algo, world_size, monkeypatch):
-    """The first call builds the plan; the algorithm never runs again; every sum is exact.
+    """The second call records the plan; the algorithm never runs again; every sum is exact.
     1003 elements: parts of unequal size; a 16-byte segment makes every step several messages."""
     runs = []
     original = ALGORITHMS["all_reduce"][algo]
@@ -60,7 +60,7 @@ def test_repeated_calls_on_one_tensor_replay_one_plan_and_sum_right(algo, world_
 
     results = paratrain.run(body, world_size, timeout=RUN_TIMEOUT_S)
     assert [line for rank in results for line in results[rank]] == []
-    assert sorted(runs) == sorted(list(range(world_size)) * 2)  # once per rank and group
+    assert sorted(runs) == sorted(list(range(world_size)) * 4)  # twice per rank and group
 
 
 def test_replay_on_gloo_processes():
@@ -69,62 +69,73 @@ def test_replay_on_gloo_processes():
     assert results == {0: [], 1: []}
 
 
-def plan_lifetimes(group: Group) -> dict[str, int]:
+def plan_lifetimes(group: Group) -> dict[str, object]:
     seen = {}
     tensor = torch.ones(100)
     group.all_reduce(tensor, algo="ring")
-    seen["kept"] = len(group._plans)
+    seen["noted, not planned, after one call"] = (len(group._plans.noted), len(group._plans.planned))
+    group.all_reduce(tensor, algo="ring")
+    seen["planned after two"] = (len(group._plans.noted), len(group._plans.planned))
     del tensor
     other = torch.ones(100)
     for _ in range(2):  # the group keeps the works of the last two calls, which refer to it
         group.all_reduce(other, algo="ring")
     gc.collect()
-    seen["after the tensor is gone"] = len(group._plans)
-    seen["only other's"] = list(group._plans._plans) == [id(other)]
+    seen["only other's plan once the tensor is gone"] = list(group._plans.planned) == [id(other)]
 
     tensor = torch.ones(100)
-    group.all_reduce(tensor, algo="ring")
-    tensor.set_(torch.full((100,), 2.0))  # new memory under the same tensor
-    group.all_reduce(tensor, algo="ring")
-    seen["sum after set_"] = int(tensor[0].item())
-    seen["plans made"] = group._plans.made
-
-    group.all_reduce(tensor, algo="hd")  # another algorithm: another plan
-    seen["plans made after hd"] = group._plans.made
-    group.all_reduce(tensor, op="max", algo="hd")  # another reduction: another plan
-    seen["plans made after max"] = group._plans.made
-
-    strided = torch.ones(100, 2)[:, 0]  # not contiguous: reduced through a copy, never planned
     for _ in range(2):
+        group.all_reduce(tensor, algo="ring")
+    made = group._plans.made
+    tensor.set_(torch.full((100,), 2.0))  # new memory under the same tensor
+    for _ in range(2):
+        group.all_reduce(tensor, algo="ring")
+    seen["sum after set_"] = int(tensor[0].item())
+    seen["new memory, new plan"] = group._plans.made - made
+
+    for algo, op in (("hd", "sum"), ("hd", "max")):  # another algorithm, another reduction: new plans
+        for _ in range(2):
+            group.all_reduce(tensor, op=op, algo=algo)
+    seen["plans made for hd and max"] = group._plans.made - made - 1
+
+    made = group._plans.made
+    strided = torch.ones(100, 2)[:, 0]  # not contiguous: reduced through a copy, never planned
+    for _ in range(3):
         group.all_reduce(strided, algo="ring")
     seen["strided sum"] = int(strided.sum().item())
-    for algo in ("tree", "direct"):  # fold outside their messages: not replayable
-        group.all_reduce(torch.ones(100), algo=algo)
-    seen["plans made at the end"] = group._plans.made
+    kept = torch.ones(100)
+    for algo in ("tree", "direct"):  # they fold outside their messages: never replayed
+        for _ in range(3):
+            group.all_reduce(kept, algo=algo)
+    seen["plans made for strided, tree and direct"] = group._plans.made - made
     return seen
 
 
 def test_a_plan_lives_as_long_as_its_tensor_and_fits_only_its_memory_algorithm_and_op():
     seen = paratrain.run(plan_lifetimes, 2, timeout=RUN_TIMEOUT_S)[0]
     assert seen == {
-        "kept": 1, "after the tensor is gone": 1, "only other's": True,
-        "sum after set_": 4, "plans made": 4,  # the first tensor, other, the third, the third after set_
-        "plans made after hd": 5, "plans made after max": 6,
-        "strided sum": 400, "plans made at the end": 6,
+        "noted, not planned, after one call": (1, 0), "planned after two": (0, 1),
+        "only other's plan once the tensor is gone": True,
+        "sum after set_": 8, "new memory, new plan": 1,
+        "plans made for hd and max": 2,
+        "strided sum": 800, "plans made for strided, tree and direct": 0,
     }
 
 
-def test_plans_are_bounded_oldest_first():
+def test_fresh_tensors_never_push_out_the_plans_of_tensors_that_come_back():
     from paratrain.comm.plans import CallPlans
 
     def body(group):
         group._plans = CallPlans(capacity=3)
-        tensors = [torch.ones(10) for _ in range(5)]
-        for tensor in tensors:
+        bucket = torch.ones(10)
+        for _ in range(2):
+            group.all_reduce(bucket, algo="ring")
+        fresh = [torch.ones(10) for _ in range(5)]
+        for tensor in fresh:
             group.all_reduce(tensor, algo="ring")
-        return len(group._plans), [id(t) in group._plans._plans for t in tensors]
+        return list(group._plans.planned) == [id(bucket)], [id(t) in group._plans.noted for t in fresh]
 
-    assert paratrain.run(body, 2, timeout=RUN_TIMEOUT_S)[0] == (3, [False, False, True, True, True])
+    assert paratrain.run(body, 2, timeout=RUN_TIMEOUT_S)[0] == (True, [False, False, True, True, True])
 
 
 def test_an_algorithm_posting_its_own_messages_cannot_be_recorded():

@@ -1,12 +1,14 @@
-"""Call plans: the messages of an all-reduce, built by its first call on a tensor and replayed by
-the calls that repeat it.
+"""Call plans: the messages of an all-reduce on a tensor, recorded by the second call on it and
+replayed by every call after.
 
 Most of an algorithm's Python (cutting the buffer into parts and segments, laying out the
 steps, making one P2POp per message) produces the same messages every time it runs on the same
 buffer: they depend only on the buffer, the world size and the algorithm. A training loop
 all-reduces the same tensors every step (DDP's buckets, a flat gradient), so a Group keeps the
-messages of each tensor's last call and posts them again, with the new call's tag, when the
-same tensor comes back. MPI-4 offers this as persistent collectives (MPI_Allreduce_init, then
+messages of a tensor's call and posts them again, with the new call's tag, when the same
+tensor comes back. A tensor is only noted at its first call (a weak reference and its memory's
+address): recording costs more than a call, and most tensors all-reduced once (a layer's fresh
+activations) are never seen again. MPI-4 offers this as persistent collectives (MPI_Allreduce_init, then
 MPI_Start per call); here it happens without the caller asking. It halves the call path of a
 segmented ring (measured with `call_path_us`, 4 ranks, 16 MiB).
 
@@ -37,10 +39,11 @@ CAPACITY = 64  # tensors planned at once: DDP's buckets, with room; the oldest g
 class _Plan:
     __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "program")
 
-    def __init__(self, owner, buf: torch.Tensor, algo: str, op: str, program: Program):
+    def __init__(self, owner, buf: torch.Tensor, algo: str, op: str):
         self.owner = owner  # weakref to the caller's tensor
         self.data_ptr, self.numel, self.dtype = buf.data_ptr(), buf.numel(), buf.dtype
-        self.algo, self.op, self.program = algo, op, program
+        self.algo, self.op = algo, op
+        self.program: Program | None = None  # recorded by the second call
 
     def fits(self, tensor: torch.Tensor, buf: torch.Tensor, algo: str, op: str) -> bool:
         return (self.owner() is tensor and self.algo == algo and self.op == op
@@ -56,12 +59,15 @@ def _alias(view: torch.Tensor) -> torch.Tensor:
 
 
 class CallPlans:
-    """One Group's plans, by the id of the tensor they were made for."""
+    """One Group's plans, by the id of the tensor they were made for: tensors seen once
+    (`noted`, no messages yet) apart from those with a recorded program (`planned`), so that a
+    stream of fresh tensors never pushes out the plans of the tensors that come back."""
 
     def __init__(self, capacity: int = CAPACITY):
-        self.capacity = capacity
-        self._plans: dict[int, _Plan] = {}
-        self.made = 0  # plans made so far: a steady state of calls on the same tensors makes none
+        self.capacity = capacity  # of each table
+        self.noted: dict[int, _Plan] = {}
+        self.planned: dict[int, _Plan] = {}
+        self.made = 0  # programs recorded so far: a steady state of calls on the same tensors records none
 
     def all_reduce(self, link: Link, tensor: torch.Tensor, buf: torch.Tensor, algo: str, op: str,
                    algorithm: Callable[[Link, torch.Tensor, str], None]) -> None:
@@ -71,37 +77,41 @@ class CallPlans:
             algorithm(link, buf, op)
             return
         key = id(tensor)
-        plan = self._plans.get(key)
+        plan = self.planned.get(key)
         if plan is not None and plan.fits(tensor, buf, algo, op):
             link.replay(plan.program)
             return
-        link.program = []
+        plan = self.noted.pop(key, None)
+        if plan is None or not plan.fits(tensor, buf, algo, op):  # first seen: only noted
+            algorithm(link, buf, op)
+            self._keep(self.noted, key, _Plan(self._owner(tensor, key), buf, algo, op))
+            return
+        link.program = []  # seen again: worth a plan
         algorithm(link, buf, op)
-        program, link.program = link.program, None
-        for receives, sends in program:
+        plan.program, link.program = link.program, None
+        for receives, sends in plan.program:
             for step in receives + sends:
                 for message in step:
                     message.tensor = _alias(message.tensor)
-        self._keep(key, _Plan(self._owner(tensor, key), buf, algo, op, program))
+        self._keep(self.planned, key, plan)
+        self.made += 1
 
     def _owner(self, tensor: torch.Tensor, key: int) -> weakref.ref:
-        plans = self._plans
+        tables = (self.noted, self.planned)
 
-        def forget(ref) -> None:  # the tensor is gone: so are its plan and the views it held
-            if key in plans and plans[key].owner is ref:
-                del plans[key]
+        def forget(ref) -> None:  # the tensor is gone: so are its plan and the memory it held
+            for table in tables:
+                if key in table and table[key].owner is ref:
+                    del table[key]
 
         return weakref.ref(tensor, forget)
 
-    def _keep(self, key: int, plan: _Plan) -> None:
-        self._plans.pop(key, None)
-        if len(self._plans) >= self.capacity:
-            del self._plans[next(iter(self._plans))]  # dicts keep insertion order: the oldest
-        self._plans[key] = plan
-        self.made += 1
+    def _keep(self, table: dict[int, _Plan], key: int, plan: _Plan) -> None:
+        table.pop(key, None)
+        if len(table) >= self.capacity:
+            del table[next(iter(table))]  # dicts keep insertion order: the oldest
+        table[key] = plan
 
     def clear(self) -> None:
-        self._plans.clear()
-
-    def __len__(self) -> int:
-        return len(self._plans)
+        self.noted.clear()
+        self.planned.clear()
