@@ -148,13 +148,12 @@ class Link:
         sends = [self._messages("send", step.send, step.dst, None, cut) for step in steps]
         self._play(receives, sends)
 
-    def replay(self, program: Program) -> None:
-        """Post and complete a recorded call's messages again, as this call's."""
+    def replay(self, program: Program, messages: list[P2POp]) -> None:
+        """Post and complete a recorded call's messages again, as this call's (`messages`: every
+        P2POp of `program`, listed once when it was recorded)."""
         tag = self.tag
-        for receives, sends in program:
-            for step in receives + sends:
-                for op in step:
-                    op.tag = tag
+        for op in messages:
+            op.tag = tag
         for receives, sends in program:
             self._play(receives, sends)
 

@@ -32,19 +32,21 @@ from typing import Callable
 import torch
 
 from paratrain.comm.link import Link, Program
+from paratrain.comm.transport.base import P2POp
 
 REPLAYABLE = frozenset({"ring", "hd"})  # all-reduce algorithms that are only messages
 CAPACITY = 64  # tensors planned at once: DDP's buckets, with room; the oldest goes first
 
 
 class _Plan:
-    __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "program")
+    __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "program", "messages")
 
     def __init__(self, owner, buf: torch.Tensor, algo: str, op: str):
         self.owner = owner  # weakref to the caller's tensor
         self.data_ptr, self.numel, self.dtype = buf.data_ptr(), buf.numel(), buf.dtype
         self.algo, self.op = algo, op
         self.program: Program | None = None  # recorded by the second call
+        self.messages: list[P2POp] = []  # every P2POp of the program, for retagging
 
     def fits(self, tensor: torch.Tensor, buf: torch.Tensor, algo: str, op: str) -> bool:
         return (self.owner() is tensor and self.algo == algo and self.op == op
@@ -80,7 +82,7 @@ class CallPlans:
         key = id(tensor)
         plan = self.planned.get(key)
         if plan is not None and plan.fits(tensor, buf, algo, op):
-            link.replay(plan.program)
+            link.replay(plan.program, plan.messages)
             return
         plan = self.noted.pop(key, None)
         if plan is None or not plan.fits(tensor, buf, algo, op):  # first seen: only noted
@@ -90,10 +92,9 @@ class CallPlans:
         link.program = []  # seen again: worth a plan
         algorithm(link, buf, op)
         plan.program, link.program = link.program, None
-        for receives, sends in plan.program:
-            for step in receives + sends:
-                for message in step:
-                    message.tensor = _alias(message.tensor)
+        plan.messages = [op for receives, sends in plan.program for step in receives + sends for op in step]
+        for op in plan.messages:
+            op.tensor = _alias(op.tensor)
         self._keep(self.planned, key, plan)
         self.made += 1
 
