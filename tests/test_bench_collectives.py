@@ -225,7 +225,20 @@ def test_overhead_prints_ours_beside_the_bare_replay_per_algorithm_and_size():
         burst_ours, burst_bare, burst_ratio = float(row[8]), float(row[9]), float(row[10].rstrip("x"))
         assert burst_ratio == pytest.approx(burst_ours / burst_bare, abs=0.006)
         assert float(row[13]) > 0  # paratrain's own call path, against a transport that moves nothing
+        assert row[14:] == ["-", "-", "-"]  # no dist.isend/irecv replay on threads
     assert "# largest path: " in result.output
+
+
+def test_overhead_on_processes_also_times_the_replay_through_dist_isend_irecv():
+    result = bench("--overhead", "--launcher", "processes", "--nproc", "2", "--warmup", "0", "--iters", "2",
+                   "--algos", "ring,native", "--min-bytes", "4K", "--max-bytes", "4K")
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines() if not line.startswith("#")]
+    assert [r[2] for r in rows] == ["ring", "native"]
+    for row in rows:
+        ours, dist_alone, ratio, dist_cpu = float(row[4]), float(row[14]), float(row[15].rstrip("x")), float(row[16])
+        assert dist_alone > 0 and dist_cpu > 0 and ratio == pytest.approx(ours / dist_alone, abs=0.006)
+    assert "# our algorithms / the dist.isend/irecv replay, alone: wall " in result.output
 
 
 def null_transport_calls(group) -> tuple[list, float]:
@@ -261,6 +274,22 @@ def replay_matches_ours(group, algo: str) -> bool:
 @pytest.mark.parametrize("algo", ["ring", "hd", "native"])
 def test_the_bare_replay_moves_the_same_messages_as_our_call(algo):
     assert paratrain.run(replay_matches_ours, 4, args=(algo,)) == {r: True for r in range(4)}
+
+
+def public_replays_match_ours(group) -> list[bool]:
+    """On gloo, both bare replays (the process group's own calls, dist.isend/irecv) give our sums."""
+    seen = []
+    for public_api in (False, True):
+        events, (recording, case) = overhead.record_call(group, "all_reduce", 1001, torch.float32,
+                                                         torch.device("cpu"), "ring")
+        case.reset()
+        overhead.bare_replay(events, group.transport, group.timeout, public_api=public_api)()
+        seen.append(torch.equal(case.result, case.expected))
+    return seen
+
+
+def test_both_bare_replays_on_gloo_give_our_result():
+    assert paratrain.run(public_replays_match_ours, 2, launcher="processes") == {0: [True, True], 1: [True, True]}
 
 
 def test_auto_and_explain_follow_a_given_table(tmp_path):

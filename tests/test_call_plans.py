@@ -63,10 +63,36 @@ def test_repeated_calls_on_one_tensor_replay_one_plan_and_sum_right(algo, world_
     assert sorted(runs) == sorted(list(range(world_size)) * 4)  # twice per rank and group
 
 
-def test_replay_on_gloo_processes():
-    results = paratrain.run(repeated_all_reduces, 2, launcher="processes", args=("ring", 5000, 3),
-                            timeout=RUN_TIMEOUT_S)
-    assert results == {0: [], 1: []}
+def compiled_replays(group: Group) -> list[str]:
+    """gloo compiles a plan (TorchTransport.compile): ring and hd, one segment and many, sum,
+    max and avg, a complex tensor (it travels as real pairs): every replayed sum exact."""
+    wrong = []
+    segmented = Group(group.transport, timeout=group.timeout, table=group.table, segment_bytes=16)
+    cases = [(g, algo, op, dtype) for g in (group, segmented) for algo in ("ring", "hd")
+             for op, dtype in (("sum", torch.float64), ("max", torch.float64), ("avg", torch.float64),
+                               ("sum", torch.complex128))]
+    for g, algo, op, dtype in cases:
+        if algo == "hd" and g.size & (g.size - 1):
+            continue  # halving-doubling wants a power of two
+        tensor = torch.empty(1003, dtype=dtype)
+        for call in range(4):
+            inputs = [values(r, call, 1003).to(dtype) * (1 + 1j if dtype.is_complex else 1) for r in range(g.size)]
+            tensor.copy_(inputs[g.rank])
+            g.all_reduce(tensor, op=op, algo=algo)
+            stacked = torch.stack(inputs)
+            want = {"sum": stacked.sum(0), "max": stacked.real.amax(0).to(dtype), "avg": stacked.sum(0) / g.size}[op]
+            if not torch.allclose(tensor, want, rtol=1e-12, atol=0):
+                wrong.append(f"rank {g.rank} {algo} {op} {dtype} segment {g.segment_bytes} call {call}: wrong")
+        plan = g._plans.planned.get(id(tensor))
+        if plan is None or plan.compiled is None:
+            wrong.append(f"rank {g.rank} {algo} {op} {dtype}: no compiled plan")
+    return wrong
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_compiled_replays_on_gloo_processes(world_size):
+    results = paratrain.run(compiled_replays, world_size, launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert results == {rank: [] for rank in range(world_size)}
 
 
 def plan_lifetimes(group: Group) -> dict[str, object]:
@@ -142,6 +168,6 @@ def test_an_algorithm_posting_its_own_messages_cannot_be_recorded():
     from paratrain.comm.transport.fabric import Fabric
 
     link = Link(Fabric(1).endpoint(0), "all_reduce", 1, 0, 1.0, 1 << 20)
-    link.program = []
+    link.schedule = []
     with pytest.raises(RuntimeError, match="cannot be replayed"):
         link.start([])

@@ -49,23 +49,27 @@ def test_fabric_rank_that_raises_fails_the_others_calls_naming_it():
 
 
 def _gloo_rank(rank: int, store_file: str, result_file: str) -> None:
-    """Rank 1 leaves without a word after one call; rank 0 is then waiting on it in a ring
-    all-reduce, and afterwards tries gloo's own all-reduce on the broken connection."""
+    """Rank 1 leaves without a word after two calls on one tensor (which made it a compiled
+    call plan); rank 0 is then waiting on it in that plan's replay, then in a ring all-reduce
+    of a fresh tensor, and afterwards tries gloo's own all-reduce on the broken connection."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     group = Group(TorchTransport(), timeout=60)
-    group.all_reduce(torch.ones(4), algo="ring")
+    bucket = torch.ones(1000)
+    for _ in range(2):
+        group.all_reduce(bucket, algo="ring")
     if rank == 1:
         os._exit(3)
     seen = []
-    for algo in ("ring", "native"):
+    for tensor, algo in ((bucket, "ring"), (torch.ones(1000), "ring"), (torch.ones(1000), "native")):
         try:
-            group.all_reduce(torch.ones(1000), algo=algo)
+            group.all_reduce(tensor, algo=algo)
         except PeerLostError as error:
             seen.append({"type": type(error).__name__, "text": str(error), "cause": type(error.__cause__).__name__,
-                         "cause_text": str(error.__cause__), "trace_dir": error.trace_dir})
+                         "cause_text": str(error.__cause__), "trace_dir": error.trace_dir,
+                         "compiled": group._plans.planned[id(bucket)].compiled is not None})
     with open(result_file, "w") as file:
         json.dump(seen, file)
     os._exit(0)  # skip destroy_process_group: its peer is gone
@@ -88,18 +92,21 @@ def test_gloo_peer_that_exits_mid_collective_is_named_with_the_call(tmp_path):
                 process.kill()
                 process.join(5)
     assert [process.exitcode for process in ranks] == [0, 3]
-    ring, native = json.loads(result_file.read_text())
-    assert ring["text"].startswith("rank 0: all_reduce (call #2) lost rank 1: ")
-    assert "by peer" in ring["text"]  # gloo: "Connection closed by peer" or "reset by peer"
-    assert ".cc:" not in ring["text"]  # gloo's C++ source location is left out
-    assert ring["cause"] == "RuntimeError" and "by peer" in ring["cause_text"]  # gloo's own error
-    assert native["text"].startswith("rank 0: all_reduce (call #3) lost rank 1: ")
+    replay, ring, native = json.loads(result_file.read_text())
+    assert replay["compiled"]  # the bucket's third call ran gloo's compiled replay
+    for seq, seen in ((3, replay), (4, ring)):
+        assert seen["text"].startswith(f"rank 0: all_reduce (call #{seq}) lost rank 1: ")
+        assert "by peer" in seen["text"]  # gloo: "Connection closed by peer" or "reset by peer"
+        assert ".cc:" not in seen["text"]  # gloo's C++ source location is left out
+        assert seen["cause"] == "RuntimeError" and "by peer" in seen["cause_text"]  # gloo's own error
+    assert native["text"].startswith("rank 0: all_reduce (call #5) lost rank 1: ")
     assert native["cause"] == "RuntimeError"
-    # The failed call is in rank 0's flight record, dumped where the error says.
+    # The failed calls are in rank 0's flight record, dumped where the error says.
     assert ring["trace_dir"] == str(tmp_path / "flight-records")  # conftest's PARATRAIN_TRACE_DIR
     record = json.loads((tmp_path / "flight-records" / "rank0.json").read_text())
     failed = [(c["seq"], c["op"], c["algo"], c["state"]) for c in record["calls"] if c["state"] != "completed"]
-    assert failed == [(2, "all_reduce", "ring", "failed"), (3, "all_reduce", "native", "failed")]
+    assert failed == [(3, "all_reduce", "ring", "failed"), (4, "all_reduce", "ring", "failed"),
+                      (5, "all_reduce", "native", "failed")]
 
 
 # ---- the processes launcher: how each failed rank died --------------------------------------

@@ -32,6 +32,7 @@ algorithm's steps), the figure the 50 us budget is about.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ from paratrain.comm.transport.base import P2POp
 
 class RecordingTransport:
     """A transport that passes everything to `inner` and keeps a list of what it was asked."""
+
+    compile = None  # a compiled replay would skip start() and the waits: every call is recorded
 
     def __init__(self, inner):
         self.inner = inner
@@ -81,7 +84,11 @@ class _RecordedWork:
 
 class NullTransport:
     """A transport that moves nothing: every op is done as soon as it starts, every native
-    collective returns at once. Otherwise it is `inner` (rank, size, kind, flight, ...)."""
+    collective returns at once. Otherwise it is `inner` (rank, size, kind, flight, ...). It
+    compiles nothing (inner's compiled replay would move real messages), so a replayed call runs
+    Link.replay's loop over start() and the waits: more Python than gloo's compiled replay."""
+
+    compile = None
 
     def __init__(self, inner):
         self.inner = inner
@@ -143,18 +150,22 @@ def record_call(group: Group, op: str, count: int, dtype, device, algo: str):
     return recorder.events, (recording, case)
 
 
-def bare_replay(events: list[tuple], transport, timeout: float):
-    """A function that issues `events` again with nothing between the transport's own calls."""
+def bare_replay(events: list[tuple], transport, timeout: float, public_api: bool = False):
+    """A function that issues `events` again with nothing between the transport's own calls;
+    with `public_api`, on processes, through `dist.isend`/`dist.irecv` (what a user's own
+    script would call) rather than straight on the process group (None on other transports)."""
     if transport.kind == "fabric":
-        return _fabric_replay(events, transport, timeout)
-    return _torch_replay(events, transport)
+        return None if public_api else _fabric_replay(events, transport, timeout)
+    return _torch_replay(events, transport, public_api)
 
 
-def _torch_replay(events, transport):
+def _torch_replay(events, transport, public_api: bool = False):
     """The bare program: each step a (what, argument, extra) triple, everything it needs (the
     receive's staging buffer, where a reduction lands) decided here, before any timing."""
     pg, program, reductions = transport.pg, [], {}
     cuda = any(event[0] == "start" and event[1] and event[1][0][1].is_cuda for event in events)
+    if cuda and public_api:
+        return None  # NCCL's replay already goes through the public batch_isend_irecv
     index = 0
     for event in events:
         if event[0] == "start":
@@ -164,13 +175,17 @@ def _torch_replay(events, transport):
                     staging = torch.empty_like(tensor)
                     reductions[index] = (tensor, staging)
                     tensor = staging
-                posts.append((pg.send if kind == "send" else pg.recv, [tensor], peer))
+                if public_api:  # dist.isend(tensor, dst, group), in the world's rank numbers
+                    posts.append((_public_send if kind == "send" else _public_recv, tensor,
+                                  transport.global_ranks[peer], pg))
+                else:  # pg.send(tensors, dst, tag), in the group's
+                    posts.append((pg.send if kind == "send" else pg.recv, [tensor], peer, 0))
                 index += 1
             if cuda:  # NCCL pairs sends with receives only inside one batch
                 dist = torch.distributed
                 posts = [dist.P2POp(dist.isend if post == pg.send else dist.irecv, tensors[0],
                                     transport.global_ranks[peer], pg)
-                         for post, tensors, peer in posts]
+                         for post, tensors, peer, _ in posts]
             program.append(("batch" if cuda else "post", posts, None))
         elif event[0] == "wait":
             program.append(("wait", event[1], reductions.get(event[1])))
@@ -181,8 +196,8 @@ def _torch_replay(events, transport):
         works = []
         for step, arg, extra in program:
             if step == "post":
-                for post, tensors, peer in arg:
-                    works.append(post(tensors, peer, 0))
+                for post, tensors, peer, last in arg:
+                    works.append(post(tensors, peer, last))
             elif step == "wait":
                 works[arg].wait()
                 if extra is not None:
@@ -194,6 +209,9 @@ def _torch_replay(events, transport):
                 arg(*extra)
 
     return replay
+
+
+_public_send, _public_recv = torch.distributed.isend, torch.distributed.irecv
 
 
 class _Batch:
@@ -246,6 +264,8 @@ class OverheadRow:
     path_us: float = 0.0  # paratrain's own code per call (against a NullTransport)
     burst_ours_us: float = 0.0  # per call, in bursts of back-to-back calls
     burst_bare_us: float = 0.0
+    dist_us: float = math.nan  # the bare replay through dist.isend/irecv, alone (processes only)
+    dist_cpu_us: float = math.nan
 
     @property
     def overhead_us(self) -> float:
@@ -267,16 +287,18 @@ def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadR
     chosen = group.resolve(op, algo, count * dtype.itemsize)
     events, keep_alive = record_call(group, op, count, dtype, device, chosen)
     bare = bare_replay(events, group.transport, group.timeout)
+    public = bare_replay(events, group.transport, group.timeout, public_api=True)
     case = _build_case(group, op, count, dtype, device)
     case.reset()
-    ours = lambda: case.call(chosen)  # noqa: E731 - the pair below reads best side by side
+    ours = lambda: case.call(chosen)  # noqa: E731 - the sides below read best side by side
+    sides = [("ours", ours), ("bare", bare)] + ([("dist", public)] if public is not None else [])
     for _ in range(warmup):
-        ours()
-        bare()
-    times = {"ours": ([], []), "bare": ([], [])}
+        for _, call in sides:
+            call()
+    times = {name: ([], []) for name, _ in sides}
     for round_ in range(rounds):
-        order = (("ours", ours), ("bare", bare)) if round_ % 2 == 0 else (("bare", bare), ("ours", ours))
-        for name, call in order:
+        turn = round_ % len(sides)  # each side goes first as often as the others
+        for name, call in sides[turn:] + sides[:turn]:
             group.barrier(algo="native")
             cpu, wall = time.thread_time(), time.perf_counter()
             call()
@@ -295,6 +317,7 @@ def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadR
     mine = [statistics.median(series) for name in ("ours", "bare") for series in times[name]]
     mine += [statistics.median(bursts["ours"]), statistics.median(bursts["bare"])]
     mine.append(_path_alone(group, op, count, dtype, device, chosen) * 1e-6)
+    mine += [statistics.median(series) for series in times["dist"]] if "dist" in times else [math.nan] * 2
     medians = torch.tensor(mine, dtype=torch.float64, device=device)
     everyone = group.all_gather(medians.new_empty(len(mine) * group.size), medians, algo="native").cpu()
     slowest = everyone.view(group.size, len(mine)).max(dim=0).values.mul_(1e6).tolist()
@@ -302,7 +325,8 @@ def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadR
     del keep_alive
     return OverheadRow(op, algo if algo == chosen else f"{algo}({chosen})", count * dtype.itemsize, messages,
                        ours_us=slowest[0], ours_cpu_us=slowest[1], bare_us=slowest[2], bare_cpu_us=slowest[3],
-                       burst_ours_us=slowest[4], burst_bare_us=slowest[5], path_us=slowest[6])
+                       burst_ours_us=slowest[4], burst_bare_us=slowest[5], path_us=slowest[6],
+                       dist_us=slowest[7], dist_cpu_us=slowest[8])
 
 
 def _path_alone(group: Group, op, count, dtype, device, algo) -> float:
@@ -326,18 +350,25 @@ def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
         "# Slowest rank. overhead = ours - bare (alone). cpu = the calling thread's CPU time (alone).",
         "# path = paratrain's own code per call: the same call against a transport that moves",
         "# nothing (checks, table, flight recorder, Group, Link, algorithm; no transport).",
+        "# dist = the same bare replay through dist.isend/dist.irecv, as a user's own script would",
+        "# post them (processes only), timed in the same alternation as ours and bare.",
         f"# {'op':<10}  {'size (B)':>9}  {'algo':<10}  {'msgs':>4}  {'ours':>8}  {'bare':>8}  {'overhead':>8}"
-        f"  {'ratio':>6}  {'burst':>8}  {'burst':>8}  {'burst':>6}  {'ours':>7}  {'bare':>7}  {'path':>6}",
+        f"  {'ratio':>6}  {'burst':>8}  {'burst':>8}  {'burst':>6}  {'ours':>7}  {'bare':>7}  {'path':>6}"
+        f"  {'dist':>8}  {'ours /':>6}  {'dist':>7}",
         f"# {'':<10}  {'':>9}  {'':<10}  {'':>4}  {'alone':>8}  {'alone':>8}  {'':>8}"
-        f"  {'alone':>6}  {'ours':>8}  {'bare':>8}  {'ratio':>6}  {'cpu':>7}  {'cpu':>7}  {'':>6}",
+        f"  {'alone':>6}  {'ours':>8}  {'bare':>8}  {'ratio':>6}  {'cpu':>7}  {'cpu':>7}  {'':>6}"
+        f"  {'alone':>8}  {'dist':>6}  {'cpu':>7}",
         f"# {'':<10}  {'':>9}  {'':<10}  {'':>4}  {'(us)':>8}  {'(us)':>8}  {'(us)':>8}"
-        f"  {'':>6}  {'(us)':>8}  {'(us)':>8}  {'':>6}  {'(us)':>7}  {'(us)':>7}  {'(us)':>6}",
+        f"  {'':>6}  {'(us)':>8}  {'(us)':>8}  {'':>6}  {'(us)':>7}  {'(us)':>7}  {'(us)':>6}"
+        f"  {'(us)':>8}  {'':>6}  {'(us)':>7}",
     ]
     for r in rows:
         lines.append(
             f"  {r.op:<10}  {r.bytes:>9}  {r.algo:<10}  {r.messages:>4}  {r.ours_us:>8.1f}  {r.bare_us:>8.1f}"
             f"  {r.overhead_us:>8.1f}  {r.ours_us / r.bare_us:>5.2f}x  {r.burst_ours_us:>8.1f}  {r.burst_bare_us:>8.1f}"
             f"  {r.burst_ours_us / r.burst_bare_us:>5.2f}x  {r.ours_cpu_us:>7.1f}  {r.bare_cpu_us:>7.1f}  {r.path_us:>6.1f}"
+            + (f"  {r.dist_us:>8.1f}  {r.ours_us / r.dist_us:>5.2f}x  {r.dist_cpu_us:>7.1f}" if r.dist_us == r.dist_us
+               else f"  {'-':>8}  {'-':>6}  {'-':>7}")  # nan: no dist side on this transport
         )
     if rows:
         worst = max(rows, key=lambda r: r.path_us)
@@ -346,4 +377,10 @@ def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
         ratios = [r.burst_ours_us / r.burst_bare_us for r in rows if r.messages]
         if ratios:
             lines.append(f"# burst ratio of our algorithms (ours / bare, per call): {min(ratios):.2f}x to {max(ratios):.2f}x")
+        public = [r for r in rows if r.messages and r.dist_us == r.dist_us]
+        if public:
+            wall = [r.ours_us / r.dist_us for r in public]
+            cpu = [r.ours_cpu_us / r.dist_cpu_us for r in public]
+            lines.append(f"# our algorithms / the dist.isend/irecv replay, alone: wall {min(wall):.2f}x to {max(wall):.2f}x, "
+                         f"cpu {min(cpu):.2f}x to {max(cpu):.2f}x")
     return lines

@@ -100,8 +100,19 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
             "bubble_measured": bubble if ours else None,
             "bubble_simulated": _simulated_bubble(name, group.size, microbatches, per_rank[:, index, 2 * steps :]) if ours else None,
             "bubble_theoretical": theoretical_bubble(name, group.size, microbatches, 1),
+            "bubble_theoretical_costs": _balanced_bubble(name, group.size, microbatches, per_rank[:, index, 2 * steps :]) if ours else None,
         })
     return records
+
+
+def _balanced_bubble(name: str, stages: int, microbatches: int, action_s: torch.Tensor) -> float:
+    """The schedule's bubble with equal stages at this model's own F:B:W (each the mean over the
+    stages) and free communication: theory for this model. GPipe's and 1F1B's bubbles do not
+    depend on the ratio; a zero-bubble schedule's do (ZB-H1 idles (p-1)(F+B-W) per rank, Qi et
+    al. 2023, so a W cheaper than B leaves more than the unit-cost figure)."""
+    means = action_s.mean(dim=0).tolist()
+    return simulate(build_schedule(name, stages, microbatches),
+                    {op: [means[i]] * stages for i, op in enumerate("FBW")}).bubble
 
 
 def _simulated_bubble(name: str, stages: int, microbatches: int, action_s: torch.Tensor) -> float:
@@ -149,20 +160,21 @@ def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup,
                   args=(model, names, microbatches, global_batch, steps, warmup))[0]
     reference = {r["schedule"]: r["step_ms"] for r in records if r["impl"] == "torch.pipelining"}
     click.echo(f"{'impl':<17} {'schedule':<9} {'step ms':>9} {'vs torch':>9} {'bubble measured':>16} "
-               f"{'simulated':>10} {'theoretical':>12}")
+               f"{'simulated':>10} {'theory F:B:W':>13} {'theoretical':>12}")
     for record in records:
         ratio = record["step_ms"] / reference[record["schedule"]] if record["schedule"] in reference else None
         record["ratio_to_torch"] = ratio
-        measured, simulated = (f"{record[key]:.1%}" if record[key] is not None else "-"
-                               for key in ("bubble_measured", "bubble_simulated"))
+        measured, simulated, costs = (f"{record[key]:.1%}" if record[key] is not None else "-"
+                                      for key in ("bubble_measured", "bubble_simulated", "bubble_theoretical_costs"))
         click.echo(f"{record['impl']:<17} {record['schedule']:<9} {record['step_ms']:>9.1f} "
-                   f"{(f'{ratio:.2f}x' if ratio else '-'):>9} {measured:>16} {simulated:>10} "
+                   f"{(f'{ratio:.2f}x' if ratio else '-'):>9} {measured:>16} {simulated:>10} {costs:>13} "
                    f"{record['bubble_theoretical']:>11.1%}")
     click.echo("# vs torch: our step time / torch.distributed.pipelining's for the same schedule (lower is faster)")
     click.echo("# bubble: measured = share of the step's time x ranks not spent computing (the step ends with its")
     click.echo("#   slowest rank, as in theory); simulated = the schedule")
     click.echo("#   played with this run's mean F/B/W time per stage and free communication (the stages' imbalance")
-    click.echo("#   alone); theoretical = equal stages, B = 2F (split: B = W = F). measured - simulated: communication")
+    click.echo("#   alone); theory F:B:W = equal stages at this run's mean F, B and W (the model's own ratio);")
+    click.echo("#   theoretical = equal stages, B = 2F (split: B = W = F). measured - simulated: communication")
     click.echo("#   and the runtime's own time.")
     if json_path:
         with open(json_path, "w") as handle:

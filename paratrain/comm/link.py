@@ -11,7 +11,7 @@ from paratrain.comm.errors import (
     CommTimeoutError, FabricAborted, PeerLostError, TransportFailure, TransportTimeout,
 )
 from paratrain.comm.scratch import ScratchPool
-from paratrain.comm.transport.base import P2POp
+from paratrain.comm.transport.base import POST, WAIT, P2POp, Schedule
 
 
 # Four pieces already hide all but a quarter of a step's reduction behind its transfer; more
@@ -22,9 +22,6 @@ MAX_SEGMENTS = 4
 # What transports raise when a wait gives up or a peer is gone.
 TRANSPORT_ERRORS = (TransportTimeout, TransportFailure, FabricAborted)
 
-# What a call posted, as Link.run_steps runs it: for each run, its steps' receives and sends
-# (one list of P2POps per step). A Program can be played again (Link.replay, see plans.py).
-Program = list[tuple[list[list[P2POp]], list[list[P2POp]]]]
 
 
 def comm_error(error: Exception, rank: int, op_name: str, seq: int, timeout: float) -> Exception:
@@ -56,7 +53,7 @@ class Link:
     so it is kept lean: one P2POp per message, no copies, no sorting, no lists made twice."""
 
     __slots__ = ("transport", "scratch", "rank", "size", "op_name", "seq", "tag", "timeout", "segment_bytes",
-                 "finished", "program")
+                 "finished", "schedule", "_numbers")
 
     def __init__(self, transport, op_name: str, seq: int, tag: int, timeout: float, segment_bytes: int,
                  scratch: ScratchPool | None = None):
@@ -67,10 +64,11 @@ class Link:
         self.timeout = timeout
         self.segment_bytes = segment_bytes
         self.finished: list = []  # every work this call waited for: the Group frees them later
-        self.program: Program | None = None  # when a list, every run of steps is recorded in it
+        self.schedule: Schedule | None = None  # when a list, every post and wait is recorded in it
+        self._numbers: dict[int, int] = {}  # while recording: id of a work -> its message's number
 
     def start(self, ops: list[P2POp]) -> list:
-        if self.program is not None:  # only whole runs of steps can be recorded and replayed
+        if self.schedule is not None:  # only whole runs of steps can be recorded and replayed
             raise RuntimeError(f"{self.op_name}: an algorithm that posts its own messages cannot be replayed")
         for op in ops:
             op.tag = self.tag
@@ -84,6 +82,8 @@ class Link:
 
     def _complete(self, works: list) -> None:
         """Wait for `works` in their order (the caller has put receives first)."""
+        if self.schedule is not None:
+            self.schedule.append((WAIT, [self._numbers[id(work)] for work in works]))
         try:
             for work in works:
                 work.wait(self.timeout)
@@ -148,19 +148,28 @@ class Link:
         sends = [self._messages("send", step.send, step.dst, None, cut) for step in steps]
         self._play(receives, sends)
 
-    def replay(self, program: Program, messages: list[P2POp]) -> None:
+    def replay(self, schedule: Schedule, messages: list[P2POp], compiled=None) -> None:
         """Post and complete a recorded call's messages again, as this call's (`messages`: every
-        P2POp of `program`, listed once when it was recorded)."""
+        P2POp of `schedule`, listed once when it was recorded). `compiled`, the transport's own
+        form of the schedule (TorchTransport.compile), runs it with no Link code in between."""
+        if compiled is not None:
+            try:
+                self.finished += compiled(self.tag, self.timeout)
+            except TRANSPORT_ERRORS as error:
+                raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
+            return
         tag = self.tag
         for op in messages:
             op.tag = tag
-        for receives, sends in program:
-            self._play(receives, sends)
+        works = []
+        for what, arg in schedule:
+            if what is POST:
+                works += self._post(arg)
+            else:
+                self._complete([works[number] for number in arg])
 
     def _play(self, receives: list[list[P2POp]], sends: list[list[P2POp]]) -> None:
         """Run steps given as their messages (see run_steps)."""
-        if self.program is not None:
-            self.program.append((receives, sends))
         if not self.transport.posts_ahead:  # NCCL: each step's sends and receives in one batch
             for step_receives, step_sends in zip(receives, sends):
                 self.wait(self._post(step_receives + step_sends))
@@ -180,9 +189,14 @@ class Link:
         if not ops:
             return []
         try:
-            return self.transport.start(ops)
+            works = self.transport.start(ops)
         except TRANSPORT_ERRORS as error:
             raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
+        if self.schedule is not None:
+            self.schedule.append((POST, ops))
+            for work in works:
+                self._numbers[id(work)] = len(self._numbers)
+        return works
 
     def _messages(self, kind: str, tensor: torch.Tensor | None, peer: int | None, reduce: str | None,
                   cut: dict[int, tuple[torch.Tensor, ...]]) -> list[P2POp]:

@@ -31,22 +31,23 @@ from typing import Callable
 
 import torch
 
-from paratrain.comm.link import Link, Program
-from paratrain.comm.transport.base import P2POp
+from paratrain.comm.link import Link
+from paratrain.comm.transport.base import POST, P2POp, Schedule
 
 REPLAYABLE = frozenset({"ring", "hd"})  # all-reduce algorithms that are only messages
 CAPACITY = 64  # tensors planned at once: DDP's buckets, with room; the oldest goes first
 
 
 class _Plan:
-    __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "program", "messages")
+    __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "schedule", "messages", "compiled")
 
     def __init__(self, owner, buf: torch.Tensor, algo: str, op: str):
         self.owner = owner  # weakref to the caller's tensor
         self.data_ptr, self.numel, self.dtype = buf.data_ptr(), buf.numel(), buf.dtype
         self.algo, self.op = algo, op
-        self.program: Program | None = None  # recorded by the second call
-        self.messages: list[P2POp] = []  # every P2POp of the program, for retagging
+        self.schedule: Schedule | None = None  # recorded by the second call
+        self.messages: list[P2POp] = []  # every P2POp of the schedule, for retagging
+        self.compiled = None  # the transport's own form of the schedule, where it has one
 
     def fits(self, tensor: torch.Tensor, buf: torch.Tensor, algo: str, op: str) -> bool:
         return (self.owner() is tensor and self.algo == algo and self.op == op
@@ -82,19 +83,21 @@ class CallPlans:
         key = id(tensor)
         plan = self.planned.get(key)
         if plan is not None and plan.fits(tensor, buf, algo, op):
-            link.replay(plan.program, plan.messages)
+            link.replay(plan.schedule, plan.messages, plan.compiled)
             return
         plan = self.noted.pop(key, None)
         if plan is None or not plan.fits(tensor, buf, algo, op):  # first seen: only noted
             algorithm(link, buf, op)
             self._keep(self.noted, key, _Plan(self._owner(tensor, key), buf, algo, op))
             return
-        link.program = []  # seen again: worth a plan
+        link.schedule = []  # seen again: worth a plan
         algorithm(link, buf, op)
-        plan.program, link.program = link.program, None
-        plan.messages = [op for receives, sends in plan.program for step in receives + sends for op in step]
+        plan.schedule, link.schedule = link.schedule, None
+        plan.messages = [op for what, ops in plan.schedule if what is POST for op in ops]
         for op in plan.messages:
             op.tensor = _alias(op.tensor)
+        compile_schedule = getattr(link.transport, "compile", None)
+        plan.compiled = compile_schedule(plan.schedule) if compile_schedule is not None else None
         self._keep(self.planned, key, plan)
         self.made += 1
 

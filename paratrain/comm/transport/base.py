@@ -20,6 +20,13 @@ class P2POp:
     reduce: str | None = None
 
 
+# What a call did at its transport, in order: ("post", ops) started `ops`; ("wait", numbers)
+# completed the messages with those numbers (in the order they were posted, from 0). Link
+# records one for a call plan (plans.py), which runs it again, or has the transport compile it.
+POST, WAIT = "post", "wait"
+Schedule = list[tuple[str, list]]
+
+
 class Work(Protocol):
     peer: int
     kind: str  # "send" or "recv"
@@ -41,6 +48,9 @@ class Transport(Protocol):
     def start(self, ops: list[P2POp]) -> list[Work]:
         """Start all `ops` together (NCCL needs paired sends/receives posted as one batch).
         Raise TransportFailure when the backend refuses (a peer known to be gone)."""
+
+    # Optional: compile(schedule) -> a function (tag, timeout) -> works, running a recorded
+    # call with nothing between the backend's own calls (TorchTransport has one for gloo).
 
     def native_all_reduce(self, tensor: torch.Tensor, op: str, timeout: float) -> None: ...
 

@@ -16,7 +16,7 @@ from paratrain.comm.errors import TransportFailure, TransportTimeout
 from paratrain.comm.flight import process_records
 from paratrain.comm.ops import combine_, part_sizes
 from paratrain.comm.scratch import StagingPool
-from paratrain.comm.transport.base import P2POp
+from paratrain.comm.transport.base import POST, P2POp, Schedule
 
 # torch 2.13 renamed the tensor collectives; keep working on releases before the rename.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -40,11 +40,16 @@ def _wait(work, timeout: float, peer: int | None, own_timeout: float | None = No
         else:
             work.wait(_delta(timeout))
     except RuntimeError as error:
-        # gloo: "Timed out waiting ...ms for recv operation"; NCCL's watchdog: "...timed out".
-        if "timed out" in str(error).lower():
-            raise TransportTimeout(peer, timeout, str(error)) from error
-        # gloo: "Connection closed by peer", "Connection reset by peer"; NCCL's errors
-        raise TransportFailure(peer, str(error)) from error
+        raise _wait_error(error, peer, timeout) from error
+
+
+def _wait_error(error: RuntimeError, peer: int | None, timeout: float) -> Exception:
+    """The transport error for a backend's error raised by a wait."""
+    # gloo: "Timed out waiting ...ms for recv operation"; NCCL's watchdog: "...timed out".
+    if "timed out" in str(error).lower():
+        return TransportTimeout(peer, timeout, str(error))
+    # gloo: "Connection closed by peer", "Connection reset by peer"; NCCL's errors
+    return TransportFailure(peer, str(error))
 
 
 def _native(collective):
@@ -82,6 +87,64 @@ class _TorchWork:
             combine_(self.op.tensor, self.staging, self.op.reduce)
             self.pool.give_back(self.staging)
         self.done = True
+
+
+class _GlooReplay:
+    """A recorded call compiled for gloo: its posts and waits as a flat list of the process
+    group's own `send`/`recv` and `work.wait()`, with the receives that reduce combined as they
+    complete. start() and _TorchWork do the same per call, plus a handle and a few checks per
+    message; a replay has made those checks once, when it was compiled. This is what
+    `bench collectives --overhead` calls bare, and what MPI calls a persistent request
+    (MPI_Send_init / MPI_Start).
+
+    Called with a call's tag and timeout; returns gloo's works, which the Group frees later
+    (see Group._retired)."""
+
+    __slots__ = ("steps", "staging", "own_timeout")
+
+    def __init__(self, transport: TorchTransport, schedule: Schedule):
+        self.staging, self.own_timeout = transport.staging, transport.own_timeout
+        messages: list[tuple] = []  # per message: (post, tensors, peer, target, reduce)
+        self.steps: list[tuple[bool, list]] = []  # (True, messages to post) | (False, numbers to wait for)
+        for what, arg in schedule:
+            if what != POST:
+                self.steps.append((False, [(number, messages[number]) for number in arg]))
+                continue
+            posts = []
+            for op in arg:
+                if not 0 <= op.peer < transport.size:
+                    raise ValueError(f"peer rank {op.peer} out of range for world size {transport.size}")
+                post = transport.pg.send if op.kind == "send" else transport.pg.recv
+                reduce = op.reduce if op.kind == "recv" else None
+                message = (post, [_plain(op.tensor)], op.peer, op.tensor, reduce)
+                messages.append(message)
+                posts.append(message)
+            self.steps.append((True, posts))
+
+    def __call__(self, tag: int, timeout: float) -> list:
+        delta = None if timeout == self.own_timeout else _delta(timeout)
+        works, stagings = [], {}
+        for posting, arg in self.steps:
+            if posting:
+                for post, tensors, peer, target, reduce in arg:
+                    if reduce:  # lands beside its target, combined when it completes
+                        staging = stagings[len(works)] = self.staging.take(target)
+                        tensors = [_plain(staging)]
+                    try:
+                        works.append(post(tensors, peer, tag))
+                    except RuntimeError as error:  # gloo refuses a connection it knows is closed
+                        raise TransportFailure(peer, str(error)) from error
+                continue
+            for number, (_, _, peer, target, reduce) in arg:
+                try:
+                    works[number].wait() if delta is None else works[number].wait(delta)
+                except RuntimeError as error:
+                    raise _wait_error(error, peer, timeout) from error
+                if reduce:
+                    staging = stagings.pop(number)
+                    combine_(target, staging, reduce)
+                    self.staging.give_back(staging)
+        return works
 
 
 class TorchTransport:
@@ -148,6 +211,13 @@ class TorchTransport:
             ))
         works = dist.batch_isend_irecv(p2p)
         return [_TorchWork(works, op, s, self.staging, self.own_timeout) for op, s in zip(ops, stagings)]
+
+    def compile(self, schedule: Schedule) -> _GlooReplay | None:
+        """A recorded call's schedule (see link.Schedule) as gloo calls and nothing else: what a
+        replayed all-reduce runs (plans.py). None with NCCL, whose steps must be batched."""
+        if self.kind != "gloo":
+            return None
+        return _GlooReplay(self, schedule)
 
     def torch_process_group(self, timeout: float):
         return self.pg
