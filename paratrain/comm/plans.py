@@ -16,6 +16,11 @@ README's table).
 Only algorithms whose call is nothing but messages can be replayed (REPLAYABLE): the tree's
 and direct's reductions copy and fold outside their messages.
 
+A plan is recorded as a Schedule (transport/base.py): every post and every wait of the call,
+in order. A transport that can compile one (TorchTransport on gloo) turns it into its own calls
+once, and a replay then runs those with nothing in between (MPI's persistent requests); other
+transports replay the schedule through Link.
+
 A plan holds its tensor's memory, so it is dropped when the tensor is (a weak reference on the
 caller's tensor; the plan's messages alias the memory without referring to the tensor), and it
 is checked against the tensor's memory before each use: a tensor whose storage was swapped

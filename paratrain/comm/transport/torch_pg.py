@@ -214,8 +214,9 @@ class TorchTransport:
 
     def compile(self, schedule: Schedule) -> _GlooReplay | None:
         """A recorded call's schedule (see link.Schedule) as gloo calls and nothing else: what a
-        replayed all-reduce runs (plans.py). None with NCCL, whose steps must be batched."""
-        if self.kind != "gloo":
+        replayed all-reduce runs (plans.py). None with NCCL or CUDA tensors, whose steps must be
+        batched (see start)."""
+        if self.kind != "gloo" or any(op.tensor.is_cuda for what, ops in schedule if what == POST for op in ops):
             return None
         return _GlooReplay(self, schedule)
 
