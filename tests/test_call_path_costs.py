@@ -88,6 +88,73 @@ def test_each_call_starts_the_algorithms_messages_and_allocates_nothing_on_gloo(
     assert not failures, "\n".join(failures)
 
 
+class _CountingProcessGroup:
+    """A process group that counts the sends and receives posted on it and the waits on them."""
+
+    def __init__(self, pg):
+        self.pg, self.posted, self.waited = pg, 0, 0
+
+    def __getattr__(self, name):  # the barrier's collective, the backend, ...
+        return getattr(self.pg, name)
+
+    def send(self, tensors, peer, tag):
+        self.posted += 1
+        return _CountedWork(self, self.pg.send(tensors, peer, tag))
+
+    def recv(self, tensors, peer, tag):
+        self.posted += 1
+        return _CountedWork(self, self.pg.recv(tensors, peer, tag))
+
+
+class _CountedWork:
+    def __init__(self, counter, work):
+        self.counter, self.work = counter, work
+
+    def wait(self, *timeout):
+        self.counter.waited += 1
+        return self.work.wait(*timeout)
+
+
+def count_compiled_replays(group: Group, calls: int = 3) -> list[str]:
+    """gloo's compiled replays (TorchTransport.compile) post what the algorithm posts, wait for
+    each message once, and take staging buffers without allocating: counted on the process
+    group itself, below everything paratrain does."""
+    counter = _CountingProcessGroup(group.transport.pg)
+    group.transport.pg = counter  # before any plan is compiled: replays bind its send and recv
+    n, r, failures = group.size, group.rank, []
+    for algo in ("ring", "hd"):
+        if algo == "hd" and n & (n - 1):
+            continue
+        tensor = torch.ones(COUNT)
+        for _ in range(2):  # noted, then recorded and compiled
+            group.all_reduce(tensor, algo=algo)
+        plan = group._plans.planned.get(id(tensor))
+        if plan is None or plan.compiled is None:
+            failures.append(f"rank {r} {algo}: no compiled plan after two calls")
+            continue
+        staging_before = group.transport.staging.allocations
+        for _ in range(calls):
+            counter.posted = counter.waited = 0
+            group.all_reduce(tensor, algo=algo)
+            expected = EXPECTED_MESSAGES[("all_reduce", algo)](n, r)
+            if (counter.posted, counter.waited) != (expected, expected):
+                failures.append(f"rank {r} {algo}: {counter.posted} posted, {counter.waited} waited; "
+                                f"expected {expected} of each")
+        if group.transport.staging.allocations != staging_before:
+            failures.append(f"rank {r} {algo}: staging buffers allocated by replays")
+        if not torch.equal(tensor, torch.full((COUNT,), float(n) ** (2 + calls))):
+            failures.append(f"rank {r} {algo}: wrong sums")
+    group.transport.pg = counter.pg
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_compiled_replay_on_gloo_posts_the_algorithms_messages_and_allocates_nothing(world_size):
+    results = paratrain.run(count_compiled_replays, world_size, launcher="processes", timeout=RUN_TIMEOUT_S)
+    failures = [line for rank in sorted(results) for line in results[rank]]
+    assert not failures, "\n".join(failures)
+
+
 def ring_event_order(group: Group, posts_ahead: bool) -> list[tuple[str, ...]]:
     """The kinds of the batches one ring all-reduce starts, in order."""
     recorder = RecordingTransport(group.transport)
