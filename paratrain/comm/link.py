@@ -23,7 +23,6 @@ MAX_SEGMENTS = 4
 TRANSPORT_ERRORS = (TransportTimeout, TransportFailure, FabricAborted)
 
 
-
 def comm_error(error: Exception, rank: int, op_name: str, seq: int, timeout: float) -> Exception:
     """The error a caller sees for a transport's `error`: who, in which call, for whom. Raise it
     `from original_cause(error)`."""
@@ -163,7 +162,7 @@ class Link:
             op.tag = tag
         works = []
         for what, arg in schedule:
-            if what is POST:
+            if what == POST:
                 works += self._post(arg)
             else:
                 self._complete([works[number] for number in arg])

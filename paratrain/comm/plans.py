@@ -98,7 +98,7 @@ class CallPlans:
         link.schedule = []  # seen again: worth a plan
         algorithm(link, buf, op)
         plan.schedule, link.schedule = link.schedule, None
-        plan.messages = [op for what, ops in plan.schedule if what is POST for op in ops]
+        plan.messages = [op for what, ops in plan.schedule if what == POST for op in ops]
         for op in plan.messages:
             op.tensor = _alias(op.tensor)
         compile_schedule = getattr(link.transport, "compile", None)

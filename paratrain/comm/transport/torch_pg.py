@@ -137,7 +137,10 @@ class _GlooReplay:
                 continue
             for number, (_, _, peer, target, reduce) in arg:
                 try:
-                    works[number].wait() if delta is None else works[number].wait(delta)
+                    if delta is None:  # the group's own timeout applies (see _wait)
+                        works[number].wait()
+                    else:
+                        works[number].wait(delta)
                 except RuntimeError as error:
                     raise _wait_error(error, peer, timeout) from error
                 if reduce:
