@@ -171,3 +171,100 @@ def test_an_algorithm_posting_its_own_messages_cannot_be_recorded():
     link.schedule = []
     with pytest.raises(RuntimeError, match="cannot be replayed"):
         link.start([])
+
+
+def straight_calls(group: Group) -> dict[str, object]:
+    """Which calls go straight to a compiled plan (Group._run_plan) and which take the whole
+    path (Group._run), and that both give exact sums and true flight records."""
+    taken = []
+    whole_path = group._run
+
+    def counted_run(*args, **kwargs):
+        taken.append(args[0])
+        return whole_path(*args, **kwargs)
+
+    group._run = counted_run
+    seen = {}
+
+    def calls_on(tensor, op="sum", algo="ring", calls=3, **kwargs) -> tuple[int, bool]:
+        """Whole-path calls among `calls`, and whether every result was exact."""
+        before, exact = len(taken), True
+        for call in range(calls):
+            inputs = [values(r, call, tensor.numel()).view(tensor.shape) for r in range(group.size)]
+            tensor.copy_(inputs[group.rank])
+            result = group.all_reduce(tensor, op=op, algo=algo, **kwargs)
+            if kwargs.get("async_op"):
+                result.wait()
+            want = sum(inputs) / (group.size if op == "avg" else 1)
+            exact = exact and torch.equal(tensor, want)
+        return len(taken) - before, exact
+
+    tensor = torch.empty(8, 16, dtype=torch.float64)
+    seen["recording calls"] = calls_on(tensor, calls=2)
+    seen["planned calls"] = calls_on(tensor)
+    last = group._recorder.calls[-1]
+    seen["record"] = (last.op, last.algo, last.tensor.shape, last.tensor.reduce_op, last.seq == group._collective_seq,
+                      last.state)
+    seen["avg on a plan recorded by sum"] = calls_on(tensor, op="avg")
+    averaged = torch.empty(100, dtype=torch.float64)
+    calls_on(averaged, op="avg", calls=2)
+    seen["avg on its own plan"] = calls_on(averaged, op="avg")
+    tensor.resize_(16, 8)  # the same memory under another shape: recorded as it is now
+    seen["reshaped"] = calls_on(tensor, calls=1)
+    seen["reshaped record"] = group._recorder.calls[-1].tensor.shape
+    seen["async"] = calls_on(tensor, calls=1, async_op=True)
+    try:
+        group.all_reduce(tensor, op="prod", algo="ring")
+    except ValueError as error:
+        seen["prod"] = str(error)
+    try:
+        group.all_reduce(tensor, algo="fastest")
+    except ValueError as error:
+        seen["unknown algorithm"] = str(error).split(";")[0]
+    return seen
+
+
+def test_a_call_on_a_planned_tensor_goes_straight_to_its_compiled_plan():
+    results = paratrain.run(straight_calls, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+    for rank in range(2):
+        assert results[rank] == {
+            "recording calls": (2, True), "planned calls": (0, True),
+            "record": ("all_reduce", "ring", (8, 16), "sum", True, "completed"),
+            "avg on a plan recorded by sum": (3, True),  # replayed, through the whole path
+            "avg on its own plan": (0, True),
+            "reshaped": (1, True), "reshaped record": (16, 8),
+            "async": (1, True),  # a communication thread's call takes the whole path, in order
+            "prod": "unknown reduce op 'prod'; valid ops: sum, avg, max, min",
+            "unknown algorithm": "all_reduce: unknown algorithm 'fastest'",
+        }, rank
+
+
+def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
+    from paratrain.comm.choice import AlgorithmTable
+
+    nbytes = 64 * 8
+    table = AlgorithmTable()
+    table.record("gloo", group.size, "all_reduce", nbytes, "ring")
+    planned = Group(group.transport, timeout=group.timeout, table=table)
+    debugged = Group(group.transport, timeout=group.timeout, table=table, debug=True)
+    seen, tensors = [], {}
+    for g in (planned, debugged):
+        whole = []
+        whole_path = g._run
+        g._run = lambda *args, whole=whole, whole_path=whole_path, **kwargs: whole.append(1) or whole_path(*args, **kwargs)
+        tensor = tensors[g] = torch.ones(64, dtype=torch.float64)
+        for _ in range(4):
+            g.all_reduce(tensor)  # auto: the table says ring
+        seen.append((len(whole), torch.equal(tensor, torch.full((64,), float(g.size ** 4), dtype=torch.float64))))
+    table.record("gloo", group.size, "all_reduce", nbytes, "native")  # auto now picks native: the plan is ring's
+    tensor = tensors[planned]
+    planned.all_reduce(tensor)
+    seen.append((planned._recorder.calls[-1].algo, torch.equal(tensor, torch.full((64,), float(group.size ** 5),
+                                                                              dtype=torch.float64))))
+    return seen
+
+
+def test_auto_calls_go_straight_to_the_plan_of_the_algorithm_auto_picks_and_debug_calls_never_do():
+    results = paratrain.run(auto_and_debug_calls, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert results[0] == [(2, True), (4, True), ("native", True)]
+    assert results[1] == results[0]

@@ -59,6 +59,9 @@ class AlgorithmTable:
         self.measured: dict[str, dict[str, dict[str, dict[str, str]]]] = measured or {}
         self.why: dict[str, dict[str, dict[str, dict[str, str]]]] = why or {}  # same keys: the reason
         self.path = path
+        # choose()'s answers so far: a training loop asks about the same few sizes every step,
+        # and each lookup costs microseconds of every call. record() forgets them.
+        self._chosen: dict[tuple, Choice] = {}
 
     @classmethod
     def load(cls, path: Path | str | None = None) -> AlgorithmTable:
@@ -93,8 +96,16 @@ class AlgorithmTable:
             reasons[str(nbytes)] = why
         else:
             reasons.pop(str(nbytes), None)
+        self._chosen.clear()
 
     def choose(self, op: str, nbytes: int, world_size: int, transport: str) -> Choice:
+        key = (op, nbytes, world_size, transport)
+        choice = self._chosen.get(key)
+        if choice is None:
+            choice = self._chosen[key] = self._look_up(op, nbytes, world_size, transport)
+        return choice
+
+    def _look_up(self, op: str, nbytes: int, world_size: int, transport: str) -> Choice:
         by_world = self.measured.get(transport, {})
         candidates = [int(w) for w, ops in by_world.items() if op in ops]
         if not candidates or world_size == 1:

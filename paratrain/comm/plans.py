@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from paratrain.comm.checks import CallSignature
 from paratrain.comm.link import Link
 from paratrain.comm.transport.base import POST, P2POp, Schedule
 
@@ -44,12 +45,15 @@ CAPACITY = 64  # tensors planned at once: DDP's buckets, with room; the oldest g
 
 
 class _Plan:
-    __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "schedule", "messages", "compiled")
+    __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "signature", "nbytes", "schedule",
+                 "messages", "compiled")
 
-    def __init__(self, owner, buf: torch.Tensor, algo: str, op: str):
+    def __init__(self, owner, buf: torch.Tensor, algo: str, op: str, signature: CallSignature):
         self.owner = owner  # weakref to the caller's tensor
         self.data_ptr, self.numel, self.dtype = buf.data_ptr(), buf.numel(), buf.dtype
         self.algo, self.op = algo, op
+        self.signature = signature  # the call that recorded the plan, as the flight recorder saw it
+        self.nbytes = buf.numel() * buf.element_size()
         self.schedule: Schedule | None = None  # recorded by the second call
         self.messages: list[P2POp] = []  # every P2POp of the schedule, for retagging
         self.compiled = None  # the transport's own form of the schedule, where it has one
@@ -78,10 +82,24 @@ class CallPlans:
         self.planned: dict[int, _Plan] = {}
         self.made = 0  # programs recorded so far: a steady state of calls on the same tensors records none
 
+    def compiled(self, tensor, reduce_op: str) -> _Plan | None:
+        """`tensor`'s plan if the transport compiled it and the plan was recorded by a call just
+        like this one: the same tensor, memory, shape, dtype and reduce op. Such a call needs
+        nothing but the plan run (Group.all_reduce), since the recording call's checks hold
+        for it too. `tensor` may be anything a caller passed: only a planned tensor matches."""
+        plan = self.planned.get(id(tensor))
+        if plan is None or plan.compiled is None or plan.owner() is not tensor:
+            return None
+        signature = plan.signature
+        if (signature.reduce_op != reduce_op or plan.data_ptr != tensor.data_ptr() or signature.shape != tensor.shape
+                or signature.dtype != tensor.dtype or not tensor.is_contiguous()):
+            return None
+        return plan
+
     def all_reduce(self, link: Link, tensor: torch.Tensor, buf: torch.Tensor, algo: str, op: str,
-                   algorithm: Callable[[Link, torch.Tensor, str], None]) -> None:
+                   algorithm: Callable[[Link, torch.Tensor, str], None], signature: CallSignature) -> None:
         """Run `algorithm` on `buf` (`tensor` itself, flattened), replaying `tensor`'s plan if
-        it has one that fits."""
+        it has one that fits; `signature` is the call's own."""
         if algo not in REPLAYABLE or not tensor.is_contiguous():  # else buf is a fresh copy
             algorithm(link, buf, op)
             return
@@ -93,9 +111,10 @@ class CallPlans:
         plan = self.noted.pop(key, None)
         if plan is None or not plan.fits(tensor, buf, algo, op):  # first seen: only noted
             algorithm(link, buf, op)
-            self._keep(self.noted, key, _Plan(self._owner(tensor, key), buf, algo, op))
+            self._keep(self.noted, key, _Plan(self._owner(tensor, key), buf, algo, op, signature))
             return
         link.schedule = []  # seen again: worth a plan
+        plan.signature = signature
         algorithm(link, buf, op)
         plan.schedule, link.schedule = link.schedule, None
         plan.messages = [op for what, ops in plan.schedule if what == POST for op in ops]
