@@ -174,7 +174,7 @@ def test_an_algorithm_posting_its_own_messages_cannot_be_recorded():
 
 
 def straight_calls(group: Group) -> dict[str, object]:
-    """Which calls go straight to a compiled plan (Group._run_plan) and which take the whole
+    """Which calls go straight to their tensor's plan (Group._run_plan) and which take the whole
     path (Group._run), and that both give exact sums and true flight records."""
     taken = []
     whole_path = group._run
@@ -224,8 +224,9 @@ def straight_calls(group: Group) -> dict[str, object]:
     return seen
 
 
-def test_a_call_on_a_planned_tensor_goes_straight_to_its_compiled_plan():
-    results = paratrain.run(straight_calls, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+@pytest.mark.parametrize("launcher", ["threads", "processes"])  # replayed through Link; compiled for gloo
+def test_a_call_on_a_planned_tensor_goes_straight_to_its_plan(launcher):
+    results = paratrain.run(straight_calls, 2, launcher=launcher, timeout=RUN_TIMEOUT_S)
     for rank in range(2):
         assert results[rank] == {
             "recording calls": (2, True), "planned calls": (0, True),
@@ -244,7 +245,7 @@ def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
 
     nbytes = 64 * 8
     table = AlgorithmTable()
-    table.record("gloo", group.size, "all_reduce", nbytes, "ring")
+    table.record(group.kind, group.size, "all_reduce", nbytes, "ring")
     planned = Group(group.transport, timeout=group.timeout, table=table)
     debugged = Group(group.transport, timeout=group.timeout, table=table, debug=True)
     seen, tensors = [], {}
@@ -256,7 +257,7 @@ def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
         for _ in range(4):
             g.all_reduce(tensor)  # auto: the table says ring
         seen.append((len(whole), torch.equal(tensor, torch.full((64,), float(g.size ** 4), dtype=torch.float64))))
-    table.record("gloo", group.size, "all_reduce", nbytes, "native")  # auto now picks native: the plan is ring's
+    table.record(group.kind, group.size, "all_reduce", nbytes, "native")  # auto now picks native: the plan is ring's
     tensor = tensors[planned]
     planned.all_reduce(tensor)
     seen.append((planned._recorder.calls[-1].algo, torch.equal(tensor, torch.full((64,), float(group.size ** 5),
@@ -264,7 +265,8 @@ def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
     return seen
 
 
-def test_auto_calls_go_straight_to_the_plan_of_the_algorithm_auto_picks_and_debug_calls_never_do():
-    results = paratrain.run(auto_and_debug_calls, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+@pytest.mark.parametrize("launcher", ["threads", "processes"])
+def test_auto_calls_go_straight_to_the_plan_of_the_algorithm_auto_picks_and_debug_calls_never_do(launcher):
+    results = paratrain.run(auto_and_debug_calls, 2, launcher=launcher, timeout=RUN_TIMEOUT_S)
     assert results[0] == [(2, True), (4, True), ("native", True)]
     assert results[1] == results[0]

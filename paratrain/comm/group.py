@@ -215,8 +215,9 @@ class Group:
         return execute()
 
     def _run_plan(self, plan, tensor: torch.Tensor) -> torch.Tensor:
-        """An all-reduce straight from `tensor`'s compiled plan (plans.py): the plan's messages
-        and nothing else, numbered, recorded and failed like any other call. What `_run` and
+        """An all-reduce straight from `tensor`'s plan (plans.py): the plan's messages (compiled,
+        where the transport compiles) and nothing else, numbered, recorded and failed like any
+        other call. What `_run` and
         `all_reduce` would do besides (check the arguments, describe the call, build its
         closures) the call that recorded the plan has done for this one."""
         self._collective_seq += 1
@@ -263,7 +264,7 @@ class Group:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algo: str = "auto", async_op: bool = False):
         """Reduce `tensor` over all ranks, in place; every rank gets the result."""
         if not (async_op or self.debug or self._executor is not None):
-            plan = self._plans.compiled(tensor, op)
+            plan = self._plans.ready(tensor, op)
             if plan is not None and self.resolve("all_reduce", algo, plan.nbytes) == plan.algo:
                 return self._run_plan(plan, tensor)
         checks.tensor_arg("all_reduce", "tensor", tensor)

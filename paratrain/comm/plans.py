@@ -82,13 +82,13 @@ class CallPlans:
         self.planned: dict[int, _Plan] = {}
         self.made = 0  # programs recorded so far: a steady state of calls on the same tensors records none
 
-    def compiled(self, tensor, reduce_op: str) -> _Plan | None:
-        """`tensor`'s plan if the transport compiled it and the plan was recorded by a call just
-        like this one: the same tensor, memory, shape, dtype and reduce op. Such a call needs
-        nothing but the plan run (Group.all_reduce), since the recording call's checks hold
-        for it too. `tensor` may be anything a caller passed: only a planned tensor matches."""
+    def ready(self, tensor, reduce_op: str) -> _Plan | None:
+        """`tensor`'s plan if it was recorded by a call just like this one: the same tensor,
+        memory, shape, dtype and reduce op. Such a call needs nothing but the plan replayed
+        (Group._run_plan), since the recording call's checks hold for it too. `tensor` may be
+        anything a caller passed: only a planned tensor matches."""
         plan = self.planned.get(id(tensor))
-        if plan is None or plan.compiled is None or plan.owner() is not tensor:
+        if plan is None or plan.owner() is not tensor:
             return None
         signature = plan.signature
         if (signature.reduce_op != reduce_op or plan.data_ptr != tensor.data_ptr() or signature.shape != tensor.shape
