@@ -117,7 +117,7 @@ class Group:
         call = self._recorder.start(
             self._key, "p2p", self._p2p_seq, op.kind, (op.tensor.shape, op.tensor.dtype), None, op.peer,
         )
-        link = Link(self.transport, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes)
+        link = Link(self.transport, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes, self._scratch)
         try:
             (work,) = link.start([op])
         except Exception as error:
