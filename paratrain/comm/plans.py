@@ -19,7 +19,9 @@ and direct's reductions copy and fold outside their messages.
 A plan is recorded as a Schedule (transport/base.py): every post and every wait of the call,
 in order. A transport that can compile one (TorchTransport on gloo) turns it into its own calls
 once, and a replay then runs those with nothing in between (MPI's persistent requests); other
-transports replay the schedule through Link.
+transports replay the schedule through Link. A call on a planned tensor goes straight to its
+plan (CallPlans.ready, Group._run_plan), skipping the checks and the description of the call
+that the recording call already made.
 
 A plan holds its tensor's memory, so it is dropped when the tensor is (a weak reference on the
 caller's tensor; the plan's messages alias the memory without referring to the tensor), and it
