@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from paratrain.comm import Fabric, Group, TorchTransport
 from paratrain.comm.errors import FabricAborted, PeerLostError
-from paratrain.comm.group import timeout_from_env
+from paratrain.comm.settings import timeout_from_env
 from paratrain.failure_report import describe_failed_run
 
 LAUNCHERS = ("threads", "processes")

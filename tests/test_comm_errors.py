@@ -14,7 +14,7 @@ import torch
 import paratrain
 from paratrain.comm import CollectiveMismatchError, CommTimeoutError, Fabric, Group
 from paratrain.comm.algorithms import algorithms_for
-from paratrain.comm.group import timeout_from_env
+from paratrain.comm.settings import timeout_from_env
 
 from test_collectives_fabric import sweep  # the fabric matrix's checkers, for debug mode
 

@@ -10,7 +10,6 @@ all ranks are making the same call. Every call is kept in the rank's flight reco
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,29 +25,12 @@ from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cau
 from paratrain.comm.ops import check_reduce_op, divide_, part_sizes
 from paratrain.comm.plans import CallPlans
 from paratrain.comm.scratch import ScratchPool
+from paratrain.comm.settings import env_flag, timeout_from_env
 from paratrain.comm.transport.base import P2POp
 
-DEFAULT_TIMEOUT_S = 300.0  # generous: a first NCCL call or a slow rank on a busy host is normal
 _USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
 _DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
 _VALID = {op: frozenset(algorithms_for(op)) for op in OPS}  # checked on every call: built once
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def timeout_from_env() -> float:
-    raw = os.environ.get("PARATRAIN_TIMEOUT")
-    if not raw:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"PARATRAIN_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"PARATRAIN_TIMEOUT must be positive, got {raw!r}")
-    return value
 
 
 class Group:
@@ -66,7 +48,7 @@ class Group:
         self.timeout = float(timeout) if timeout is not None else timeout_from_env()
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        self.debug = debug if debug is not None else _env_flag("PARATRAIN_DEBUG")
+        self.debug = debug if debug is not None else env_flag("PARATRAIN_DEBUG")
         self.table = table if table is not None else AlgorithmTable.load()
         # Ring steps are cut into segments of this size; each transport knows what suits it.
         self.segment_bytes = segment_bytes or transport.segment_bytes

@@ -77,7 +77,7 @@ def _join_world(welcome: dict, device: torch.device, dispatcher_host: str):
     import torch.distributed as dist
 
     from paratrain.comm import Group, TorchTransport
-    from paratrain.comm.group import timeout_from_env
+    from paratrain.comm.settings import timeout_from_env
 
     rank, size = welcome["rank"], welcome["size"]
     store_host, store_port = welcome["store"]

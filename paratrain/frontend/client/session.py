@@ -38,7 +38,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Session:
     def __init__(self, address: str, *, token: str | None = None, timeout: float | None = None,
                  connect_timeout: float = 60.0, name: str | None = None):
-        from paratrain.comm.group import timeout_from_env
+        from paratrain.comm.settings import timeout_from_env
 
         self.address = address
         self.timeout = timeout if timeout is not None else timeout_from_env()
