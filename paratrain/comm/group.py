@@ -199,9 +199,8 @@ class Group:
     def _run_plan(self, plan, tensor: torch.Tensor) -> torch.Tensor:
         """An all-reduce straight from `tensor`'s plan (plans.py): the plan's messages (compiled,
         where the transport compiles) and nothing else, numbered, recorded and failed like any
-        other call. What `_run` and
-        `all_reduce` would do besides (check the arguments, describe the call, build its
-        closures) the call that recorded the plan has done for this one."""
+        other call. What `_run` and `all_reduce` would do besides (check the arguments, describe
+        the call, build its closures) the call that recorded the plan has done for this one."""
         self._collective_seq += 1
         seq = self._collective_seq
         call = self._recorder.start(self._key, "collective", seq, "all_reduce", plan.signature, plan.algo)
