@@ -23,7 +23,7 @@ from paratrain.bench.membw import copy_bandwidth_gbps
 from paratrain.bench.report import JSON_KEYS
 from paratrain.cli import main
 from paratrain.comm.algorithms import ALGORITHMS
-from paratrain.comm.choice import AlgorithmTable, Choice
+from paratrain.comm.choice import AlgorithmTable
 
 TINY = ["--launcher", "threads", "--nproc", "2", "--warmup", "0", "--iters", "1"]
 
@@ -396,10 +396,3 @@ def test_bus_factors_are_nccl_tests():
 
 def test_copy_bandwidth_is_positive():
     assert copy_bandwidth_gbps("cpu", nbytes=1 << 20, repeats=2) > 0
-
-
-def test_a_recorded_choice_replaces_the_one_auto_remembered():
-    table = AlgorithmTable()
-    assert table.choose("all_reduce", 4096, 2, "gloo").algo == "native"  # not measured: the default
-    table.record("gloo", 2, "all_reduce", 4096, "hd", "faster by 30%")
-    assert table.choose("all_reduce", 4096, 2, "gloo") == Choice("hd", "faster by 30%; measured at 4 KiB on gloo x2")

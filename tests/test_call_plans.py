@@ -12,6 +12,7 @@ import torch
 import paratrain
 from paratrain.comm import Group
 from paratrain.comm.algorithms import ALGORITHMS
+from paratrain.comm.choice import AlgorithmTable, Choice
 from paratrain.comm.link import Link
 
 RUN_TIMEOUT_S = 60.0
@@ -241,8 +242,6 @@ def test_a_call_on_a_planned_tensor_goes_straight_to_its_plan(launcher):
 
 
 def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
-    from paratrain.comm.choice import AlgorithmTable
-
     nbytes = 64 * 8
     table = AlgorithmTable()
     table.record(group.kind, group.size, "all_reduce", nbytes, "ring")
@@ -270,3 +269,10 @@ def test_auto_calls_go_straight_to_the_plan_of_the_algorithm_auto_picks_and_debu
     results = paratrain.run(auto_and_debug_calls, 2, launcher=launcher, timeout=RUN_TIMEOUT_S)
     assert results[0] == [(2, True), (4, True), ("native", True)]
     assert results[1] == results[0]
+
+
+def test_a_recorded_choice_replaces_the_one_auto_remembered():
+    table = AlgorithmTable()
+    assert table.choose("all_reduce", 4096, 2, "gloo").algo == "native"  # not measured: the default
+    table.record("gloo", 2, "all_reduce", 4096, "hd", "faster by 30%")
+    assert table.choose("all_reduce", 4096, 2, "gloo") == Choice("hd", "faster by 30%; measured at 4 KiB on gloo x2")
