@@ -14,7 +14,7 @@ from paratrain.frontend.server import LocalServer
 def hermetic_comm_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PARATRAIN_ALGO_TABLE", str(tmp_path / "no-algorithm-table.json"))
     monkeypatch.setenv("PARATRAIN_TRACE_DIR", str(tmp_path / "flight-records"))  # failures dump here
-    for name in ("PARATRAIN_DEBUG", "PARATRAIN_TIMEOUT"):
+    for name in ("PARATRAIN_DEBUG", "PARATRAIN_TIMEOUT", "PARATRAIN_SHM", "PARATRAIN_SHM_BYTES", "PARATRAIN_SHM_SPIN_US"):
         monkeypatch.delenv(name, raising=False)
 
 

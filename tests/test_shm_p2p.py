@@ -1,0 +1,183 @@
+"""Point-to-point between processes of one host through shared memory (comm/transport/shm.py):
+the ring keeps every byte whatever the sizes and wrap-arounds, ranks on processes use it
+(with gloo's semantics: match by tag, in order, any size), a message larger than the ring
+passes in pieces both ways at once, a sleeping receiver is woken, a silent peer times out, a
+peer that exits is named, nothing is left in /dev/shm, and PARATRAIN_SHM=0 leaves it to gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import paratrain
+from paratrain.comm import CommTimeoutError, Group, PeerLostError, TorchTransport
+from paratrain.comm.transport.shm import SharedMemoryP2P
+from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
+
+from test_p2p import RUN_TIMEOUT_S, _assert_no_failures, every_p2p_check
+
+# ---- the ring alone: one process, both ends mapped -------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(capacity_lines=st.integers(2, 12), sizes=st.lists(st.integers(0, 700), min_size=1, max_size=25))
+def test_the_ring_returns_every_fragment_as_written_across_wrap_arounds(tmp_path_factory, capacity_lines, sizes):
+    path = str(tmp_path_factory.mktemp("ring") / "ring")
+    capacity = capacity_lines * LINE
+    sender, receiver = Ring(path, capacity, create=True), Ring(path, capacity, create=False)
+    head = tail = 0
+    pending = []  # fragments written, not yet read: (fragment, payload)
+    generator = torch.Generator().manual_seed(len(sizes))
+    for tag, size in enumerate(sizes):
+        length = min(size, capacity - LINE)  # what one fragment can carry in an empty ring
+        payload = torch.randint(0, 256, (length,), dtype=torch.uint8, generator=generator)
+        while capacity - (head - receiver.tail) < LINE + round_up(length):  # full: the reader makes room
+            fragment, expected = pending.pop(0)
+            assert receiver.head == head and receiver.fragment_at(tail) == fragment
+            landed = torch.empty(fragment.length, dtype=torch.uint8)
+            tail = receiver.read(tail, fragment, landed)
+            assert torch.equal(landed, expected)
+        fragment = Fragment(tag, 10_000 + tag, 0, length)
+        head = sender.write(head, fragment, payload)
+        pending.append((fragment, payload))
+    for fragment, expected in pending:
+        assert receiver.fragment_at(tail) == fragment
+        landed = torch.empty(fragment.length, dtype=torch.uint8)
+        tail = receiver.read(tail, fragment, landed)
+        assert torch.equal(landed, expected)
+    assert sender.tail == tail == head
+
+
+def test_a_ring_refuses_a_capacity_that_is_not_whole_lines(tmp_path):
+    with pytest.raises(ValueError, match="multiple of 64"):
+        Ring(str(tmp_path / "ring"), 100, create=True)
+
+
+# ---- ranks on processes ----------------------------------------------------------------------
+
+
+def _shared_memory_checks(group) -> list[str]:
+    """Every p2p check of test_p2p through a 4 KiB ring (so nearly every message is cut in
+    pieces), then 1 MiB both ways at once, and a receive of the wrong size."""
+    failures = []
+    transport = group._p2p_transport
+    if not isinstance(transport, SharedMemoryP2P) or transport.neighbours != (1 - group.rank,):
+        return [f"p2p goes through {transport!r}, not shared memory to the other rank"]
+    failures += every_p2p_check(group)
+    peer = 1 - group.rank
+    mine = torch.arange(1 << 18, dtype=torch.float32) * (group.rank + 1)
+    theirs = torch.empty_like(mine)
+    sending, receiving = group.isend(mine, peer, tag=5), group.irecv(theirs, peer, tag=5)
+    sending.wait()
+    receiving.wait()
+    if not torch.equal(theirs, torch.arange(1 << 18, dtype=torch.float32) * (peer + 1)):
+        failures.append("1 MiB sent both ways at once through a 4 KiB ring arrived changed")
+    if group.rank == 0:
+        group.send(torch.ones(5), 1, tag=6)
+    else:
+        try:
+            group.recv(torch.empty(4), 0, tag=6)
+            failures.append("a 4-element receive took a 5-element message")
+        except ValueError as error:
+            if "the message has 20 bytes, the receive's buffer 16" not in str(error):
+                failures.append(f"size mismatch said: {error}")
+    return failures
+
+
+def _paratrain_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("paratrain-")}
+
+
+def test_processes_of_one_host_pass_every_message_through_shared_memory(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM_BYTES", "4096")
+    before = _paratrain_files()
+    _assert_no_failures(paratrain.run(_shared_memory_checks, 2, launcher="processes", timeout=RUN_TIMEOUT_S))
+    assert _paratrain_files() == before  # the rings' and doorbells' names went once both ends had them
+
+
+def _sleeps_then_times_out(group) -> list[str]:
+    """Rank 1 waits longer than it polls (PARATRAIN_SHM_SPIN_US=0: it sleeps at once) for a
+    message rank 0 sends late; then waits on a group with a short timeout for one never sent."""
+    failures = []
+    if group.rank == 0:
+        time.sleep(0.3)
+        group.send(torch.full((3,), 7.0), 1, tag=1)
+    else:
+        if not torch.equal(group.recv(torch.empty(3), 0, tag=1), torch.full((3,), 7.0)):
+            failures.append("a sleeping receiver got the wrong message")
+        try:
+            Group(group.transport, timeout=0.5).recv(torch.empty(3), src=0, tag=2)
+            failures.append("a receive from a silent rank returned")
+        except CommTimeoutError as error:
+            if not str(error).startswith("rank 1: recv (call #1) timed out after 0.5s waiting for rank 0"):
+                failures.append(f"the timeout said: {error}")
+    group.barrier()
+    return failures
+
+
+def test_a_sleeping_receiver_is_woken_and_a_silent_peer_times_out(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "0")
+    _assert_no_failures(paratrain.run(_sleeps_then_times_out, 2, launcher="processes", timeout=RUN_TIMEOUT_S))
+
+
+def _which_transport(group) -> str:
+    group.send(torch.ones(2), 1 - group.rank, tag=0) if group.rank == 0 else group.recv(torch.empty(2), 0, tag=0)
+    return type(group._p2p_transport).__name__
+
+
+def test_paratrain_shm_0_leaves_point_to_point_to_gloo(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM", "0")
+    assert paratrain.run(_which_transport, 2, launcher="processes", timeout=RUN_TIMEOUT_S) == {
+        0: "TorchTransport", 1: "TorchTransport"}
+
+
+def _rank_whose_peer_exits(rank: int, store_file: str, result_file: str) -> None:
+    """Rank 1 leaves without a word; rank 0 is waiting for its message."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    group = Group(TorchTransport(), timeout=60)
+    group.barrier()
+    if rank == 1:
+        os._exit(3)
+    try:
+        group.recv(torch.empty(4), src=1, tag=0)
+        seen = {"text": "recv returned"}
+    except PeerLostError as error:
+        seen = {"text": str(error), "peer": error.peer, "shm": isinstance(group._p2p_transport, SharedMemoryP2P)}
+    with open(result_file, "w") as file:
+        json.dump(seen, file)
+    os._exit(0)  # skip destroy_process_group: its peer is gone
+
+
+@pytest.mark.timeout(60)  # the group's timeout is 60 s: finishing first means the exit was noticed
+def test_a_peer_process_that_exits_is_named_by_the_rank_waiting_for_it(tmp_path):
+    spawn = multiprocessing.get_context("spawn")
+    result_file = tmp_path / "rank0.json"
+    ranks = [spawn.Process(target=_rank_whose_peer_exits, args=(r, str(tmp_path / "store"), str(result_file)))
+             for r in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        for process in ranks:
+            process.join(50)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    assert [process.exitcode for process in ranks] == [0, 3]
+    seen = json.loads(result_file.read_text())
+    assert seen["shm"] and seen["peer"] == 1
+    assert seen["text"].startswith("rank 0: recv (call #1) lost rank 1: rank 1's process (pid ")
+    assert "has exited" in seen["text"]
