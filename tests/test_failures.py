@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,12 +76,13 @@ def _gloo_rank(rank: int, store_file: str, result_file: str) -> None:
     os._exit(0)  # skip destroy_process_group: its peer is gone
 
 
-@pytest.mark.timeout(60)
-def test_gloo_peer_that_exits_mid_collective_is_named_with_the_call(tmp_path):
+def run_two_gloo_ranks(target, tmp_path) -> tuple[list[int | None], Path]:
+    """Run target(rank, store file, result file) in 2 spawned processes, outside any launcher
+    (which would stop the survivor as soon as the other exits); returns their exit codes and
+    the result file. A process still running after 50 s is killed."""
     spawn = multiprocessing.get_context("spawn")
     result_file = tmp_path / "rank0.json"
-    ranks = [spawn.Process(target=_gloo_rank, args=(r, str(tmp_path / "store"), str(result_file)))
-             for r in range(2)]
+    ranks = [spawn.Process(target=target, args=(r, str(tmp_path / "store"), str(result_file))) for r in range(2)]
     for process in ranks:
         process.start()
     try:
@@ -91,7 +93,13 @@ def test_gloo_peer_that_exits_mid_collective_is_named_with_the_call(tmp_path):
             if process.is_alive():
                 process.kill()
                 process.join(5)
-    assert [process.exitcode for process in ranks] == [0, 3]
+    return [process.exitcode for process in ranks], result_file
+
+
+@pytest.mark.timeout(60)
+def test_gloo_peer_that_exits_mid_collective_is_named_with_the_call(tmp_path):
+    exit_codes, result_file = run_two_gloo_ranks(_gloo_rank, tmp_path)
+    assert exit_codes == [0, 3]
     replay, ring, native = json.loads(result_file.read_text())
     assert replay["compiled"]  # the bucket's third call ran gloo's compiled replay
     for seq, seen in ((3, replay), (4, ring)):

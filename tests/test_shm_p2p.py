@@ -2,13 +2,13 @@
 the ring keeps every byte whatever the sizes and wrap-arounds, ranks on processes use it
 (with gloo's semantics: match by tag, in order, any size), a message larger than the ring
 passes in pieces both ways at once, a sleeping receiver is woken, a silent peer times out, a
-peer that exits is named, nothing is left in /dev/shm, and PARATRAIN_SHM=0 leaves it to gloo.
+peer that exits is named, nothing is left in /dev/shm, PARATRAIN_SHM=0 leaves it to gloo, and
+a wait polls only where the host has a core for each rank.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import time
 from datetime import timedelta
@@ -20,9 +20,11 @@ from hypothesis import strategies as st
 
 import paratrain
 from paratrain.comm import CommTimeoutError, Group, PeerLostError, TorchTransport
+from paratrain.comm.transport import shm_setup
 from paratrain.comm.transport.shm import SharedMemoryP2P
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
 
+from test_failures import run_two_gloo_ranks
 from test_p2p import RUN_TIMEOUT_S, _assert_no_failures, every_p2p_check
 
 # ---- the ring alone: one process, both ends mapped -------------------------------------------
@@ -44,15 +46,15 @@ def test_the_ring_returns_every_fragment_as_written_across_wrap_arounds(tmp_path
             fragment, expected = pending.pop(0)
             assert receiver.head == head and receiver.fragment_at(tail) == fragment
             landed = torch.empty(fragment.length, dtype=torch.uint8)
-            tail = receiver.read(tail, fragment, landed)
+            tail = receiver.read(tail, fragment, landed.data_ptr())
             assert torch.equal(landed, expected)
         fragment = Fragment(tag, 10_000 + tag, 0, length)
-        head = sender.write(head, fragment, payload)
+        head = sender.write(head, fragment, payload.data_ptr())
         pending.append((fragment, payload))
     for fragment, expected in pending:
         assert receiver.fragment_at(tail) == fragment
         landed = torch.empty(fragment.length, dtype=torch.uint8)
-        tail = receiver.read(tail, fragment, landed)
+        tail = receiver.read(tail, fragment, landed.data_ptr())
         assert torch.equal(landed, expected)
     assert sender.tail == tail == head
 
@@ -162,22 +164,31 @@ def _rank_whose_peer_exits(rank: int, store_file: str, result_file: str) -> None
 
 @pytest.mark.timeout(60)  # the group's timeout is 60 s: finishing first means the exit was noticed
 def test_a_peer_process_that_exits_is_named_by_the_rank_waiting_for_it(tmp_path):
-    spawn = multiprocessing.get_context("spawn")
-    result_file = tmp_path / "rank0.json"
-    ranks = [spawn.Process(target=_rank_whose_peer_exits, args=(r, str(tmp_path / "store"), str(result_file)))
-             for r in range(2)]
-    for process in ranks:
-        process.start()
-    try:
-        for process in ranks:
-            process.join(50)
-    finally:
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-    assert [process.exitcode for process in ranks] == [0, 3]
+    exit_codes, result_file = run_two_gloo_ranks(_rank_whose_peer_exits, tmp_path)
+    assert exit_codes == [0, 3]
     seen = json.loads(result_file.read_text())
     assert seen["shm"] and seen["peer"] == 1
     assert seen["text"].startswith("rank 0: recv (call #1) lost rank 1: rank 1's process (pid ")
     assert "has exited" in seen["text"]
+
+
+# ---- settings ----------------------------------------------------------------------------------
+
+
+def test_a_wait_polls_only_where_each_rank_of_the_host_has_a_core(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert shm_setup.spin_s(cores) == shm_setup.DEFAULT_SPIN_S
+    assert shm_setup.spin_s(cores + 1) == 0.0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))  # torchrun's count of this host's ranks
+    assert shm_setup.spin_s(1) == 0.0
+    monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "250")
+    assert shm_setup.spin_s(cores + 1) == 250e-6
+    monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "soon")
+    with pytest.raises(ValueError, match="PARATRAIN_SHM_SPIN_US must be a whole number, got 'soon'"):
+        shm_setup.spin_s(1)
+    monkeypatch.setenv("PARATRAIN_SHM_BYTES", "100")
+    with pytest.raises(ValueError, match="PARATRAIN_SHM_BYTES must be at least 256, got '100'"):
+        shm_setup.ring_bytes_from_env()
+    monkeypatch.setenv("PARATRAIN_SHM", "0")
+    assert not shm_setup.enabled()

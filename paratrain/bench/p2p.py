@@ -80,7 +80,10 @@ def run_p2p(group, sweep: P2PSweep) -> P2PResult | None:
         return None
     records = [_record(test, src, dst, size, seconds[index].item(), group.size)
                for index, (test, src, dst, size) in enumerate(steps)]
-    return P2PResult(group.size, group.kind, str(device), records)
+    # Point-to-point between processes of one host goes through shared memory (comm/transport/shm.py).
+    shared = getattr(getattr(group.transport, "p2p", None), "neighbours", ())
+    transport = f"{group.kind} (p2p to {len(shared)} rank(s) of this host: shared memory)" if shared else group.kind
+    return P2PResult(group.size, transport, str(device), records)
 
 
 def _record(test: str, src: int, dst: int, size: int, elapsed: float, n: int) -> dict:

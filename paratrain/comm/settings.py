@@ -1,6 +1,8 @@
 """What the environment sets for communication: PARATRAIN_TIMEOUT (seconds a call may wait)
 and PARATRAIN_DEBUG (check that all ranks make the same call). Read by every Group, and by
-the launcher and the frontend, which pass the timeout on to the process groups they make."""
+the launcher and the frontend, which pass the timeout on to the process groups they make.
+(The shared-memory settings, PARATRAIN_SHM*, are read through int_from_env by
+transport/shm_setup.py.)"""
 
 from __future__ import annotations
 
@@ -14,13 +16,23 @@ def env_flag(name: str) -> bool:
 
 
 def timeout_from_env() -> float:
-    raw = os.environ.get("PARATRAIN_TIMEOUT")
+    return _from_env("PARATRAIN_TIMEOUT", DEFAULT_TIMEOUT_S, float, "a number of seconds", lambda v: v > 0, "positive")
+
+
+def int_from_env(name: str, default: int, least: int) -> int:
+    return _from_env(name, default, int, "a whole number", lambda v: v >= least, f"at least {least}")
+
+
+def _from_env(name: str, default, kind, what: str, valid, rule: str):
+    """`name`'s value read as `kind` (`default` when unset or empty), or a ValueError that says
+    what it must be."""
+    raw = os.environ.get(name)
     if not raw:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        raise ValueError(f"PARATRAIN_TIMEOUT must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"PARATRAIN_TIMEOUT must be positive, got {raw!r}")
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
+    if not valid(value):
+        raise ValueError(f"{name} must be {rule}, got {raw!r}")
     return value

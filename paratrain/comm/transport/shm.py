@@ -17,8 +17,8 @@ tensors between ranks of one process group whose processes share /dev/shm, on x8
 shm_ring.py). Everything else (CUDA tensors, peers on other hosts, every collective) goes to
 the process group as before. PARATRAIN_SHM=0 turns it off; PARATRAIN_SHM_BYTES sets each
 ring's size (default 4 MiB; a larger message passes through in pieces); PARATRAIN_SHM_SPIN_US
-how long a wait polls before it sleeps (default 5000; on cores of its own a rank may poll
-longer, on a host with more ranks than cores shorter).
+how long a wait polls before it sleeps (default 50000 where the host has a core per rank, 0
+where it has fewer). Setting up, and those settings: shm_setup.py.
 
 Semantics are gloo's: messages match by (source, tag), in the order they were sent on that
 tag, whatever order the receives are posted in. A send completes once its bytes are in the
@@ -33,12 +33,8 @@ reported as lost just as gloo's broken connection is.
 
 from __future__ import annotations
 
-import atexit
-import functools
-import hashlib
+import ctypes
 import os
-import platform
-import secrets
 import select
 import threading
 import time
@@ -47,48 +43,20 @@ from collections import deque
 import torch
 
 from paratrain.comm.errors import TransportFailure, TransportTimeout
-from paratrain.comm.settings import DEFAULT_TIMEOUT_S
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
 
-DEFAULT_RING_BYTES = 4 << 20
-DEFAULT_SPIN_S = 5e-3  # polling before sleeping: longer than most waits between pipeline stages
 _LOOK_S = 0.05  # how often a waiting rank checks that its peer's process still exists
 _NAP_S = 0.01   # the longest sleep between looks at the rings (a doorbell lost in a race)
 
 
-def enabled() -> bool:
-    """Whether this process offers shared memory to its peers (PARATRAIN_SHM, the platform)."""
-    if os.environ.get("PARATRAIN_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
-
-
-def ring_bytes_from_env() -> int:
-    return round_up(_int_from_env("PARATRAIN_SHM_BYTES", DEFAULT_RING_BYTES, 4 * LINE))
-
-
-def spin_s_from_env() -> float:
-    return _int_from_env("PARATRAIN_SHM_SPIN_US", round(DEFAULT_SPIN_S * 1e6), 0) / 1e6
-
-
-def _int_from_env(name: str, default: int, least: int) -> int:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a whole number, got {raw!r}") from None
-    if value < least:
-        raise ValueError(f"{name} must be at least {least}, got {raw!r}")
-    return value
-
-
 class _Send:
-    __slots__ = ("peer", "kind", "tag", "bytes", "sent", "done", "error", "owner")
+    """A send: its tensor's bytes, by address (the tensor is held until they are in the ring)."""
 
-    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, data: torch.Tensor):
-        self.owner, self.peer, self.kind, self.tag, self.bytes = owner, peer, "send", tag, data
+    __slots__ = ("peer", "kind", "tag", "tensor", "address", "nbytes", "sent", "done", "error", "owner")
+
+    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor):
+        self.owner, self.peer, self.kind, self.tag = owner, peer, "send", tag
+        self.tensor, self.address, self.nbytes = tensor, tensor.data_ptr(), tensor.nbytes
         self.sent, self.done, self.error = 0, False, None
 
     def wait(self, timeout: float) -> None:
@@ -99,22 +67,23 @@ class _Recv:
     """A posted receive. It fills its buffer from the ring, or, if its message arrived before
     it was posted, from that message's `arrival` once complete."""
 
-    __slots__ = ("peer", "kind", "tag", "bytes", "done", "error", "arrival", "owner")
+    __slots__ = ("peer", "kind", "tag", "tensor", "address", "nbytes", "done", "error", "arrival", "owner")
 
-    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, data: torch.Tensor):
-        self.owner, self.peer, self.kind, self.tag, self.bytes = owner, peer, "recv", tag, data
+    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor):
+        self.owner, self.peer, self.kind, self.tag = owner, peer, "recv", tag
+        self.tensor, self.address, self.nbytes = tensor, tensor.data_ptr(), tensor.nbytes
         self.done, self.error, self.arrival = False, None, None
 
     def wait(self, timeout: float) -> None:
         self.owner.wait(self, timeout)
 
-    def landing(self, total: int) -> torch.Tensor | None:
+    def landing(self, total: int) -> int | None:
         """Where a message of `total` bytes goes: this buffer, or nowhere if it does not fit."""
-        if total != self.bytes.numel():
+        if total != self.nbytes:
             self.error = ValueError(f"recv from rank {self.peer} (tag {self.tag}): the message has {total} bytes, "
-                                    f"the receive's buffer {self.bytes.numel()}")
+                                    f"the receive's buffer {self.nbytes}")
             return None
-        return self.bytes
+        return self.address
 
     def finish(self) -> None:
         self.done = True
@@ -122,21 +91,22 @@ class _Recv:
     def take_arrival(self) -> None:
         """Copy a message that came before this receive was posted, once it is complete."""
         if self.arrival is not None and self.arrival.done:
-            if self.landing(self.arrival.bytes.numel()) is not None:
-                self.bytes.copy_(self.arrival.bytes)
+            if self.landing(self.arrival.nbytes) is not None:
+                ctypes.memmove(self.address, self.arrival.address, self.nbytes)
             self.arrival, self.done = None, True
 
 
 class _Arrival:
     """A message no receive was posted for yet: it lands in a buffer of its own."""
 
-    __slots__ = ("bytes", "done")
+    __slots__ = ("buffer", "address", "nbytes", "done")
 
     def __init__(self, total: int):
-        self.bytes, self.done = torch.empty(total, dtype=torch.uint8), False
+        self.buffer = torch.empty(total, dtype=torch.uint8)
+        self.address, self.nbytes, self.done = self.buffer.data_ptr(), total, False
 
-    def landing(self, total: int) -> torch.Tensor:
-        return self.bytes
+    def landing(self, total: int) -> int:
+        return self.address
 
     def finish(self) -> None:
         self.done = True
@@ -148,6 +118,7 @@ class _Outgoing:
     def __init__(self, ring: Ring):
         self.ring, self.head, self.tail = ring, ring.head, ring.tail
         self.queue: deque[_Send] = deque()  # sends not yet wholly in the ring, oldest first
+        self.populated = False  # its pages are mapped in at the first send (Ring.populate)
 
 
 class _Incoming:
@@ -155,6 +126,7 @@ class _Incoming:
 
     def __init__(self, ring: Ring):
         self.ring, self.tail = ring, ring.tail
+        self.populated = False  # its pages are mapped in at the first message (Ring.populate)
         self.posted: dict[int, deque[_Recv]] = {}       # tag -> receives, in posting order
         self.arrived: dict[int, deque[_Arrival]] = {}   # tag -> messages ahead of their receive
         self.current = None  # where the message being read goes (a _Recv or an _Arrival)
@@ -165,7 +137,7 @@ class SharedMemoryP2P:
     through `inner` (the process group) to the others. Offers what Link needs of a transport."""
 
     def __init__(self, inner, outgoing: dict[int, Ring], incoming: dict[int, Ring], bells: dict[int, int],
-                 bell: tuple[int, int], peers: dict[int, tuple[int, bytes]], spin_s: float = DEFAULT_SPIN_S):
+                 bell: tuple[int, int], peers: dict[int, tuple[int, bytes]], spin_s: float):
         self.inner = inner
         self.rank, self.size, self.kind = inner.rank, inner.size, inner.kind
         self.posts_ahead = True
@@ -190,14 +162,13 @@ class SharedMemoryP2P:
                 if op.peer not in self._outgoing or op.tensor.is_cuda or op.reduce:
                     others.append(index)
                     continue
-                data = op.tensor.reshape(-1).view(torch.uint8)
-                if op.kind == "send":
-                    work = works[index] = _Send(self, op.peer, op.tag, data)
+                if op.kind == "send":  # the tensor is contiguous (Group makes it so)
+                    work = works[index] = _Send(self, op.peer, op.tag, op.tensor)
                     channel = self._outgoing[op.peer]
                     channel.queue.append(work)
                     self._push(op.peer, channel)
                 else:
-                    works[index] = self._post_receive(_Recv(self, op.peer, op.tag, data))
+                    works[index] = self._post_receive(_Recv(self, op.peer, op.tag, op.tensor))
         if others:
             for index, work in zip(others, self.inner.start([ops[i] for i in others])):
                 works[index] = work
@@ -219,9 +190,12 @@ class SharedMemoryP2P:
     def _push(self, peer: int, channel: _Outgoing) -> bool:
         """Write as much of the queued sends to `peer` as the ring has room for."""
         ring, moved = channel.ring, False
+        if not channel.populated:
+            ring.populate(writing=True)
+            channel.populated = True
         while channel.queue:
             send = channel.queue[0]
-            remaining = send.bytes.numel() - send.sent
+            remaining = send.nbytes - send.sent
             free = ring.capacity - (channel.head - channel.tail)
             if free < LINE + round_up(remaining):
                 channel.tail = ring.tail  # the receiver may have made room since we last looked
@@ -230,11 +204,11 @@ class SharedMemoryP2P:
                 ring.set_sender_waiting(True)
                 break
             length = min(remaining, free - LINE)
-            fragment = Fragment(send.tag, send.bytes.numel(), send.sent, length)
-            channel.head = ring.write(channel.head, fragment, send.bytes[send.sent : send.sent + length])
+            fragment = Fragment(send.tag, send.nbytes, send.sent, length)
+            channel.head = ring.write(channel.head, fragment, send.address + send.sent)
             send.sent += length
             moved = True
-            if send.sent == send.bytes.numel():
+            if send.sent == send.nbytes:
                 send.done = True
                 channel.queue.popleft()
         if moved and ring.receiver_sleeping:
@@ -247,15 +221,16 @@ class SharedMemoryP2P:
         head = ring.head
         if head == channel.tail:
             return False
+        if not channel.populated:
+            ring.populate(writing=False)
+            channel.populated = True
         while channel.tail < head:
             fragment = ring.fragment_at(channel.tail)
             if fragment.offset == 0:
                 channel.current = self._landing_for(channel, fragment)
             target = channel.current
             into = target.landing(fragment.total)
-            if into is not None:
-                into = into[fragment.offset : fragment.offset + fragment.length]
-            channel.tail = ring.read(channel.tail, fragment, into)
+            channel.tail = ring.read(channel.tail, fragment, None if into is None else into + fragment.offset)
             if fragment.offset + fragment.length == fragment.total:
                 target.finish()
                 channel.current = None
@@ -343,25 +318,11 @@ class SharedMemoryP2P:
 
     def _check_alive(self, peer: int) -> None:
         pid, started = self._peers[peer]
-        if _start_time(pid) != started:
+        if start_time(pid) != started:
             raise TransportFailure(peer, f"rank {peer}'s process (pid {pid}) has exited")
 
 
-# ---- setting up: which peers share this host, and their rings ---------------------------
-
-
-def _host_key() -> int:
-    """Equal for processes that share /dev/shm and see each other's process ids: the boot,
-    the /dev/shm file system and the process namespace."""
-    with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
-        boot = handle.read().strip()
-    shm = os.stat("/dev/shm")
-    namespace = os.readlink("/proc/self/ns/pid")
-    digest = hashlib.blake2b(b"|".join([boot, str(shm.st_dev).encode(), namespace.encode()]), digest_size=7)
-    return int.from_bytes(digest.digest(), "little")
-
-
-def _start_time(pid: int) -> bytes | None:
+def start_time(pid: int) -> bytes | None:
     """When process `pid` started (None: it is gone or a zombie): a pid reused by a new
     process has another start time."""
     try:
@@ -370,65 +331,3 @@ def _start_time(pid: int) -> bytes | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     return None if fields[0] in (b"Z", b"X") else fields[19]
-
-
-def _ring_path(token: int, dst: int) -> str:
-    return f"/dev/shm/paratrain-{token:016x}-to-{dst}"
-
-
-def _bell_path(token: int) -> str:
-    return f"/dev/shm/paratrain-{token:016x}-bell"
-
-
-def connect(inner) -> SharedMemoryP2P | None:
-    """Set up shared memory among the ranks of `inner` (a TorchTransport) that share a host; every rank
-    calls this (one all-gather, and two barriers where any two ranks share a host). Returns
-    None where this rank shares a host with none of the others (or offers no shared memory)."""
-    me = torch.zeros(4, dtype=torch.int64)
-    offered = enabled()
-    token = secrets.randbits(62)
-    if offered:
-        try:
-            me[:] = torch.tensor([1, _host_key(), os.getpid(), token])
-        except OSError:  # no /proc: not a Linux we know how to watch
-            offered = False
-    everyone = torch.empty(inner.size * 4, dtype=torch.int64)
-    timeout = inner.own_timeout or DEFAULT_TIMEOUT_S
-    inner.native_all_gather(everyone, me, timeout)
-    table = everyone.view(inner.size, 4).tolist()
-    hosts = {}
-    for rank, (offers, key, _, _) in enumerate(table):
-        if offers:
-            hosts.setdefault(key, []).append(rank)
-    if all(len(ranks) < 2 for ranks in hosts.values()):
-        return None  # the same answer on every rank: nobody does the barriers below
-    neighbours = [r for r in hosts.get(table[inner.rank][1], []) if r != inner.rank] if offered else []
-    capacity = ring_bytes_from_env()
-    mine = [_ring_path(token, peer) for peer in neighbours] + [_bell_path(token)]
-    cleanup = functools.partial(_unlink, mine)
-    atexit.register(cleanup)  # only if we fail before the second barrier below
-    outgoing, incoming, bells, bell = {}, {}, {}, None
-    if neighbours:
-        outgoing = {peer: Ring(_ring_path(token, peer), capacity, create=True) for peer in neighbours}
-        os.mkfifo(_bell_path(token), 0o600)
-        bell = (os.open(_bell_path(token), os.O_RDONLY | os.O_NONBLOCK),
-                os.open(_bell_path(token), os.O_WRONLY | os.O_NONBLOCK))
-    inner.native_barrier(timeout)  # every ring and doorbell exists
-    for peer in neighbours:
-        incoming[peer] = Ring(_ring_path(table[peer][3], inner.rank), capacity, create=False)
-        bells[peer] = os.open(_bell_path(table[peer][3]), os.O_WRONLY | os.O_NONBLOCK)
-    inner.native_barrier(timeout)  # every peer has opened ours: the names can go
-    cleanup()
-    atexit.unregister(cleanup)
-    if not neighbours:
-        return None
-    peers = {peer: (table[peer][2], _start_time(table[peer][2])) for peer in neighbours}
-    return SharedMemoryP2P(inner, outgoing, incoming, bells, bell, peers, spin_s_from_env())
-
-
-def _unlink(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

@@ -16,7 +16,7 @@ from paratrain.comm.errors import TransportFailure, TransportTimeout
 from paratrain.comm.flight import process_records
 from paratrain.comm.ops import combine_, part_sizes
 from paratrain.comm.scratch import StagingPool
-from paratrain.comm.transport import shm
+from paratrain.comm.transport import shm_setup
 from paratrain.comm.transport.base import POST, P2POp, Schedule
 
 # torch 2.13 renamed the tensor collectives; keep working on releases before the rename.
@@ -176,7 +176,7 @@ class TorchTransport:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")
         # Point-to-point between processes of this host goes through shared memory (shm.py);
         # None: gloo carries it all. Group sends its own p2p here, the collectives' messages not.
-        self.p2p = shm.connect(self) if self.kind == "gloo" else None
+        self.p2p = shm_setup.connect(self) if self.kind == "gloo" else None
 
     def start(self, ops: list[P2POp]) -> list:
         if ops and ops[0].tensor.is_cuda:
