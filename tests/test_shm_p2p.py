@@ -25,7 +25,7 @@ from paratrain.comm.transport.shm import SharedMemoryP2P
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
 
 from test_failures import run_two_gloo_ranks
-from test_p2p import RUN_TIMEOUT_S, _assert_no_failures, every_p2p_check
+from test_p2p import RUN_TIMEOUT_S, _assert_no_failures, every_p2p_check, sendrecv_around_the_ring
 
 # ---- the ring alone: one process, both ends mapped -------------------------------------------
 
@@ -104,6 +104,31 @@ def test_processes_of_one_host_pass_every_message_through_shared_memory(monkeypa
     before = _paratrain_files()
     _assert_no_failures(paratrain.run(_shared_memory_checks, 2, launcher="processes", timeout=RUN_TIMEOUT_S))
     assert _paratrain_files() == before  # the rings' and doorbells' names went once both ends had them
+
+
+def _everyone_sends_to_everyone_at_once(group) -> list[str]:
+    """Each rank posts 256 KiB to every other before receiving any, through 4 KiB rings: no
+    ring can hold a message, so each rank must read its peers' rings while its own sends wait
+    for room (or all would wait forever); then the ring shift of test_p2p."""
+    failures = []
+    if len(group._p2p_transport.neighbours) != group.size - 1:
+        return [f"shared memory reaches {group._p2p_transport.neighbours}, not every other rank"]
+    peers = [r for r in range(group.size) if r != group.rank]
+    sends = [group.isend(torch.full((1 << 16,), float(10 * group.rank + peer)), peer, tag=3) for peer in peers]
+    received = {peer: torch.empty(1 << 16) for peer in peers}
+    receives = [group.irecv(received[peer], peer, tag=3) for peer in peers]
+    for handle in sends + receives:
+        handle.wait()
+    for peer, tensor in received.items():
+        if not torch.equal(tensor, torch.full((1 << 16,), float(10 * peer + group.rank))):
+            failures.append(f"the 256 KiB from rank {peer} arrived changed")
+    return failures + sendrecv_around_the_ring(group)
+
+
+def test_three_processes_send_each_other_more_than_a_ring_holds_at_once(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM_BYTES", "4096")
+    _assert_no_failures(paratrain.run(_everyone_sends_to_everyone_at_once, 3, launcher="processes",
+                                      timeout=RUN_TIMEOUT_S))
 
 
 def _sleeps_then_times_out(group) -> list[str]:

@@ -280,17 +280,19 @@ class SharedMemoryP2P:
                     work.take_arrival()
                 if work.done:
                     break
-            if self._progress():
-                spin_until = time.perf_counter() + self.spin_s
-                continue
+            moved = self._progress()
+            if work.done:
+                break
             now = time.perf_counter()
-            if now >= deadline:
-                raise TransportTimeout(work.peer, timeout, f"no {work.kind} from rank {work.peer} "
-                                       f"through shared memory after {timeout:g}s")
+            if now >= deadline:  # checked even while other rings move: they are not this work
+                raise TransportTimeout(work.peer, timeout, f"{work.kind} with rank {work.peer}: nothing "
+                                       f"came through shared memory in {timeout:g}s")
             if now >= look_at:
                 self._check_alive(work.peer)
                 look_at = now + _LOOK_S
-            if now < spin_until:
+            if moved:
+                spin_until = now + self.spin_s
+            elif now < spin_until:
                 os.sched_yield()
             else:
                 self._sleep(min(deadline, look_at) - now)
