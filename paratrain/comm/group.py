@@ -44,9 +44,7 @@ class Group:
         segment_bytes: int | None = None,
     ):
         self.transport = transport
-        # Point-to-point may take another way than the collectives' messages: shared memory
-        # between processes of one host (transport/shm.py).
-        self._p2p_transport = getattr(transport, "p2p", None) or transport
+        self._p2p = getattr(transport, "p2p", None) or transport  # shared memory on one host (transport/shm.py)
         self.rank, self.size, self.kind = transport.rank, transport.size, transport.kind
         self.timeout = float(timeout) if timeout is not None else timeout_from_env()
         if self.timeout <= 0:
@@ -102,8 +100,7 @@ class Group:
         call = self._recorder.start(
             self._key, "p2p", self._p2p_seq, op.kind, (op.tensor.shape, op.tensor.dtype), None, op.peer,
         )
-        link = Link(self._p2p_transport, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes,
-                    self._scratch)
+        link = Link(self._p2p, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes, self._scratch)
         try:
             (work,) = link.start([op])
         except Exception as error:
