@@ -366,7 +366,7 @@ def test_processes_launcher_runs_the_sweep_over_gloo(tmp_path):
                "--json", str(path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
-    assert "transport gloo" in done.stdout
+    assert "transport gloo (shm: every message through shared memory)" in done.stdout  # both ranks on this host
     records = json.loads(path.read_text())
     assert len(records) == 2 * 2 * 2
     assert all(r["launcher"] == "processes" and r["world_size"] == 2 and r["wrong"] == 0 for r in records)

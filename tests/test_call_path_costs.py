@@ -82,7 +82,9 @@ def test_each_call_starts_the_algorithms_messages_and_allocates_nothing_on_threa
     assert not failures, "\n".join(failures)
 
 
-def test_each_call_starts_the_algorithms_messages_and_allocates_nothing_on_gloo():
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_each_call_starts_the_algorithms_messages_and_allocates_nothing_on_gloo(shared_memory, monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM", shared_memory)  # the messages through /dev/shm, or gloo's sockets
     results = paratrain.run(count_per_call, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
     failures = [line for rank in sorted(results) for line in results[rank]]
     assert not failures, "\n".join(failures)
@@ -149,7 +151,8 @@ def count_compiled_replays(group: Group, calls: int = 3) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_a_compiled_replay_on_gloo_posts_the_algorithms_messages_and_allocates_nothing(world_size):
+def test_a_compiled_replay_on_gloo_posts_the_algorithms_messages_and_allocates_nothing(world_size, monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM", "0")  # gloo compiles replays only where it carries every message
     results = paratrain.run(count_compiled_replays, world_size, launcher="processes", timeout=RUN_TIMEOUT_S)
     failures = [line for rank in sorted(results) for line in results[rank]]
     assert not failures, "\n".join(failures)

@@ -97,13 +97,20 @@ def run_two_gloo_ranks(target, tmp_path) -> tuple[list[int | None], Path]:
 
 
 @pytest.mark.timeout(60)
-def test_gloo_peer_that_exits_mid_collective_is_named_with_the_call(tmp_path):
+@pytest.mark.parametrize("shared_memory", ["0", "1"])
+def test_gloo_peer_that_exits_mid_collective_is_named_with_the_call(tmp_path, shared_memory, monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM", shared_memory)  # our algorithms' messages on gloo's sockets, or not
     exit_codes, result_file = run_two_gloo_ranks(_gloo_rank, tmp_path)
     assert exit_codes == [0, 3]
     replay, ring, native = json.loads(result_file.read_text())
-    assert replay["compiled"]  # the bucket's third call ran gloo's compiled replay
+    # The bucket's third call replays its plan: compiled to gloo's own calls where gloo carries it.
+    assert replay["compiled"] == (shared_memory == "0")
     for seq, seen in ((3, replay), (4, ring)):
         assert seen["text"].startswith(f"rank 0: all_reduce (call #{seq}) lost rank 1: ")
+        if shared_memory == "1":  # the wait saw rank 1's process gone (transport/shm.py)
+            assert "rank 1's process (pid" in seen["text"] and "has exited" in seen["text"]
+            assert seen["cause"] == "TransportFailure"
+            continue
         assert "by peer" in seen["text"]  # gloo: "Connection closed by peer" or "reset by peer"
         assert ".cc:" not in seen["text"]  # gloo's C++ source location is left out
         assert seen["cause"] == "RuntimeError" and "by peer" in seen["cause_text"]  # gloo's own error

@@ -229,20 +229,24 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
 
 
 def _print_overhead(plan, counts, dtype, warmup, rounds, table, nproc, launcher, timeout, debug, notes) -> None:
-    rows = _launch(None, nproc, launcher, timeout, debug,
-                   function=run_overhead_with_table, args=(table, plan, counts, dtype, warmup, rounds))
-    if rows is None:
+    result = _launch(None, nproc, launcher, timeout, debug,
+                     function=run_overhead_with_table, args=(table, plan, counts, dtype, warmup, rounds))
+    if result is None:
         return
+    wire, rows = result
     world = nproc if not in_torchrun() else "torchrun's"
+    kind = transport_kind(launcher, nproc)
+    route = f"{kind} (messages through shared memory: this host's ranks)" if wire == "shm" else kind
     lines = [f"# paratrain bench collectives --overhead: world size {world}  launcher {launcher}"
-             f"  transport {transport_kind(launcher, nproc)}  dtype {dtype}  warmup {warmup}  rounds {rounds}"]
+             f"  transport {route}  dtype {dtype}  warmup {warmup}  rounds {rounds}"]
     lines += [f"# note: {note}" for note in notes]
     click.echo("\n".join(lines + overhead_lines(rows, rounds)))
 
 
 def run_overhead_with_table(group, table, plan, counts, dtype, warmup, rounds):
     group.table = table  # auto resolves as it would in the sweep
-    return run_overhead(group, plan, counts, dtype, warmup, rounds)
+    rows = run_overhead(group, plan, counts, dtype, warmup, rounds)
+    return None if rows is None else (group.wire, rows)
 
 
 def _launch(sweep: Sweep | None, nproc: int, launcher: str, timeout: float | None, debug: bool,

@@ -4,8 +4,9 @@ point-to-point it issues.
 Each algorithm's call is recorded once where it meets the transport (every batch of sends and
 receives it starts, every wait, every native collective), then replayed bare: on processes
 straight on the process group's own `send`/`recv` (what `dist.isend`/`dist.irecv` end in) and
-`work.wait()`, with an `add_` for each receive that reduces; on threads through the fabric's
-`start` and `wait`. The replay runs no paratrain code between those calls (no Group, Link,
+`work.wait()`, with an `add_` for each receive that reduces; where the ranks share a host, and
+so their messages go through shared memory (transport/shm.py), and on threads, through the
+transport's own `start` and `wait`. The replay runs no paratrain code between those calls (no Group, Link,
 argument checks, flight recorder, algorithm or table lookup), so ours - bare is what paratrain
 adds per call, moving the same messages between the same buffers. What an algorithm computes
 outside its receives (direct's fold at the root, a reduce-scatter's scratch copy) is not
@@ -153,10 +154,13 @@ def record_call(group: Group, op: str, count: int, dtype, device, algo: str):
 def bare_replay(events: list[tuple], transport, timeout: float, public_api: bool = False):
     """A function that issues `events` again with nothing between the transport's own calls;
     with `public_api`, on processes, through `dist.isend`/`dist.irecv` (what a user's own
-    script would call) rather than straight on the process group (None on other transports)."""
-    if transport.kind == "fabric":
-        return None if public_api else _fabric_replay(events, transport, timeout)
-    return _torch_replay(events, transport, public_api)
+    script would call) rather than through the transport (None on the fabric)."""
+    if public_api:
+        return None if transport.kind == "fabric" else _torch_replay(events, transport, public_api=True)
+    if transport.kind == "fabric" or getattr(transport, "p2p", None) is not None:
+        # The fabric's, or shared memory's (transport/shm.py), start and wait.
+        return _start_replay(events, transport, timeout)
+    return _torch_replay(events, transport)
 
 
 def _torch_replay(events, transport, public_api: bool = False):
@@ -223,7 +227,7 @@ class _Batch:
             work.wait()
 
 
-def _fabric_replay(events, transport, timeout):
+def _start_replay(events, transport, timeout):
     program = []
     for event in events:
         if event[0] == "start":
@@ -351,7 +355,8 @@ def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
         "# path = paratrain's own code per call: the same call against a transport that moves",
         "# nothing (checks, table, flight recorder, Group, Link, algorithm; no transport).",
         "# dist = the same bare replay through dist.isend/dist.irecv, as a user's own script would",
-        "# post them (processes only), timed in the same alternation as ours and bare.",
+        "# post them (processes only; always over gloo's sockets, never shared memory), timed in the",
+        "# same alternation as ours and bare.",
         f"# {'op':<10}  {'size (B)':>9}  {'algo':<10}  {'msgs':>4}  {'ours':>8}  {'bare':>8}  {'overhead':>8}"
         f"  {'ratio':>6}  {'burst':>8}  {'burst':>8}  {'burst':>6}  {'ours':>7}  {'bare':>7}  {'path':>6}"
         f"  {'dist':>8}  {'ours /':>6}  {'dist':>7}",

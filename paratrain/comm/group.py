@@ -44,8 +44,8 @@ class Group:
         segment_bytes: int | None = None,
     ):
         self.transport = transport
-        self._p2p = getattr(transport, "p2p", None) or transport  # shared memory on one host (transport/shm.py)
         self.rank, self.size, self.kind = transport.rank, transport.size, transport.kind
+        self.wire = getattr(transport, "wire", self.kind)  # the algorithm table's key (choice.py)
         self.timeout = float(timeout) if timeout is not None else timeout_from_env()
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -100,7 +100,7 @@ class Group:
         call = self._recorder.start(
             self._key, "p2p", self._p2p_seq, op.kind, (op.tensor.shape, op.tensor.dtype), None, op.peer,
         )
-        link = Link(self._p2p, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes, self._scratch)
+        link = Link(self.transport, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes, self._scratch)
         try:
             (work,) = link.start([op])
         except Exception as error:
@@ -241,7 +241,7 @@ class Group:
             raise ValueError(f"{op_name}: unknown algorithm {algo!r}; valid: {', '.join(valid)}")
         if algo != "auto":
             return algo
-        return self.table.choose(op_name, nbytes, self.size, self.kind).algo
+        return self.table.choose(op_name, nbytes, self.size, self.wire).algo
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algo: str = "auto", async_op: bool = False):
         """Reduce `tensor` over all ranks, in place; every rank gets the result."""

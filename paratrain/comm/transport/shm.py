@@ -12,13 +12,16 @@ thread of either process needs waking. A rank waiting for a message polls its ri
 `spin_s` (yielding the core to anything else runnable) and only then sleeps on its doorbell,
 a named pipe every peer writes a byte to after each message, so a long wait costs no CPU.
 
-What goes this way: `Group`'s point-to-point (isend, irecv, send, recv, sendrecv) of CPU
-tensors between ranks of one process group whose processes share /dev/shm, on x86-64 (see
-shm_ring.py). Everything else (CUDA tensors, peers on other hosts, every collective) goes to
-the process group as before. PARATRAIN_SHM=0 turns it off; PARATRAIN_SHM_BYTES sets each
-ring's size (default 4 MiB; a larger message passes through in pieces); PARATRAIN_SHM_SPIN_US
-how long a wait polls before it sleeps (default 50000 where the host has a core per rank, 0
-where it has fewer). Setting up, and those settings: shm_setup.py.
+What goes this way: every message of a process group (its point-to-point and the messages of
+paratrain's own collective algorithms, TorchTransport.start) whose tensor is on the CPU and whose
+peer shares /dev/shm with this process, on x86-64 (see shm_ring.py). Everything else (CUDA
+tensors, peers on other hosts, the backend's own collectives) goes to the process group as
+before. PARATRAIN_SHM=0 turns it off; PARATRAIN_SHM_BYTES sets each ring's size (default 4
+MiB; a larger message passes through in pieces); PARATRAIN_SHM_SPIN_US how long a wait polls
+before it sleeps (default 50000 where the host has a core per rank, 0 where it has fewer).
+Only the main thread polls: a wait on a helper thread (an async collective overlapping a
+backward pass) sleeps at once, leaving the core to the compute it overlaps. Setting up, and
+those settings: shm_setup.py.
 
 Semantics are gloo's: messages match by (source, tag), in the order they were sent on that
 tag, whatever order the receives are posted in. A send completes once its bytes are in the
@@ -43,6 +46,7 @@ from collections import deque
 import torch
 
 from paratrain.comm.errors import TransportFailure, TransportTimeout
+from paratrain.comm.ops import combine_
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
 
 _LOOK_S = 0.05  # how often a waiting rank checks that its peer's process still exists
@@ -65,17 +69,25 @@ class _Send:
 
 class _Recv:
     """A posted receive. It fills its buffer from the ring, or, if its message arrived before
-    it was posted, from that message's `arrival` once complete."""
+    it was posted, from that message's `arrival` once complete. A receive that reduces lands in
+    a staging buffer (`tensor`) and is combined into its `target` by the wait that sees it done."""
 
-    __slots__ = ("peer", "kind", "tag", "tensor", "address", "nbytes", "done", "error", "arrival", "owner")
+    __slots__ = ("peer", "kind", "tag", "tensor", "address", "nbytes", "done", "error", "arrival", "owner",
+                 "target", "reduce")
 
-    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor):
+    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor,
+                 target: torch.Tensor | None = None, reduce: str | None = None):
         self.owner, self.peer, self.kind, self.tag = owner, peer, "recv", tag
         self.tensor, self.address, self.nbytes = tensor, tensor.data_ptr(), tensor.nbytes
         self.done, self.error, self.arrival = False, None, None
+        self.target, self.reduce = target, reduce
 
     def wait(self, timeout: float) -> None:
         self.owner.wait(self, timeout)
+        if self.target is not None:  # combined once, by the caller's thread (never inside a ring's move)
+            combine_(self.target, self.tensor, self.reduce)
+            self.owner.staging.give_back(self.tensor)
+            self.target = None
 
     def landing(self, total: int) -> int | None:
         """Where a message of `total` bytes goes: this buffer, or nowhere if it does not fit."""
@@ -138,9 +150,9 @@ class SharedMemoryP2P:
 
     def __init__(self, inner, outgoing: dict[int, Ring], incoming: dict[int, Ring], bells: dict[int, int],
                  bell: tuple[int, int], peers: dict[int, tuple[int, bytes]], spin_s: float):
-        self.inner = inner
+        self.inner = inner  # a TorchTransport: what is not ours goes to its process group
         self.rank, self.size, self.kind = inner.rank, inner.size, inner.kind
-        self.posts_ahead = True
+        self.staging = inner.staging  # where receives that reduce land
         self.spin_s = spin_s
         self._outgoing = {peer: _Outgoing(ring) for peer, ring in outgoing.items()}
         self._incoming = {peer: _Incoming(ring) for peer, ring in incoming.items()}
@@ -148,6 +160,7 @@ class SharedMemoryP2P:
         self._bell_read, self._bell_write = bell  # our own doorbell (we hold a writer: no EOF)
         self._peers = peers  # peer -> (pid, its /proc start time): to tell it still runs
         self._lock = threading.Lock()  # the rings' state; never held while sleeping
+        self._sleepers = 0  # threads asleep on our doorbell (peers ring while there is one)
 
     @property
     def neighbours(self) -> tuple[int, ...]:
@@ -159,18 +172,22 @@ class SharedMemoryP2P:
         others = []
         with self._lock:
             for index, op in enumerate(ops):
-                if op.peer not in self._outgoing or op.tensor.is_cuda or op.reduce:
+                if op.peer not in self._outgoing or op.tensor.is_cuda or not op.tensor.is_contiguous():
                     others.append(index)
                     continue
-                if op.kind == "send":  # the tensor is contiguous (Group makes it so)
+                if op.kind == "send":
                     work = works[index] = _Send(self, op.peer, op.tag, op.tensor)
                     channel = self._outgoing[op.peer]
                     channel.queue.append(work)
                     self._push(op.peer, channel)
+                elif op.reduce:  # lands beside its target (see _Recv)
+                    staging = self.staging.take(op.tensor)
+                    receive = _Recv(self, op.peer, op.tag, staging, op.tensor, op.reduce)
+                    works[index] = self._post_receive(receive)
                 else:
                     works[index] = self._post_receive(_Recv(self, op.peer, op.tag, op.tensor))
         if others:
-            for index, work in zip(others, self.inner.start([ops[i] for i in others])):
+            for index, work in zip(others, self.inner.start_on_group([ops[i] for i in others])):
                 works[index] = work
         return works
 
@@ -273,7 +290,8 @@ class SharedMemoryP2P:
 
     def wait(self, work, timeout: float) -> None:
         started = time.perf_counter()
-        deadline, look_at, spin_until = started + timeout, started + _LOOK_S, started + self.spin_s
+        spin_s = self.spin_s if threading.current_thread() is threading.main_thread() else 0.0
+        deadline, look_at, spin_until = started + timeout, started + _LOOK_S, started + spin_s
         while not work.done:
             if isinstance(work, _Recv) and work.arrival is not None:
                 with self._lock:
@@ -291,7 +309,7 @@ class SharedMemoryP2P:
                 self._check_alive(work.peer)
                 look_at = now + _LOOK_S
             if moved:
-                spin_until = now + self.spin_s
+                spin_until = now + spin_s
             elif now < spin_until:
                 os.sched_yield()
             else:
@@ -304,9 +322,9 @@ class SharedMemoryP2P:
         that said it sleeps, so it says so first, then empties its bell and looks at the rings
         once more: a message written in between is not slept past. (Between a sender's check
         of the flag and its head reaching memory, x86 leaves a window of nanoseconds in which
-        a ring can be missed; the nap's limit bounds what that costs.)"""
-        for channel in self._incoming.values():
-            channel.ring.set_receiver_sleeping(True)
+        a ring can be missed; the nap's limit bounds what that costs. So does it the rare
+        time two threads of one process sleep at once and the bell wakes only one.)"""
+        self._say_sleeping(+1)
         try:
             try:
                 os.read(self._bell_read, 1 << 16)  # a system call on a locked pipe: a memory fence too
@@ -315,8 +333,15 @@ class SharedMemoryP2P:
             if not self._progress():
                 select.select([self._bell_read], [], [], max(0.0, min(seconds, _NAP_S)))
         finally:
-            for channel in self._incoming.values():
-                channel.ring.set_receiver_sleeping(False)
+            self._say_sleeping(-1)
+
+    def _say_sleeping(self, change: int) -> None:
+        """Count this thread in or out of the sleepers; the rings' flags are up while any sleeps."""
+        with self._lock:
+            self._sleepers += change
+            if self._sleepers == (1 if change > 0 else 0):
+                for channel in self._incoming.values():
+                    channel.ring.set_receiver_sleeping(change > 0)
 
     def _check_alive(self, peer: int) -> None:
         pid, started = self._peers[peer]

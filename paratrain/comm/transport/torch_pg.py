@@ -174,11 +174,22 @@ class TorchTransport:
         self.own_timeout = _group_timeout(self.pg)  # seconds after which the group itself gives up
         # Where tensors the transport makes for itself (a barrier's token) should live.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")
-        # Point-to-point between processes of this host goes through shared memory (shm.py);
-        # None: gloo carries it all. Group sends its own p2p here, the collectives' messages not.
+        # Messages between processes of this host go through shared memory (shm.py); None:
+        # gloo carries them all.
         self.p2p = shm_setup.connect(self) if self.kind == "gloo" else None
+        # What the algorithm table is keyed on (choice.py): "shm" where every message of this
+        # group's own algorithms goes through shared memory (the same answer on every rank).
+        self.wire = "shm" if self.p2p is not None and len(self.p2p.neighbours) == self.size - 1 else self.kind
 
     def start(self, ops: list[P2POp]) -> list:
+        """Post `ops` (what Link and Group's point-to-point call): to peers of this host through
+        shared memory, where there is some, the rest on the process group."""
+        if self.p2p is not None:
+            return self.p2p.start(ops)
+        return self.start_on_group(ops)
+
+    def start_on_group(self, ops: list[P2POp]) -> list:
+        """Post `ops` on the process group itself."""
         if ops and ops[0].tensor.is_cuda:
             return self._start_batched(ops)
         # gloo: each op goes straight to the process group (what dist.isend/irecv end in, less
@@ -224,6 +235,8 @@ class TorchTransport:
         replayed all-reduce runs (plans.py). None with NCCL or CUDA tensors, whose steps must be
         batched (see start)."""
         if self.kind != "gloo" or any(op.tensor.is_cuda for what, ops in schedule if what == POST for op in ops):
+            return None
+        if self.p2p is not None:  # some messages go through shared memory: replayed through start()
             return None
         return _GlooReplay(self, schedule)
 
