@@ -66,7 +66,8 @@ def test_repeated_calls_on_one_tensor_replay_one_plan_and_sum_right(algo, world_
 
 def compiled_replays(group: Group) -> list[str]:
     """gloo compiles a plan (TorchTransport.compile): ring and hd, one segment and many, sum,
-    max and avg, a complex tensor (it travels as real pairs): every replayed sum exact."""
+    max and avg, a complex tensor (it travels as real pairs): every replayed sum exact. Where
+    the messages go through shared memory the plans replay through Link, never compiled."""
     wrong = []
     segmented = Group(group.transport, timeout=group.timeout, table=group.table, segment_bytes=16)
     cases = [(g, algo, op, dtype) for g in (group, segmented) for algo in ("ring", "hd")
@@ -85,13 +86,15 @@ def compiled_replays(group: Group) -> list[str]:
             if not torch.allclose(tensor, want, rtol=1e-12, atol=0):
                 wrong.append(f"rank {g.rank} {algo} {op} {dtype} segment {g.segment_bytes} call {call}: wrong")
         plan = g._plans.planned.get(id(tensor))
-        if plan is None or plan.compiled is None:
-            wrong.append(f"rank {g.rank} {algo} {op} {dtype}: no compiled plan")
+        if plan is None or (plan.compiled is None) != (g.wire == "shm"):
+            wrong.append(f"rank {g.rank} {algo} {op} {dtype}: {plan and plan.compiled} plan on {g.wire}")
     return wrong
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_compiled_replays_on_gloo_processes(world_size):
+@pytest.mark.parametrize("shared_memory", ["0", "1"])
+def test_compiled_replays_on_gloo_processes(world_size, shared_memory, monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM", shared_memory)
     results = paratrain.run(compiled_replays, world_size, launcher="processes", timeout=RUN_TIMEOUT_S)
     assert results == {rank: [] for rank in range(world_size)}
 
@@ -244,7 +247,7 @@ def test_a_call_on_a_planned_tensor_goes_straight_to_its_plan(launcher):
 def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
     nbytes = 64 * 8
     table = AlgorithmTable()
-    table.record(group.kind, group.size, "all_reduce", nbytes, "ring")
+    table.record(group.wire, group.size, "all_reduce", nbytes, "ring")
     planned = Group(group.transport, timeout=group.timeout, table=table)
     debugged = Group(group.transport, timeout=group.timeout, table=table, debug=True)
     seen, tensors = [], {}
@@ -256,7 +259,7 @@ def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
         for _ in range(4):
             g.all_reduce(tensor)  # auto: the table says ring
         seen.append((len(whole), torch.equal(tensor, torch.full((64,), float(g.size ** 4), dtype=torch.float64))))
-    table.record(group.kind, group.size, "all_reduce", nbytes, "native")  # auto now picks native: the plan is ring's
+    table.record(group.wire, group.size, "all_reduce", nbytes, "native")  # auto now picks native: the plan is ring's
     tensor = tensors[planned]
     planned.all_reduce(tensor)
     seen.append((planned._recorder.calls[-1].algo, torch.equal(tensor, torch.full((64,), float(group.size ** 5),
