@@ -1,9 +1,9 @@
-"""Point-to-point between processes of one host through shared memory, beside gloo.
+"""Messages between processes of one host through shared memory, beside gloo.
 
 gloo carries every message over TCP, even between two processes of one host: the sender's
 thread writes into a socket, gloo's I/O thread in the receiving process wakes to read it, then
 wakes the thread waiting on the receive. On this project's 2-core virtual machine a 128 KiB
-activation took a median 265 us to post and 405 us from post to arrival in the pipeline's
+activation took a median 225-283 us to post and 347-453 us from post to arrival in the pipeline's
 steady state, nearly all of it those wake-ups (`bench pipeline`'s excess bubble).
 
 Here each ordered pair of processes of one host shares a ring (shm_ring.py): the sender

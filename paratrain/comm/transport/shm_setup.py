@@ -1,4 +1,4 @@
-"""Setting up shared-memory point-to-point (shm.py) for a process group: which of its ranks
+"""Setting up shared memory (shm.py) for a process group: which of its ranks
 share this host, and a ring to each of them.
 
 Every rank of the group takes part (TorchTransport's constructor calls `connect`): one
