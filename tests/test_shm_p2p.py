@@ -1,9 +1,11 @@
-"""Point-to-point between processes of one host through shared memory (comm/transport/shm.py):
+"""Messages between processes of one host through shared memory (comm/transport/shm.py):
 the ring keeps every byte whatever the sizes and wrap-arounds, ranks on processes use it
 (with gloo's semantics: match by tag, in order, any size), a message larger than the ring
-passes in pieces both ways at once, a sleeping receiver is woken, a silent peer times out, a
-peer that exits is named, nothing is left in /dev/shm, PARATRAIN_SHM=0 leaves it to gloo, and
-a wait polls only where the host has a core for each rank.
+passes in pieces both ways at once, our collectives' messages (reducing receives included)
+go the same way, also from the communication thread while the main thread sends, a sleeping
+receiver is woken, a silent peer times out, a peer that exits is named, nothing is left in
+/dev/shm, PARATRAIN_SHM=0 leaves it to gloo, and a wait polls only where the host has a core
+for each rank.
 """
 
 from __future__ import annotations
@@ -128,6 +130,39 @@ def _everyone_sends_to_everyone_at_once(group) -> list[str]:
 def test_three_processes_send_each_other_more_than_a_ring_holds_at_once(monkeypatch):
     monkeypatch.setenv("PARATRAIN_SHM_BYTES", "4096")
     _assert_no_failures(paratrain.run(_everyone_sends_to_everyone_at_once, 3, launcher="processes",
+                                      timeout=RUN_TIMEOUT_S))
+
+
+def _collectives_through_small_rings(group) -> list[str]:
+    """Every all-reduce algorithm (its receives reduce into staging buffers) and all-gather
+    through 4 KiB rings, then an async all-reduce on the communication thread (which never
+    polls: it sleeps on the doorbell) while the main thread exchanges point-to-point."""
+    failures = []
+    if group.wire != "shm" or group.transport.p2p is None:
+        return [f"the group's messages do not go through shared memory (wire {group.wire})"]
+    n, r = group.size, group.rank
+    for algo in ("ring", "hd", "tree", "direct"):
+        for op, want in (("sum", sum(range(1, n + 1))), ("max", n)):
+            tensor = torch.full((20_000,), float(r + 1))  # 80 KB: twenty times a ring
+            group.all_reduce(tensor, op=op, algo=algo)
+            if not torch.equal(tensor, torch.full_like(tensor, float(want))):
+                failures.append(f"all_reduce {algo} {op}: wrong values")
+    gathered = torch.empty(n * 3000)
+    group.all_gather(gathered, torch.full((3000,), float(r)), algo="ring")
+    if not torch.equal(gathered, torch.arange(n).repeat_interleave(3000).float()):
+        failures.append("all_gather ring: wrong values")
+    bucket = torch.full((50_000,), float(r))
+    handle = group.all_reduce(bucket, algo="ring", async_op=True)
+    failures += sendrecv_around_the_ring(group)
+    handle.wait()
+    if not torch.equal(bucket, torch.full_like(bucket, float(sum(range(n))))):
+        failures.append("an async all_reduce beside point-to-point: wrong values")
+    return failures
+
+
+def test_collectives_pass_through_shared_memory_even_from_the_communication_thread(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM_BYTES", "4096")
+    _assert_no_failures(paratrain.run(_collectives_through_small_rings, 3, launcher="processes",
                                       timeout=RUN_TIMEOUT_S))
 
 

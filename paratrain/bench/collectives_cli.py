@@ -6,6 +6,7 @@ hands its measurements back, and only this process prints.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from paratrain.bench.overhead import overhead_lines, run_overhead
 from paratrain.bench.tuning import tuned_choices
 from paratrain.comm.algorithms import OPS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable, default_table_path
+from paratrain.comm.transport import shm_setup
 from paratrain.launch import LAUNCHERS, in_torchrun, run
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -94,6 +96,17 @@ def transport_kind(launcher: str, nproc: int) -> str:
     if launcher == "threads":
         return "fabric"
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
+
+
+def table_key(launcher: str, nproc: int) -> str:
+    """The algorithm table's key for that world, known without starting it (what
+    TorchTransport.wire will be): "shm" for gloo processes that all share this host."""
+    kind = transport_kind(launcher, nproc)
+    if kind != "gloo" or not shm_setup.enabled():
+        return kind
+    if in_torchrun() and os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        return "gloo"  # some ranks run on other hosts
+    return "shm"
 
 
 def _thread_devices(nproc: int):
@@ -187,7 +200,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
         notes.append(f"{error}: replacing it")
     counts = element_counts(sweep_sizes(min_bytes, max_bytes, factor), dtype)
     if explain and not tune:
-        _print_explain(table, plan, counts, dtype, nproc, transport_kind(launcher, nproc))
+        _print_explain(table, plan, counts, dtype, nproc, table_key(launcher, nproc))
         return
 
     if overhead:
@@ -276,7 +289,7 @@ def _print_explain(table: AlgorithmTable, plan, counts: list[int], dtype: str, w
                    transport: str) -> None:
     where = table.path if table.path and table.path.exists() else f"{table.path} (none yet: defaults apply)"
     lines = [
-        f"# what auto picks: transport {transport}, world size {world_size}, table {where}",
+        f"# what auto picks: transport {report.describe_wire(transport)}, world size {world_size}, table {where}",
         f"# {'op':<16}  {'size (B)':>10}  {'algo':<8}  why",
     ]
     element_size = torch.empty(0, dtype=DTYPES[dtype]).element_size()
