@@ -259,6 +259,8 @@ def test_overhead_on_processes_also_times_the_replay_through_dist_isend_irecv():
         ours, dist_alone, ratio, dist_cpu = float(row[4]), float(row[14]), float(row[15].rstrip("x")), float(row[16])
         assert dist_alone > 0 and dist_cpu > 0 and ratio == pytest.approx(ours / dist_alone, abs=0.006)
     assert "# our algorithms / the dist.isend/irecv replay, alone: wall " in result.output
+    # both ranks share this host: ours and bare through shared memory, dist on gloo's sockets
+    assert "transport gloo (shm: every message through shared memory)" in result.output
 
 
 def null_transport_calls(group) -> tuple[list, float]:

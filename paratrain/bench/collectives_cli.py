@@ -248,10 +248,8 @@ def _print_overhead(plan, counts, dtype, warmup, rounds, table, nproc, launcher,
         return
     wire, rows = result
     world = nproc if not in_torchrun() else "torchrun's"
-    kind = transport_kind(launcher, nproc)
-    route = f"{kind} (messages through shared memory: this host's ranks)" if wire == "shm" else kind
     lines = [f"# paratrain bench collectives --overhead: world size {world}  launcher {launcher}"
-             f"  transport {route}  dtype {dtype}  warmup {warmup}  rounds {rounds}"]
+             f"  transport {report.describe_wire(wire)}  dtype {dtype}  warmup {warmup}  rounds {rounds}"]
     lines += [f"# note: {note}" for note in notes]
     click.echo("\n".join(lines + overhead_lines(rows, rounds)))
 
