@@ -44,8 +44,7 @@ class PipelineLink:
         return message_tag(direction, chunk, microbatch, self.num_chunks, self.microbatches)
 
     def _log(self, text: str) -> None:
-        if self.verbose:
-            print(f"[pp rank {self.group.rank}] {text}", flush=True)
+        print(f"[pp rank {self.group.rank}] {text}", flush=True)
 
     def send_activation(self, tensor: torch.Tensor, peer: int, chunk: int, microbatch: int) -> None:
         """Send the input of `chunk` (the output of chunk-1) for `microbatch` to `peer`."""
@@ -61,8 +60,9 @@ class PipelineLink:
         elif announced != signature:
             raise ValueError(f"activation into chunk {chunk} changed from {announced} to {signature}; "
                              "a pipeline run needs one microbatch shape")
-        self._log(f"send_forward chunk {chunk} mb {microbatch} -> rank {peer} {tuple(tensor.shape)}")
-        self._sends.append(self.group.isend(tensor.contiguous(), peer, tag))
+        if self.verbose:  # not even the message is made otherwise: this runs cold, right after compute
+            self._log(f"send_forward chunk {chunk} mb {microbatch} -> rank {peer} {tuple(tensor.shape)}")
+        self._sends.append(self.group.isend(tensor, peer, tag))  # isend makes it contiguous
 
     def expect_activation(self, peer: int, chunk: int, microbatch: int, device) -> None:
         """Post the receive of `recv_activation(peer, chunk, microbatch)` now, if its shape is
@@ -100,7 +100,8 @@ class PipelineLink:
         tag = self._tag(FORWARD, chunk, microbatch)
         posted = self._posted_receive(tag)
         if posted is not None:
-            self._log(f"recv_forward chunk {chunk} mb {microbatch} <- rank {peer} {tuple(posted.shape)} (posted ahead)")
+            if self.verbose:
+                self._log(f"recv_forward chunk {chunk} mb {microbatch} <- rank {peer} {tuple(posted.shape)} (posted ahead)")
             return posted
         if chunk not in self._known_headers:
             header = torch.empty(_HEADER, dtype=torch.int64)
@@ -109,17 +110,20 @@ class PipelineLink:
             self._known_headers[chunk] = (_DTYPES[int(header[0])], header[2 : 2 + ndim].tolist())
         dtype, shape = self._known_headers[chunk]
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        self._log(f"recv_forward chunk {chunk} mb {microbatch} <- rank {peer} {tuple(buffer.shape)}")
+        if self.verbose:
+            self._log(f"recv_forward chunk {chunk} mb {microbatch} <- rank {peer} {tuple(buffer.shape)}")
         return self.group.recv(buffer, peer, tag)
 
     def send_gradient(self, tensor: torch.Tensor, peer: int, chunk: int, microbatch: int) -> None:
         """Send the gradient of `chunk`'s input back to `peer`, who owns chunk-1."""
-        self._log(f"send_backward chunk {chunk} mb {microbatch} -> rank {peer}")
-        self._sends.append(self.group.isend(tensor.contiguous(), peer, self._tag(BACKWARD, chunk, microbatch)))
+        if self.verbose:
+            self._log(f"send_backward chunk {chunk} mb {microbatch} -> rank {peer}")
+        self._sends.append(self.group.isend(tensor, peer, self._tag(BACKWARD, chunk, microbatch)))
 
     def recv_gradient(self, like: torch.Tensor, peer: int, chunk: int, microbatch: int) -> torch.Tensor:
         """The gradient of the output of `chunk`, sent back by the owner of chunk+1."""
-        self._log(f"recv_backward chunk {chunk} mb {microbatch} <- rank {peer}")
+        if self.verbose:
+            self._log(f"recv_backward chunk {chunk} mb {microbatch} <- rank {peer}")
         tag = self._tag(BACKWARD, chunk + 1, microbatch)
         posted = self._posted_receive(tag)
         return posted if posted is not None else self.group.recv(torch.empty_like(like), peer, tag)

@@ -127,11 +127,13 @@ class PipelineRuntime:
                 if c == self.last_chunk:
                     loss_sum += out.item()
                 op_s["F"] += time.perf_counter() - begin
+                if c != self.last_chunk and self.schedule.owner(c + 1) != self.rank:
+                    # First thing: the next stage may be waiting (detached: on threads a
+                    # receive copies the tensor, and autograd must not follow it across ranks).
+                    self.link.send_activation(out.detach(), self.schedule.owner(c + 1), c + 1, m)
                 stash[(m, c)] = [x, out, None, records]
                 peak = max(peak, len(stash))
                 self._post_next_receive(index, stash)  # a B of this very (m, c) can post only now
-                if c != self.last_chunk and self.schedule.owner(c + 1) != self.rank:
-                    self.link.send_activation(out.detach(), self.schedule.owner(c + 1), c + 1, m)
             elif action.op == "B":
                 x, out, _, records = stash[(m, c)]
                 grad = self._output_grad(m, c, out, stash)
