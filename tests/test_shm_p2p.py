@@ -166,6 +166,33 @@ def test_collectives_pass_through_shared_memory_even_from_the_communication_thre
                                       timeout=RUN_TIMEOUT_S))
 
 
+def _some_ranks_without_shared_memory(group) -> list[str]:
+    """Rank 2 turns shared memory off before a new group is made: ranks 0 and 1 reach each other
+    through it and rank 2 through gloo, within one collective. The table's key is then gloo's on
+    every rank (not every message of the group goes through shared memory)."""
+    import torch.distributed as dist
+
+    if group.rank == 2:
+        os.environ["PARATRAIN_SHM"] = "0"
+    mixed = Group(TorchTransport(dist.new_group([0, 1, 2])), timeout=group.timeout)
+    failures = []
+    reached = mixed.transport.p2p.neighbours if mixed.transport.p2p is not None else ()
+    expected = {0: (1,), 1: (0,), 2: ()}[group.rank]
+    if reached != expected or mixed.wire != "gloo":
+        failures.append(f"rank {group.rank}: shared memory to {reached}, wire {mixed.wire}")
+    for algo in ("ring", "hd", "direct"):
+        tensor = torch.full((30_000,), float(group.rank + 1))
+        mixed.all_reduce(tensor, algo=algo)
+        if not torch.equal(tensor, torch.full_like(tensor, 6.0)):
+            failures.append(f"rank {group.rank}: all_reduce {algo} over both routes: wrong values")
+    return failures + sendrecv_around_the_ring(mixed)
+
+
+def test_a_group_whose_ranks_differ_in_shared_memory_mixes_both_routes():
+    _assert_no_failures(paratrain.run(_some_ranks_without_shared_memory, 3, launcher="processes",
+                                      timeout=RUN_TIMEOUT_S))
+
+
 def _sleeps_then_times_out(group) -> list[str]:
     """Rank 1 waits longer than it polls (PARATRAIN_SHM_SPIN_US=0: it sleeps at once) for a
     message rank 0 sends late; then waits on a group with a short timeout for one never sent."""
