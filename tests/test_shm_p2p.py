@@ -157,6 +157,11 @@ def _collectives_through_small_rings(group) -> list[str]:
     handle.wait()
     if not torch.equal(bucket, torch.full_like(bucket, float(sum(range(n))))):
         failures.append("an async all_reduce beside point-to-point: wrong values")
+    group.barrier()
+    held = [(peer, list(channel.posted), list(channel.arrived))
+            for peer, channel in group.transport.p2p._incoming.items() if channel.posted or channel.arrived]
+    if held:  # each call's tag is its own: none may stay behind once its messages are in
+        failures.append(f"rank {r}: tags still held after every call completed: {held}")
     return failures
 
 

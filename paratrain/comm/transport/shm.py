@@ -195,7 +195,7 @@ class SharedMemoryP2P:
         channel = self._incoming[receive.peer]
         arrived = channel.arrived.get(receive.tag)
         if arrived:
-            receive.arrival = arrived.popleft()
+            receive.arrival = _take(channel.arrived, receive.tag, arrived)
             receive.take_arrival()
         else:
             channel.posted.setdefault(receive.tag, deque()).append(receive)
@@ -259,7 +259,7 @@ class SharedMemoryP2P:
     def _landing_for(self, channel: _Incoming, fragment: Fragment):
         posted = channel.posted.get(fragment.tag)
         if posted:
-            return posted.popleft()
+            return _take(channel.posted, fragment.tag, posted)
         arrival = _Arrival(fragment.total)
         channel.arrived.setdefault(fragment.tag, deque()).append(arrival)
         return arrival
@@ -347,6 +347,15 @@ class SharedMemoryP2P:
         pid, started = self._peers[peer]
         if start_time(pid) != started:
             raise TransportFailure(peer, f"rank {peer}'s process (pid {pid}) has exited")
+
+
+def _take(queues: dict, tag: int, queue: deque):
+    """The oldest of `queue` (queues[tag]), dropping the tag once it is empty: every collective
+    call has a tag of its own, so emptied queues kept would pile up call after call."""
+    oldest = queue.popleft()
+    if not queue:
+        del queues[tag]
+    return oldest
 
 
 def start_time(pid: int) -> bytes | None:
