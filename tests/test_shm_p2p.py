@@ -284,3 +284,12 @@ def test_a_wait_polls_only_where_each_rank_of_the_host_has_a_core(monkeypatch):
         shm_setup.ring_bytes_from_env()
     monkeypatch.setenv("PARATRAIN_SHM", "0")
     assert not shm_setup.enabled()
+
+
+def test_a_process_rings_stay_within_a_budget_on_a_crowded_host(monkeypatch):
+    monkeypatch.delenv("PARATRAIN_SHM_BYTES", raising=False)
+    assert shm_setup.ring_bytes_from_env(7) == 4 << 20  # 8 ranks a host: 28 MiB of rings each
+    assert shm_setup.ring_bytes_from_env(63) == round_up((64 << 20) // 63)  # 64 ranks: 1 MiB each
+    assert shm_setup.ring_bytes_from_env(1023) == 256 << 10  # never less than this unless asked
+    monkeypatch.setenv("PARATRAIN_SHM_BYTES", "8192")
+    assert shm_setup.ring_bytes_from_env(63) == 8192

@@ -24,6 +24,10 @@ from paratrain.comm.transport.shm import SharedMemoryP2P, start_time
 from paratrain.comm.transport.shm_ring import LINE, Ring, round_up
 
 DEFAULT_RING_BYTES = 4 << 20
+# What one process's outgoing rings may hold together, unless PARATRAIN_SHM_BYTES says: a host
+# of 64 ranks whose every pair talks (an all-to-all) would otherwise fill 16 GB of /dev/shm.
+OUTGOING_BUDGET_BYTES = 64 << 20
+LEAST_AUTO_RING_BYTES = 256 << 10
 DEFAULT_SPIN_S = 0.05  # polling before sleeping, where each rank has a core: longer than a pipeline's waits
 
 
@@ -34,8 +38,12 @@ def enabled() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
 
 
-def ring_bytes_from_env() -> int:
-    return round_up(int_from_env("PARATRAIN_SHM_BYTES", DEFAULT_RING_BYTES, 4 * LINE))
+def ring_bytes_from_env(neighbours: int = 1) -> int:
+    """Each ring's size: PARATRAIN_SHM_BYTES, else DEFAULT_RING_BYTES while a process's rings
+    to its `neighbours` fit OUTGOING_BUDGET_BYTES, less (down to LEAST_AUTO_RING_BYTES) beyond.
+    Every rank of a host has the same number of neighbours, so both ends of a ring agree."""
+    budget = max(LEAST_AUTO_RING_BYTES, min(DEFAULT_RING_BYTES, OUTGOING_BUDGET_BYTES // max(neighbours, 1)))
+    return round_up(int_from_env("PARATRAIN_SHM_BYTES", budget, 4 * LINE))
 
 
 def spin_s(ranks_here: int) -> float:
@@ -92,7 +100,7 @@ def connect(inner) -> SharedMemoryP2P | None:
     if all(len(ranks) < 2 for ranks in hosts.values()):
         return None  # the same answer on every rank: nobody does the barriers below
     neighbours = [r for r in hosts.get(table[inner.rank][1], []) if r != inner.rank] if offered else []
-    capacity = ring_bytes_from_env()
+    capacity = ring_bytes_from_env(len(neighbours))
     mine = [_ring_path(token, peer) for peer in neighbours] + [_bell_path(token)]
     cleanup = functools.partial(_unlink, mine)
     atexit.register(cleanup)  # only if we fail before the second barrier below
