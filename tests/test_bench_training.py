@@ -112,7 +112,8 @@ def test_bench_tp_trains_the_same_model_as_pytorchs_dtensor_tensor_parallelism()
     assert result.exit_code == 0, result.output
     row = next(line.split() for line in result.output.splitlines() if line.strip().startswith("2 "))
     ours_ms, torch_ms, ratio, loss_diff = map(float, row[1:])
-    assert ours_ms > 0 and torch_ms > 0 and ratio == pytest.approx(ours_ms / torch_ms, rel=0.01)
+    # the ratio is printed to 2 decimals: within half its last digit (and the times' own rounding)
+    assert ours_ms > 0 and torch_ms > 0 and ratio == pytest.approx(ours_ms / torch_ms, abs=0.006)
     assert loss_diff <= 1e-4
 
 

@@ -139,6 +139,8 @@ def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds) -> None:
         raise click.BadParameter(f"--warmup {warmup} leaves no timed step of {steps}", param_hint="--warmup")
     click.echo(f"# paratrain bench tp: {model}, global batch {global_batch}, {steps} steps ({warmup} untimed), "
                f"median of {rounds} alternating runs; gloo processes")
+    click.echo("# ours moves its messages through shared memory between processes of one host, PyTorch's"
+               " through gloo's sockets (PARATRAIN_SHM=0: both through the sockets)")
     click.echo(f"# {'tp':>3}  {'ours_ms':>9}  {'torch_ms':>9}  {'ours/torch':>10}  {'max loss diff':>13}")
     failed = False
     for size in sizes:
