@@ -204,6 +204,8 @@ FOOTER = [
     "#              as ours), but its exposed_ms differs in method: its reducer waits inside backward,",
     "#              so it is the time from its last gradient to the end of backward.",
 ]
+WIRE_NOTE = ("# wire       = on processes of one host ours moves its messages through shared memory, PyTorch's"
+             " DDP through gloo's sockets (PARATRAIN_SHM=0: both through the sockets)")
 THREADS_NOTE = ("# launcher threads: naive and ddp (ours) communicate over the in-process fabric, PyTorch's DDP "
                 "over a gloo group its threads share: not the same transport, so compare them with --launcher processes.")
 
@@ -322,7 +324,7 @@ def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, rep
         f"# paratrain bench ddp: {title}",
         f"# {os.cpu_count()} CPU cores, torch {torch.__version__}, {measured[0]['torch_threads']} torch"
         f" thread(s) per rank, bucket {bucket_mb:g} MiB",
-        *table_lines(records), *FOOTER, *([THREADS_NOTE] if launcher == "threads" and not in_torchrun() else []),
+        *table_lines(records), *FOOTER, *([THREADS_NOTE] if launcher == "threads" and not in_torchrun() else [WIRE_NOTE]),
     ]))
     if json_path:
         write_json(json_path, records)
