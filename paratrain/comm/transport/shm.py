@@ -17,8 +17,9 @@ paratrain's own collective algorithms, TorchTransport.start) whose tensor is on 
 peer shares /dev/shm with this process, on x86-64 (see shm_ring.py). Everything else (CUDA
 tensors, peers on other hosts, the backend's own collectives) goes to the process group as
 before. PARATRAIN_SHM=0 turns it off; PARATRAIN_SHM_BYTES sets each ring's size (default 4
-MiB, less beyond 16 peers on the host; a larger message passes through in pieces); PARATRAIN_SHM_SPIN_US how long a wait polls
-before it sleeps (default 50000 where the host has a core per rank, 0 where it has fewer).
+MiB, less beyond 16 peers on the host; a larger message passes through in pieces);
+PARATRAIN_SHM_SPIN_US how long a wait polls before it sleeps (default 50000 where the host has
+a core per rank, 0 where it has fewer).
 Only the main thread polls: a wait on a helper thread (an async collective overlapping a
 backward pass) sleeps at once, leaving the core to the compute it overlaps. Setting up, and
 those settings: shm_setup.py.
