@@ -22,8 +22,8 @@ from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
 from paratrain.bench.membw import copy_bandwidth_gbps
 from paratrain.bench.report import JSON_KEYS
 from paratrain.cli import main
-from paratrain.comm.algorithms import ALGORITHMS, OPS, algorithms_for
-from paratrain.comm.choice import AlgorithmTable, default_choice
+from paratrain.comm.algorithms import ALGORITHMS
+from paratrain.comm.choice import AlgorithmTable
 
 TINY = ["--launcher", "threads", "--nproc", "2", "--warmup", "0", "--iters", "1"]
 
@@ -128,40 +128,12 @@ def test_explain_prints_auto_choices_without_starting_a_world(monkeypatch):
 
 def test_explain_for_processes_names_the_backend(monkeypatch):
     monkeypatch.setattr(collectives_cli.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("PARATRAIN_SHM", "0")  # gloo's sockets (one host's defaults: test_algorithm_defaults)
     result = bench("--explain", "--launcher", "processes", "--ops", "reduce_scatter", "--min-bytes", "1M",
                    "--max-bytes", "1M")
     assert result.exit_code == 0, result.output
     assert "transport gloo" in result.output and "reduce_scatter" in result.output
     assert "why it can win" not in result.output  # the ring is picked there: nothing to explain
-
-
-def test_explain_on_one_host_names_shared_memory_and_picks_our_algorithms(monkeypatch):
-    monkeypatch.setattr(collectives_cli.torch.cuda, "is_available", lambda: False)
-    result = bench("--explain", "--launcher", "processes", "--ops", "all_reduce", "--min-bytes", "16K",
-                   "--max-bytes", "64M", "--factor", "64")
-    assert result.exit_code == 0, result.output
-    assert "transport gloo (shm: every message through shared memory)" in result.output
-    picks = [line.split()[2] for line in result.output.splitlines() if line.startswith("  all_reduce")]
-    assert picks == ["direct", "hd", "ring"]  # 16 KiB, 1 MiB, 64 MiB: the defaults on one host
-    assert "why it can win" not in result.output
-
-
-def test_the_defaults_on_one_host_never_pick_native():
-    for op in OPS:
-        for nbytes in (0, 1 << 10, 1 << 14, 1 << 20, 1 << 24, 1 << 28):
-            choice = default_choice(op, nbytes, 4, "shm")
-            assert choice.algo in algorithms_for(op) and choice.algo not in ("native", "auto"), (op, nbytes)
-            assert "shared memory" in choice.reason
-
-
-def test_explain_says_why_gloo_wins_where_it_is_kept(monkeypatch):
-    monkeypatch.setattr(collectives_cli.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("PARATRAIN_SHM", "0")  # over gloo's sockets its own all-reduce is the default
-    result = bench("--explain", "--launcher", "processes", "--ops", "all_reduce", "--min-bytes", "1M",
-                   "--max-bytes", "1M")
-    assert result.exit_code == 0, result.output
-    assert "where gloo's own is kept, this is why it can win" in result.output
-    assert "scheduler tick" in result.output and "memory bandwidth" in result.output
 
 
 def test_tune_records_native_unless_another_won_and_auto_then_follows_it(tmp_path):
