@@ -55,10 +55,11 @@ def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Cho
     return Choice("ring", "large message: the ring spreads the reduction over all ranks' threads")
 
 
-# Measured with `paratrain bench collectives` on 2, 3 and 4 processes of one 2-core host: every
-# algorithm written here beat gloo's own at every size from 16 KiB to 64 MiB there (1.4x to 14x),
-# since gloo's moves each message through a socket and wakes threads at both ends.
-_SHM_WHY = "on one host through shared memory (transport/shm.py) our algorithms beat gloo's own at every size measured"
+# Measured with `paratrain bench collectives` on 2 and 4 processes of one 2-core host (all-reduce
+# also on 3): the picks below beat gloo's own at every op and size from 16 KiB to 64 MiB there
+# (1.5x to 13x), since gloo's moves each message through a socket and wakes threads at both
+# ends. Not every algorithm did: the ring broadcast took 1.4x gloo's time at 256 KiB on 4.
+_SHM_WHY = "on one host through shared memory (transport/shm.py) this beat gloo's own at every size measured"
 
 
 def _on_shared_memory(op: str, nbytes: int) -> Choice:
