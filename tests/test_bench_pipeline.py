@@ -36,6 +36,10 @@ def test_bench_pipeline_compares_ours_with_torch_pipelining(tmp_path):
         ("paratrain", "1f1b"), ("torch.pipelining", "1f1b"), ("paratrain", "zb-h1")}
     ours = next(r for r in records if r["impl"] == "paratrain" and r["schedule"] == "1f1b")
     assert ours["ratio_to_torch"] > 0 and 0 <= ours["bubble_measured"] < 1
+    # one timed step: its median and mean are that step's
+    assert ours["bubble_measured_mean"] == pytest.approx(ours["bubble_measured"])
+    assert ours["step_ms_mean"] == pytest.approx(ours["step_ms"])
+    assert "medians over 1 timed step (the measured bubble's mean beside it)" in result.output
     assert ours["bubble_theoretical"] == 1 / 3  # (p-1)/(m+p-1) with p=2, m=2
     assert 0 <= ours["bubble_simulated"] < 1
     assert ours["bubble_theoretical_costs"] == pytest.approx(1 / 3)  # 1F1B's does not depend on F:B

@@ -3,8 +3,9 @@
 Both run the same GPT chunks (our balanced split) on the same microbatches, one process per
 stage, in one launch, alternating step by step so that machine noise hits both alike. Ours
 runs each schedule asked for and reports its measured bubble (of ranks x the step's time,
-the share not spent computing) beside the schedule's theoretical one; PyTorch's Schedule1F1B
-(and ScheduleGPipe) is the reference for step time. Only forward and backward are timed: no optimizer step.
+the share not spent computing; the median over the timed steps) beside the schedule's
+theoretical one; PyTorch's Schedule1F1B (and ScheduleGPipe) is the reference for step time.
+Only forward and backward are timed: no optimizer step.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
             runners.append(("torch.pipelining", name, lambda s=step: s(inputs, targets)))
     times = {(impl, name): [] for impl, name, _ in runners}
     busy = {(impl, name): [] for impl, name, _ in runners}  # this rank's compute seconds per step
-    op_seconds = {(impl, name): {"F": 0.0, "B": 0.0, "W": 0.0} for impl, name, _ in runners}
+    action_s = {(impl, name): [] for impl, name, _ in runners}  # per step: mean seconds per F, B and W
     for iteration in range(warmup + steps):
         for impl, name, fn in runners:  # alternate: noise falls on every runner alike
             group.barrier("native")
@@ -77,30 +78,37 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
                 times[(impl, name)].append(elapsed)
                 if stats:
                     busy[(impl, name)].append(stats["busy_s"])
-                    for op, seconds in stats["op_s"].items():
-                        op_seconds[(impl, name)][op] += seconds
-    # Per runner and rank: each step's time and compute time, and the mean time per F, B and W.
-    actions = microbatches * steps
-    gathered = torch.tensor([[*times[k], *(busy[k] or [-1.0] * steps), *(op_seconds[k][op] / actions for op in "FBW")]
+                    action_s[(impl, name)].append([stats["op_s"][op] / microbatches for op in "FBW"])
+    # Per runner and rank, per step: its time, compute time, and mean time per F, B and W.
+    gathered = torch.tensor([[*times[k], *(busy[k] or [-1.0] * steps),
+                              *torch.tensor(action_s[k] or [[-1.0] * 3] * steps).t().reshape(-1).tolist()]
                              for k in times], dtype=torch.float64)
     everyone = torch.empty(group.size * gathered.numel(), dtype=torch.float64)
     group.all_gather(everyone, gathered.view(-1), algo="native")
-    per_rank = everyone.view(group.size, len(times), 2 * steps + 3)
+    per_rank = everyone.view(group.size, len(times), 5, steps)  # rank, runner, what, step
     records = []
     for index, (impl, name) in enumerate(times):
-        step_s = per_rank[:, index, :steps].max(dim=0).values  # a step lasts until its slowest rank ends
-        busy_s = per_rank[:, index, steps : 2 * steps]
+        step_s = per_rank[:, index, 0].max(dim=0).values  # a step lasts until its slowest rank ends
+        busy_s = per_rank[:, index, 1]
+        actions_s = per_rank[:, index, 2:]  # rank, F/B/W, step
         ours = busy_s.min() >= 0
         # The bubble as theory counts it: of p ranks x the step's time, the share not computing. (A
         # rank's own time would flatter it: the last stage finishes a backward before the first.)
-        bubble = (1 - busy_s.sum(dim=0) / (group.size * step_s)).mean().item()
+        bubble = (1 - busy_s.sum(dim=0) / (group.size * step_s)).tolist()
+        # Medians over the timed steps, as `bench tp` reports: on a shared machine a few steps
+        # in which one rank's core ran slow would otherwise stand for the schedule. The means
+        # are kept beside them.
         records.append({
             "impl": impl, "schedule": name, "stages": group.size, "microbatches": microbatches,
-            "step_ms": step_s.mean().item() * 1e3,
-            "bubble_measured": bubble if ours else None,
-            "bubble_simulated": _simulated_bubble(name, group.size, microbatches, per_rank[:, index, 2 * steps :]) if ours else None,
+            "step_ms": statistics.median(step_s.tolist()) * 1e3,
+            "step_ms_mean": step_s.mean().item() * 1e3,
+            "bubble_measured": statistics.median(bubble) if ours else None,
+            "bubble_measured_mean": statistics.fmean(bubble) if ours else None,
+            "bubble_simulated": statistics.median(
+                _simulated_bubble(name, group.size, microbatches, actions_s[:, :, step]) for step in range(steps)
+            ) if ours else None,
             "bubble_theoretical": theoretical_bubble(name, group.size, microbatches, 1),
-            "bubble_theoretical_costs": _balanced_bubble(name, group.size, microbatches, per_rank[:, index, 2 * steps :]) if ours else None,
+            "bubble_theoretical_costs": _balanced_bubble(name, group.size, microbatches, actions_s.mean(dim=2)) if ours else None,
         })
     return records
 
@@ -137,8 +145,8 @@ def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup,
     """Our pipeline runtime vs torch.distributed.pipelining on the same GPT stages.
 
     Prints step time (slowest rank, forward + backward of all microbatches), the ratio to
-    PyTorch's schedule of the same name, and our measured bubble beside the theoretical one.
-    Runs on processes (torch.distributed.pipelining needs torch's default process group).
+    PyTorch's schedule of the same name, and our measured bubble beside the theoretical one:
+    medians over the timed steps (the bubble's mean too). Runs on processes (torch.distributed.pipelining needs torch's default process group).
     """
     launcher = "processes"
     names = [s.strip() for s in schedules.split(",") if s.strip()]
@@ -160,22 +168,24 @@ def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup,
                   args=(model, names, microbatches, global_batch, steps, warmup))[0]
     reference = {r["schedule"]: r["step_ms"] for r in records if r["impl"] == "torch.pipelining"}
     click.echo(f"{'impl':<17} {'schedule':<9} {'step ms':>9} {'vs torch':>9} {'bubble measured':>16} "
-               f"{'simulated':>10} {'theory F:B:W':>13} {'theoretical':>12}")
+               f"{'(mean)':>7} {'simulated':>10} {'theory F:B:W':>13} {'theoretical':>12}")
     for record in records:
         ratio = record["step_ms"] / reference[record["schedule"]] if record["schedule"] in reference else None
         record["ratio_to_torch"] = ratio
-        measured, simulated, costs = (f"{record[key]:.1%}" if record[key] is not None else "-"
-                                      for key in ("bubble_measured", "bubble_simulated", "bubble_theoretical_costs"))
+        measured, mean, simulated, costs = (
+            f"{record[key]:.1%}" if record[key] is not None else "-"
+            for key in ("bubble_measured", "bubble_measured_mean", "bubble_simulated", "bubble_theoretical_costs"))
         click.echo(f"{record['impl']:<17} {record['schedule']:<9} {record['step_ms']:>9.1f} "
-                   f"{(f'{ratio:.2f}x' if ratio else '-'):>9} {measured:>16} {simulated:>10} {costs:>13} "
+                   f"{(f'{ratio:.2f}x' if ratio else '-'):>9} {measured:>16} {mean:>7} {simulated:>10} {costs:>13} "
                    f"{record['bubble_theoretical']:>11.1%}")
+    click.echo(f"# step ms and bubbles: medians over {steps} timed step{'s' * (steps != 1)} "
+               "(the measured bubble's mean beside it)")
     click.echo("# vs torch: our step time / torch.distributed.pipelining's for the same schedule (lower is faster)")
     click.echo("# bubble: measured = share of the step's time x ranks not spent computing (the step ends with its")
-    click.echo("#   slowest rank, as in theory); simulated = the schedule")
-    click.echo("#   played with this run's mean F/B/W time per stage and free communication (the stages' imbalance")
-    click.echo("#   alone); theory F:B:W = equal stages at this run's mean F, B and W (the model's own ratio);")
-    click.echo("#   theoretical = equal stages, B = 2F (split: B = W = F). measured - simulated: communication")
-    click.echo("#   and the runtime's own time.")
+    click.echo("#   slowest rank, as in theory); simulated = the schedule played with each step's mean F/B/W")
+    click.echo("#   time per stage and free communication (the stages' imbalance alone); theory F:B:W = equal")
+    click.echo("#   stages at this run's mean F, B and W (the model's own ratio); theoretical = equal stages,")
+    click.echo("#   B = 2F (split: B = W = F). measured - simulated: communication and the runtime's own time.")
     if json_path:
         with open(json_path, "w") as handle:
             json.dump(records, handle, indent=1)
