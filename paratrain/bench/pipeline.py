@@ -81,7 +81,7 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
                     action_s[(impl, name)].append([stats["op_s"][op] / microbatches for op in "FBW"])
     # Per runner and rank, per step: its time, compute time, and mean time per F, B and W.
     gathered = torch.tensor([[*times[k], *(busy[k] or [-1.0] * steps),
-                              *torch.tensor(action_s[k] or [[-1.0] * 3] * steps).t().reshape(-1).tolist()]
+                              *(step[op] for op in range(3) for step in (action_s[k] or [[-1.0] * 3] * steps))]
                              for k in times], dtype=torch.float64)
     everyone = torch.empty(group.size * gathered.numel(), dtype=torch.float64)
     group.all_gather(everyone, gathered.view(-1), algo="native")
