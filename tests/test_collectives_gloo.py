@@ -15,7 +15,7 @@ import paratrain
 from paratrain.comm.algorithms import algorithms_for
 
 # The same checkers and references as the fabric matrix; the spawned ranks import them too.
-from test_collectives_fabric import SWEEPS, assert_no_failures, checking, sweep, sweep_with_small_segments
+from collective_checks import SWEEPS, assert_no_failures, checking, sweep, sweep_with_small_segments
 
 RUN_TIMEOUT_S = 60.0
 

@@ -16,7 +16,7 @@ from paratrain.comm import CollectiveMismatchError, CommTimeoutError, Fabric, Gr
 from paratrain.comm.algorithms import algorithms_for
 from paratrain.comm.settings import timeout_from_env
 
-from test_collectives_fabric import sweep  # the fabric matrix's checkers, for debug mode
+from collective_checks import sweep  # the fabric matrix's checkers, for debug mode
 
 SHORT_TIMEOUT_S = 0.5
 

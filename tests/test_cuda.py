@@ -20,7 +20,7 @@ from paratrain.train.loop import train_rank
 from paratrain.train.reference import reference_run
 
 from test_collectives_gloo import check_everything_on_this_rank
-from test_collectives_fabric import assert_no_failures
+from collective_checks import assert_no_failures
 from test_parallel_3d import config_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
