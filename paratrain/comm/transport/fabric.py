@@ -40,7 +40,12 @@ class Fabric:
         self.devices = [torch.device(d) for d in (devices or ["cpu"] * world_size)]
         if len(self.devices) != world_size:
             raise ValueError(f"{len(self.devices)} devices given for {world_size} ranks")
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the rendezvous, the abort, the registries
+        # A rank waits for its messages on its own condition (same lock): a post wakes only
+        # the threads of the rank it is for. One shared condition woke every waiting rank at
+        # each message, and on threads each wake-up is a turn of the interpreter lock.
+        self._inbox = [threading.Condition(lock) for _ in range(world_size)]
         self._mail: dict[tuple[int, int, int, int], _Message] = {}  # (src, dst, tag, k)
         self._aborted: str | None = None
         self._lost: int | None = None  # the rank whose failure aborted this fabric
@@ -84,7 +89,8 @@ class Fabric:
             if self._aborted is not None:
                 return
             self._aborted, self._lost = reason, rank
-            self._cond.notify_all()
+            for condition in (self._cond, *self._inbox):
+                condition.notify_all()
             children = list(self._children.items())
         for ranks, child in children:
             child.abort(reason, ranks.index(rank) if rank in ranks else None)
@@ -103,8 +109,8 @@ class Fabric:
                 self._children[ranks] = child
             return child
 
-    def _wait_for(self, ready, deadline: float, peer: int | None, seconds: float):
-        """Wait on the fabric's condition (held by the caller) until ready() is truthy."""
+    def _wait_for(self, condition, ready, deadline: float, peer: int | None, seconds: float):
+        """Wait on `condition` (its lock, the fabric's, held by the caller) until ready() is truthy."""
         while True:
             if self._aborted is not None:
                 raise FabricAborted(self._aborted, self._lost)
@@ -114,17 +120,19 @@ class Fabric:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransportTimeout(peer, seconds)
-            self._cond.wait(remaining)
+            condition.wait(remaining)
 
     def post(self, key: tuple[int, int, int, int], message: _Message) -> None:
-        with self._cond:
+        inbox = self._inbox[key[1]]
+        with inbox:
             self._mail[key] = message
-            self._cond.notify_all()
+            inbox.notify_all()  # all: the rank's main and communication threads may both wait
 
     def take(self, key: tuple[int, int, int, int], timeout: float) -> _Message:
         deadline = time.monotonic() + timeout
-        with self._cond:
-            self._wait_for(lambda: key in self._mail, deadline, key[0], timeout)
+        inbox = self._inbox[key[1]]
+        with inbox:
+            self._wait_for(inbox, lambda: key in self._mail, deadline, key[0], timeout)
             return self._mail.pop(key)
 
     def exchange(self, rank: int, value: object, timeout: float) -> list[object]:
@@ -140,7 +148,7 @@ class Fabric:
                 self._arrived = 0
                 self._generation += 1
                 self._cond.notify_all()
-            entry = self._wait_for(lambda: self._results.get(generation), deadline, None, timeout)
+            entry = self._wait_for(self._cond, lambda: self._results.get(generation), deadline, None, timeout)
             entry[1] -= 1
             if entry[1] == 0:  # the last reader of a generation drops it
                 del self._results[generation]
