@@ -188,11 +188,16 @@ class _RecvWork:
                 f"rank {self.key[1]}: message from rank {self.peer} has {source.numel()} elements,"
                 f" the receive buffer {target.numel()}"
             )
-        source = source.view(target.shape)
+        # Each torch call lets go of the interpreter lock, and on a busy host another rank's
+        # thread may keep it a while: call only what the message needs.
+        if source.shape != target.shape:
+            source = source.view(target.shape)
         if self.op.reduce is None:
             target.copy_(source)
         else:
-            combine_(target, source.to(target.device), self.op.reduce)
+            if source.device != target.device:
+                source = source.to(target.device)
+            combine_(target, source, self.op.reduce)
         message.delivered.set()
         self.done = True
 
