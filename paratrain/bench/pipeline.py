@@ -146,7 +146,8 @@ def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup,
 
     Prints step time (slowest rank, forward + backward of all microbatches), the ratio to
     PyTorch's schedule of the same name, and our measured bubble beside the theoretical one:
-    medians over the timed steps (the bubble's mean too). Runs on processes (torch.distributed.pipelining needs torch's default process group).
+    medians over the timed steps (the bubble's mean too). Runs on processes
+    (torch.distributed.pipelining needs torch's default process group).
     """
     launcher = "processes"
     names = [s.strip() for s in schedules.split(",") if s.strip()]

@@ -40,7 +40,7 @@ class Fabric:
         self.devices = [torch.device(d) for d in (devices or ["cpu"] * world_size)]
         if len(self.devices) != world_size:
             raise ValueError(f"{len(self.devices)} devices given for {world_size} ranks")
-        lock = threading.Lock()
+        lock = threading.RLock()  # what a bare Condition() would make
         self._cond = threading.Condition(lock)  # the rendezvous, the abort, the registries
         # A rank waits for its messages on its own condition (same lock): a post wakes only
         # the threads of the rank it is for. One shared condition woke every waiting rank at
