@@ -7,7 +7,12 @@ ranks inherit this environment, so the same holds for launcher="processes".
 import pytest
 
 import paratrain.frontend as gt
-from paratrain.frontend.server import LocalServer
+from paratrain.frontend.client.autostart import LocalServer
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-cases", type=int, default=2000,
+                     help="mutated messages the frontend fuzz test sends on each side of authentication")
 
 
 @pytest.fixture(autouse=True)

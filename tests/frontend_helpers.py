@@ -12,8 +12,8 @@ import time
 
 import zmq
 
-from paratrain.frontend import wire
-from paratrain.frontend.handshake import handshake
+from paratrain.frontend.protocol import VERSION, codec, messages
+from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
 
 PYTHON_M_PARATRAIN = [sys.executable, "-m", "paratrain"]
 
@@ -43,27 +43,38 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.1):
     return value
 
 
+def client_hello() -> messages.Hello:
+    return messages.Hello("client", VERSION, os.getpid(), "raw test client", "localhost", "", None)
+
+
 @contextlib.contextmanager
 def raw_client(address: str, token: str | None = None):
-    """A client socket that speaks the wire format directly (to send what the API never would)."""
+    """A client socket that speaks the protocol directly (to send what the API never would)."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{address}")
     try:
-        welcome = handshake(sock, "client", token, {"pid": os.getpid()}, 30.0, address)
+        welcome = handshake(sock, client_hello(), token, 30.0, address)
         yield sock, welcome
     finally:
-        sock.send(wire.encode({"t": "bye"}))
+        sock.send_multipart(codec.encode(messages.Bye()))
         sock.close(linger=200)
         context.term()
 
 
-def raw_sync(sock, ops: list, fetch=(), token: int = 10_000, frames=()) -> tuple[dict, list]:
-    sock.send_multipart([wire.encode({"t": "run", "ops": ops, "sync": token, "fetch": list(fetch)}), *frames])
+def reply_to(sock, timeout_ms: int = 30_000):
+    """The next message the dispatcher sends this client socket."""
+    assert sock.poll(timeout_ms), "no reply from the dispatcher"
+    return codec.decode(sock.recv_multipart(), ACCEPTS["client"])
+
+
+def raw_sync(sock, instructions: list, fetch=(), token: int = 10_000, frames=()) -> messages.Synced:
+    """Send instructions (Instruction, or raw wire lists to test the decoder) with a sync; -> the
+    Synced reply."""
+    sock.send_multipart(codec.encode(messages.Run(instructions, token, list(fetch), list(frames))))
     while True:
-        assert sock.poll(30_000), "no reply from the dispatcher"
-        reply = sock.recv_multipart()
-        header = wire.decode(reply[0])
-        if header["t"] == "synced" and header["token"] == token:
-            return header, reply[1:]
+        reply = reply_to(sock)
+        if isinstance(reply, messages.Synced) and reply.token == token:
+            return reply
+        assert not isinstance(reply, messages.Error), reply.message

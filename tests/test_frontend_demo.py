@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from paratrain.frontend.server import LocalServer
+from paratrain.frontend.client.autostart import LocalServer
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "examples", "tuning_demo")
 sys.path.insert(0, DEMO)

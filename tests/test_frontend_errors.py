@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import paratrain.frontend as gt
-from frontend_helpers import raw_client, raw_sync, wait_until
+from frontend_helpers import raw_client, raw_sync, reply_to, wait_until
+from paratrain.frontend.protocol import Instruction, codec, messages
 
 
 def test_shape_errors_raise_at_the_line_that_made_them(client):
@@ -53,36 +54,36 @@ def test_a_client_can_neither_read_nor_free_another_clients_tensors(client, serv
     mine = gt.randn(8)
     expected = mine.numpy()
     with raw_client(server.address) as (sock, _):
-        reply, _ = raw_sync(sock, [[1, "free", [], [mine._handle], [], {}, None]], fetch=[mine._handle])
-        assert reply["fetched"][0][1] is None and "not a tensor of this client" in reply["fetched"][0][2]
-        reply, _ = raw_sync(sock, [[2, "relu", [5], [mine._handle], [0], {}, None]], token=10_001)
-        assert "not a tensor of this client" in reply["errors"][0][4]
+        reply = raw_sync(sock, [Instruction(1, "free", [], [mine._handle], [], {})], fetch=[mine._handle])
+        assert reply.fetched[0].dtype is None and "not a tensor of this client" in reply.fetched[0].error
+        reply = raw_sync(sock, [Instruction(2, "relu", [5], [mine._handle], [0], {})], token=10_001)
+        assert "not a tensor of this client" in reply.errors[0].message
     np.testing.assert_array_equal(mine.numpy(), expected)
 
 
-@pytest.mark.parametrize("ops, reason", [
-    ([[1, "os.system", [0], ["ls"], [], {}, None]], "unknown operation"),
-    ([[1, "randn", [0], [2], [], {"device": "cuda"}, None]], "unexpected keyword"),
-    ([["x"]], "must be a list"),
+@pytest.mark.parametrize("instruction, reason", [
+    ([1, "os.system", [0], ["ls"], [], {}, False, False, None, None, None], "unknown operation 'os.system'"),
+    ([1, "randn", [0], [2], [], {"device": "cuda"}, False, False, None, None, None], "no keyword argument 'device'"),
+    (["x"], "an instruction is a list of 11 fields"),
 ])
-def test_bad_instructions_get_an_error_and_the_dispatcher_serves_on(client, server, ops, reason):
+def test_bad_instructions_get_an_error_and_the_dispatcher_serves_on(client, server, instruction, reason):
     with raw_client(server.address) as (sock, _):
-        reply, _ = raw_sync(sock, ops)
-        assert reason in reply["errors"][0][4]
+        sock.send_multipart(codec.encode(messages.Run([instruction], 1, [])))
+        reply = reply_to(sock)
+        assert isinstance(reply, messages.Error) and reason in reply.message and "run.instructions[0]" in reply.message
+        reply = raw_sync(sock, [Instruction(2, "ones", [0], [2], [], {})], fetch=[0])
+        assert reply.errors == [] and reply.fetched[0].shape == [2]
     assert gt.ones(3).sum().item() == 3.0
 
 
 @pytest.mark.parametrize("frame", [b"\x80\x04 not msgpack", b"\x93\x01\x02\x03"])
 def test_malformed_messages_get_an_error_reply_and_nothing_breaks(client, server, frame):
-    from paratrain.frontend import wire
-
     with raw_client(server.address) as (sock, _):
         sock.send(frame)
-        assert sock.poll(10_000)
-        reply = wire.decode(sock.recv())
-        assert reply["t"] == "error" and "malformed" in reply["message"]
-        reply, _ = raw_sync(sock, [[1, "ones", [0], [2], [], {}, None]], fetch=[0])
-        assert reply["errors"] == []
+        reply = reply_to(sock, 10_000)
+        assert isinstance(reply, messages.Error) and "malformed" in reply.message
+        reply = raw_sync(sock, [Instruction(1, "ones", [0], [2], [], {})], fetch=[0])
+        assert reply.errors == []
     assert gt.ones(3).sum().item() == 3.0
 
 
@@ -94,7 +95,7 @@ def test_a_departed_client_has_its_tensors_freed(client, server):
     monitor = Monitor(server.address)
     try:
         def held():
-            return monitor.stats()["workers"][0]["memory"]
+            return monitor.stats().workers[0].memory
 
         other = gt.Session(server.address)
         big = other.call("zeros", [1024, 1024], {"dtype": None})[0]
@@ -124,12 +125,12 @@ def test_a_killed_client_has_its_tensors_freed_after_its_heartbeats_stop(server)
     try:
         assert child.stdout.readline().strip() == "ready"
         time.sleep(1.2)
-        assert any(c["tensors"] >= 1 for c in monitor.stats()["clients"])
-        held = monitor.stats()["workers"][0]["memory"]
+        assert any(c.tensors >= 1 for c in monitor.stats().clients)
+        held = monitor.stats().workers[0].memory
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
         # The server's --client-timeout is 3 s; then a heartbeat reports the memory.
-        wait_until(lambda: held - monitor.stats()["workers"][0]["memory"] >= 4 * 1024 * 1024, 30,
+        wait_until(lambda: held - monitor.stats().workers[0].memory >= 4 * 1024 * 1024, 30,
                    "the killed client's 4 MiB freed")
     finally:
         monitor.close()

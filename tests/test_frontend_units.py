@@ -1,7 +1,6 @@
-"""The frontend's parts without a server: wire format, op table, shape inference, the worker's
+"""The frontend's parts without a server: the protocol, op table, shape inference, the worker's
 executor and the dispatcher's router. Fast: no process is started."""
 
-import ast
 import pathlib
 
 import msgpack
@@ -9,14 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from paratrain.frontend import wire
-from paratrain.frontend.client.shapes import ShapeError, infer
-from paratrain.frontend.dispatcher import Dispatcher
-from paratrain.frontend.executor import Executor
+from paratrain.frontend.dispatcher.dispatcher import Dispatcher
+from paratrain.frontend.dispatcher.router import ClientTable, Router
+from paratrain.frontend.dispatcher.settings import DispatcherSettings
 from paratrain.frontend.ops import decode_index, encode_index, validate_kwargs
-from paratrain.frontend.routing import MAX_HANDLE, ClientTable, Router
+from paratrain.frontend.protocol import CLIENT_HANDLES, Instruction, MalformedMessage, codec, messages
+from paratrain.frontend.protocol.auth import auth_mac, auth_ok, new_nonce
+from paratrain.frontend.protocol.tensors import array_from_frame
+from paratrain.frontend.shapes import ShapeError, infer
+from paratrain.frontend.workers.executor import Executor
 
-FRONTEND = pathlib.Path(__file__).parent.parent / "paratrain" / "frontend"
+TO_DISPATCHER = codec.decoder(messages.TO_DISPATCHER)
 
 
 class FakeTensor:
@@ -28,65 +30,53 @@ class FakeTensor:
         self.shape, self.dtype = tuple(shape), dtype
 
 
-# ---- wire ------------------------------------------------------------------------------------
+# ---- the protocol --------------------------------------------------------------------------
 
 def test_decode_rejects_what_is_not_a_msgpack_map():
     for frame in (b"\x80\x04garbage", msgpack.packb([1, 2]), msgpack.packb({"no_type": 1}), b""):
-        with pytest.raises(wire.MalformedMessage):
-            wire.decode(frame)
+        with pytest.raises(MalformedMessage):
+            codec.decode([frame], TO_DISPATCHER)
 
 
 def test_decode_never_unpickles():
     import pickle
 
-    payload = pickle.dumps({"t": "run", "ops": []})
-    with pytest.raises(wire.MalformedMessage):
-        wire.decode(payload)
+    payload = pickle.dumps({"t": "run", "instructions": [], "sync": None, "fetch": []})
+    with pytest.raises(MalformedMessage):
+        codec.decode([payload], TO_DISPATCHER)
 
 
 def test_decode_refuses_msgpack_extension_types():
     frame = msgpack.packb({"t": "run", "x": msgpack.ExtType(1, b"abc")})
-    with pytest.raises(wire.MalformedMessage):
-        wire.decode(frame)
-
-
-def test_no_module_of_the_frontend_imports_pickle_or_uses_pyobj_sockets():
-    for path in FRONTEND.rglob("*.py"):
-        source = path.read_text()
-        tree = ast.parse(source)
-        imported = {alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                    for alias in node.names} | {node.module for node in ast.walk(tree)
-                                                 if isinstance(node, ast.ImportFrom) and node.module}
-        assert not imported & {"pickle", "cPickle", "dill", "cloudpickle"}, path
-        for forbidden in ("recv_pyobj", "send_pyobj", "torch.load(", "pickle.loads"):
-            assert forbidden not in source, (path, forbidden)
+    with pytest.raises(MalformedMessage):
+        codec.decode([frame], TO_DISPATCHER)
 
 
 def test_hmac_answer_depends_on_token_nonce_and_role():
-    nonce = wire.new_nonce()
-    mac = wire.auth_mac("secret", nonce, "client")
-    assert wire.auth_ok("secret", nonce, "client", mac)
-    assert not wire.auth_ok("other", nonce, "client", mac)
-    assert not wire.auth_ok("secret", wire.new_nonce(), "client", mac)
-    assert not wire.auth_ok("secret", nonce, "worker", mac)
-    assert not wire.auth_ok("secret", nonce, "client", None)
+    nonce = new_nonce()
+    mac = auth_mac("secret", nonce, "client")
+    assert auth_ok("secret", nonce, "client", mac)
+    assert not auth_ok("other", nonce, "client", mac)
+    assert not auth_ok("secret", new_nonce(), "client", mac)
+    assert not auth_ok("secret", nonce, "worker", mac)
+    assert not auth_ok("secret", nonce, "client", None)
     assert "secret" not in mac
 
 
 def test_bfloat16_frames_widen_to_float32():
     values = torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)
     raw = values.view(torch.int16).numpy().tobytes()
-    np.testing.assert_array_equal(wire.array_from_frame(raw, "bfloat16", [3]), [1.5, -2.0, 3.25])
+    np.testing.assert_array_equal(array_from_frame(raw, "bfloat16", [3]), [1.5, -2.0, 3.25])
 
 
 def test_frame_whose_size_disagrees_with_its_header_is_malformed():
-    with pytest.raises(wire.MalformedMessage, match="holds 2 elements"):
-        wire.array_from_frame(np.zeros(2, np.float32).tobytes(), "float32", [3])
+    with pytest.raises(MalformedMessage, match="holds 2 elements"):
+        array_from_frame(np.zeros(2, np.float32).tobytes(), "float32", [3])
 
 
 def test_dispatcher_refuses_a_public_address_without_a_token():
     with pytest.raises(ValueError, match="give a token"):
-        Dispatcher("0.0.0.0", 0, 1)
+        Dispatcher(DispatcherSettings("0.0.0.0", 0, 1))
 
 
 # ---- the op table -----------------------------------------------------------------------------
@@ -94,7 +84,9 @@ def test_dispatcher_refuses_a_public_address_without_a_token():
 def test_kwargs_outside_an_ops_allowlist_are_refused():
     assert validate_kwargs("sum", {"dim": 1, "keepdim": True}) is None
     assert "unexpected" in validate_kwargs("sum", {"out": 3})
-    assert "must be a number" in validate_kwargs("sum", {"dim": {"nested": 1}})
+    nested = messages.Run([Instruction(1, "sum", [1], [0], [0], {"dim": {"nested": 1}})], None, [])
+    with pytest.raises(MalformedMessage, match="kwargs.dim"):
+        codec.decode(codec.encode(nested), TO_DISPATCHER)
 
 
 def test_index_encoding_round_trips():
@@ -126,20 +118,26 @@ def test_shape_error_names_the_op_and_its_inputs():
 # ---- the executor (a worker without its sockets) ----------------------------------------------
 
 def _run(executor, *instructions, frames=()):
-    executor.run_batch(1, [list(i) for i in instructions], list(frames), None)
+    executor.run_batch(1, [Instruction(*i) for i in instructions], list(frames), None)
+
+
+def _fields(*instruction):
+    """An instruction from its first six fields and the flags that matter here."""
+    *head, flags = instruction
+    return [*head, False, bool(flags and flags.get("rg"))]
 
 
 def test_executor_runs_autograd_and_an_optimizer_where_the_tensors_are():
     executor = Executor(None, torch.device("cpu"))
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     _run(executor,
-         [1, "upload", [0], [], [], {"dtype": "float32", "shape": [2, 3], "frame": 0}, {"rg": 1}],
-         [2, "sum", [1], [0], [0], {}, None],
-         [3, "backward", [], [1], [0], {}, None],
-         [4, "optim_create", [2], [0], [0], {"kind": "sgd", "lr": 0.5}, None],
-         [5, "optim_step", [], [2], [0], {}, None],
+         _fields(1, "upload", [0], [], [], {"dtype": "float32", "shape": [2, 3], "frame": 0}, {"rg": 1}),
+         _fields(2, "sum", [1], [0], [0], {}, None),
+         _fields(3, "backward", [], [1], [0], {}, None),
+         _fields(4, "optim_create", [2], [0], [0], {"kind": "sgd", "lr": 0.5}, None),
+         _fields(5, "optim_step", [], [2], [0], {}, None),
          frames=[memoryview(w).cast("B")])
-    errors, fetched, frames = executor.sync(1, [0])
+    errors, fetched, frames = executor.collect(1, [0])
     assert errors == []
     np.testing.assert_array_equal(np.frombuffer(frames[0], np.float32).reshape(2, 3), w - 0.5)
 
@@ -147,25 +145,25 @@ def test_executor_runs_autograd_and_an_optimizer_where_the_tensors_are():
 def test_a_failed_instruction_poisons_its_results_and_reports_once():
     executor = Executor(None, torch.device("cpu"))
     _run(executor,
-         [1, "randn", [0], [2, 3], [], {}, None],
-         [2, "randint", [1], [4], [], {"low": 5, "high": 9, "dtype": None}, None],
-         [3, "embedding", [2], [1, 0], [0, 1], {}, None],  # indices 5..8 into 2 rows: fails
-         [4, "relu", [3], [2], [0], {}, None])
-    errors, fetched, _ = executor.sync(1, [3])
+         _fields(1, "randn", [0], [2, 3], [], {}, None),
+         _fields(2, "randint", [1], [4], [], {"low": 5, "high": 9, "dtype": None}, None),
+         _fields(3, "embedding", [2], [1, 0], [0, 1], {}, None),  # indices 5..8 into 2 rows: fails
+         _fields(4, "relu", [3], [2], [0], {}, None))
+    errors, fetched, _ = executor.collect(1, [3])
     assert len(errors) == 1
     seq, name, shapes, worker, message = errors[0]
     assert (seq, name, shapes, worker) == (3, "embedding", ["int64[4]", "float32[2, 3]"], 0)
     assert "index out of range" in message.lower()
-    assert fetched[0][1] is None and "index out of range" in fetched[0][2].lower()
+    assert fetched[0].dtype is None and "index out of range" in fetched[0].error.lower()
 
 
 def test_drop_forgets_only_that_clients_tensors():
     executor = Executor(None, torch.device("cpu"))
-    executor.run_batch(1, [[1, "ones", [0], [3], [], {}, None]], [], None)
-    executor.run_batch(2, [[1, "ones", [0], [3], [], {}, None]], [], None)
-    executor.drop(1)
-    assert executor.sync(2, [0])[1][0][1] == "float32"
-    assert executor.sync(1, [0])[1][0][1] is None
+    executor.run_batch(1, [Instruction(1, "ones", [0], [3], [], {})], [], None)
+    executor.run_batch(2, [Instruction(1, "ones", [0], [3], [], {})], [], None)
+    executor.forget(1)
+    assert executor.collect(2, [0])[1][0].dtype == "float32"
+    assert executor.collect(1, [0])[1][0].dtype is None
 
 
 # ---- the router (the dispatcher's placement) ------------------------------------------------------
@@ -174,76 +172,93 @@ def _router(workers=2):
     return Router(workers, lambda w: True)
 
 
+def _wire(seq, op, outs, args, targs, kwargs, flags=None):
+    """An instruction's wire form, from the old seven fields (flags: w, rg)."""
+    flags = flags or {}
+    return [seq, op, outs, args, targs, kwargs, False, bool(flags.get("rg")), flags.get("w"), None, None]
+
+
+def _route(router, table, *instructions):
+    """Instructions as the dispatcher sees them: decoded (and checked) by the protocol, then
+    routed; -> (streams, errors). A message the protocol refuses raises MalformedMessage."""
+    raw = [_wire(*i) if isinstance(i, tuple) else i for i in instructions]
+    run = codec.decode(codec.encode(messages.Run(raw, None, [])), TO_DISPATCHER)
+    routed = router.route(table, run.instructions, run.frames)
+    return routed.streams, routed.errors
+
+
 def test_creation_follows_the_clients_placement_and_ops_follow_their_first_input():
     router, table = _router(), ClientTable(slot=1, home=0)
-    streams, _, errors = router.route(table, [
-        [1, "randn", [0], [4], [], {}, None],
-        [2, "randn", [1], [4], [], {}, {"w": 1}],
-        [3, "add", [2], [1, 0], [0, 1], {}, None],  # runs on worker 1; handle 0 moves there
-    ], [])
+    streams, errors = _route(router, table,
+                             (1, "randn", [0], [4], [], {}),
+                             (2, "randn", [1], [4], [], {}, {"w": 1}),
+                             (3, "add", [2], [1, 0], [0, 1], {}))  # runs on worker 1; handle 0 moves there
     assert errors == []
-    assert [i[1] for i in streams[0]] == ["randn", "send"]
-    assert [i[1] for i in streams[1]] == ["randn", "recv", "add", "free"]
-    temp = streams[1][1][2][0]
-    assert temp >= MAX_HANDLE and streams[1][2][3] == [1, temp]
+    assert [i.op for i in streams[0]] == ["randn", "send"]
+    assert [i.op for i in streams[1]] == ["randn", "recv", "add", "free"]
+    temp = streams[1][1].outs[0]
+    assert temp >= CLIENT_HANDLES and streams[1][2].args == [1, temp]
     assert table.where[2].workers == (1,) and table.where[2].split is None
 
 
 def test_backward_across_workers_exchanges_gradients_newest_crossing_first():
     router, table = _router(), ClientTable(slot=1, home=0)
-    streams, _, _ = router.route(table, [
-        [1, "randn", [0], [4], [], {}, {"rg": 1}],
-        [2, "randn", [1], [4], [], {}, {"w": 1, "rg": 1}],
-        [3, "mul", [2], [1, 0], [0, 1], {}, None],  # on 1, crossing 0: worker 0 -> 1
-        [4, "relu", [3], [0], [0], {}, None],
-        [5, "add", [4], [3, 2], [0, 1], {}, None],  # on 0, crossing 1: worker 1 -> 0
-        [6, "sum", [5], [4], [0], {}, None],
-        [7, "backward", [], [5], [0], {}, None],
-    ], [])
-    ops0 = [(i[1], i[5].get("t")) for i in streams[0]]
-    ops1 = [(i[1], i[5].get("t")) for i in streams[1]]
+    streams, _ = _route(router, table,
+                        (1, "randn", [0], [4], [], {}, {"rg": 1}),
+                        (2, "randn", [1], [4], [], {}, {"w": 1, "rg": 1}),
+                        (3, "mul", [2], [1, 0], [0, 1], {}),  # on 1, crossing 0: worker 0 -> 1
+                        (4, "relu", [3], [0], [0], {}),
+                        (5, "add", [4], [3, 2], [0, 1], {}),  # on 0, crossing 1: worker 1 -> 0
+                        (6, "sum", [5], [4], [0], {}),
+                        (7, "backward", [], [5], [0], {}))
+    ops0 = [(i.op, i.kwargs.get("crossing")) for i in streams[0]]
+    ops1 = [(i.op, i.kwargs.get("crossing")) for i in streams[1]]
     assert ops0[-3:] == [("backward", None), ("bw_send", 1), ("bw_recv", 0)]
     assert ops1[-2:] == [("bw_recv", 1), ("bw_send", 0)]
-    assert streams[0][-3][5]["retain_graph"] is True
+    assert streams[0][-3].kwargs["retain_graph"] is True
 
 
 def test_freeing_the_last_handle_of_a_graph_releases_its_crossings():
     router, table = _router(), ClientTable(slot=1, home=0)
-    router.route(table, [
-        [1, "randn", [0], [4], [], {}, {"rg": 1}],
-        [2, "randn", [1], [4], [], {}, {"w": 1}],
-        [3, "add", [2], [1, 0], [0, 1], {}, None],
-    ], [])
+    _route(router, table,
+           (1, "randn", [0], [4], [], {}, {"rg": 1}),
+           (2, "randn", [1], [4], [], {}, {"w": 1}),
+           (3, "add", [2], [1, 0], [0, 1], {}))
     assert len(router.crossings) == 1
-    streams, _, _ = router.route(table, [[4, "free", [], [2], [], {}, None]], [])
+    streams, _ = _route(router, table, (4, "free", [], [2], [], {}))
     assert router.crossings == {}
-    assert [i[1] for i in streams[0]] == ["release"]
-    assert sorted(i[1] for i in streams[1]) == ["free", "release"]
+    assert [i.op for i in streams[0]] == ["release"]
+    assert sorted(i.op for i in streams[1]) == ["free", "release"]
 
 
 @pytest.mark.parametrize("instruction, reason", [
-    ([1, "os.system", [0], [], [], {}, None], "unknown operation"),
-    ([1, "send", [], [0], [0], {}, None], "unknown operation"),  # dispatcher-only
-    ([1, "relu", [1], [99], [0], {}, None], "not a tensor of this client"),
-    ([1, "sum", [1], [0], [0], {"out": 1}, None], "unexpected keyword"),
-    ([1, "relu", [0], [0], [0], {}, None], "already in use"),
-    ([1, "relu", [1], [0], [5], {}, None], "outside the arguments"),
-    ("not a list", "must be a list"),
+    ((1, "os.system", [0], [], [], {}), "unknown operation"),
+    ((1, "send", [], [0], [0], {}), "unknown operation"),  # dispatcher-only
+    ((1, "relu", [1], [99], [0], {}), "not a tensor of this client"),
+    ((1, "sum", [1], [0], [0], {"out": 1}), "no keyword argument 'out'"),
+    ((1, "relu", [0], [0], [0], {}), "already in use"),
+    ((1, "relu", [1], [0], [5], {}), "targs[0]"),
+    ("not a list", "an instruction is a list"),
 ])
-def test_router_refuses_bad_instructions_with_a_reason(instruction, reason):
+def test_bad_instructions_are_refused_with_a_reason(instruction, reason):
+    """By the protocol when malformed (naming the field), by the router when they name handles
+    this client does not have."""
     router, table = _router(), ClientTable(slot=1, home=0)
-    router.route(table, [[0, "randn", [0], [2], [], {}, None]], [])
-    streams, _, errors = router.route(table, [instruction], [])
-    assert len(errors) == 1 and reason in errors[0][4]
+    _route(router, table, (0, "randn", [0], [2], [], {}))
+    try:
+        streams, errors = _route(router, table, instruction)
+    except MalformedMessage as error:
+        assert reason in str(error)
+        return
+    assert len(errors) == 1 and reason in errors[0].message
     assert not streams
 
 
 def test_results_of_a_refused_instruction_are_skipped_without_a_second_error():
     router, table = _router(), ClientTable(slot=1, home=0)
-    _, _, errors = router.route(table, [
-        [1, "relu", [1], [99], [0], {}, None],
-        [2, "exp", [2], [1], [0], {}, None],
-    ], [])
+    _, errors = _route(router, table,
+                       (1, "relu", [1], [99], [0], {}),
+                       (2, "exp", [2], [1], [0], {}))
     assert len(errors) == 1 and table.refused[2] == table.refused[1]
 
 

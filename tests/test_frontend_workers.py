@@ -18,7 +18,7 @@ from click.testing import CliRunner
 import paratrain.frontend as gt
 from frontend_helpers import PYTHON_M_PARATRAIN, free_port, stop, wait_until
 from paratrain.cli import main as paratrain_cli
-from paratrain.frontend.server import LocalServer, wait_until_ready
+from paratrain.frontend.client.autostart import LocalServer, wait_until_ready
 
 RTOL, ATOL = 1e-5, 1e-6  # same kernels and inputs as the reference: float32 rounding at most
 
@@ -152,8 +152,8 @@ def test_a_killed_worker_fails_its_clients_at_their_next_sync_and_the_rest_go_on
         x = doomed.call("ones", [4], {"dtype": None})[0]
         assert x.numpy().sum() == 4
         info = _worker_info(address, doomed.home)
-        os.kill(info["pid"], signal.SIGKILL)
-        wait_until(lambda: not _worker_info(address, doomed.home)["alive"], 30,
+        os.kill(info.pid, signal.SIGKILL)
+        wait_until(lambda: not _worker_info(address, doomed.home).alive, 30,
                    "the dispatcher sees the killed worker lost (--worker-timeout 2)")
         y = x * 2
         with pytest.raises(gt.FrontendError, match=f"worker {doomed.home} is lost"):
@@ -169,7 +169,7 @@ def test_a_killed_worker_fails_its_clients_at_their_next_sync_and_the_rest_go_on
 
 
 def _worker_info(address, rank):
-    return next(w for w in _worker_pids(address) if w["rank"] == rank)
+    return next(w for w in _worker_pids(address) if w.rank == rank)
 
 
 def _worker_pids(address):
@@ -177,7 +177,7 @@ def _worker_pids(address):
 
     monitor = Monitor(address)
     try:
-        return monitor.stats()["workers"]
+        return monitor.stats().workers
     finally:
         monitor.close()
 
@@ -211,7 +211,7 @@ def test_a_program_auto_starts_its_workers_and_leaves_nothing_running():
         x = gt.ones(3, 4) * 2
         print("sum", x.sum().item())
         server = gt.session().address
-        print("pids", [w["pid"] for w in Monitor(server).stats()["workers"]], gt.api._defaults.server.process.pid)
+        print("pids", [w.pid for w in Monitor(server).stats().workers], gt.client.defaults.DEFAULTS.server.process.pid)
     """)
     env = {k: v for k, v in os.environ.items() if k != "PARATRAIN_SERVER"}
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=180, env=env)

@@ -52,7 +52,7 @@ def train(config, preset: str = "small", *, steps: int = 20, global_batch: int =
     model_name, shape = PRESETS[preset]
     overrides = overrides or {}
     shape = type(shape)(**{**shape.__dict__, **overrides})
-    if gt.api._defaults.session is None:
+    if not gt.connected():
         gt.gpu_workers(workers_named(raw))
     gt.load_config(raw)
     stages = stages_in(raw)

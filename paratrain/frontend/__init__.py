@@ -7,28 +7,31 @@
     loss.backward()                                 # one instruction: autograd runs on the worker
     print(loss.item(), w.grad.shape)                # item() is where the client waits
 
-Layers: `client/` (tensors, sessions, nn, optim) -> `dispatcher.py` + `routing.py` -> workers
-(`worker.py`, `executor.py`), over a ZeroMQ + msgpack control plane (`wire.py`); the workers
-form one paratrain world and move tensors with its point-to-point.
+Three kinds of process, a folder each: `client/` (this API: tensors, sessions, nn, optim),
+`dispatcher/` (`paratrain serve`: peers, routing, syncs) and `workers/` (`paratrain worker`:
+running instructions on tensors). They share only `protocol/` (every message a typed class),
+`ops.py` (the table of operations), `shapes.py` (shape inference) and `signals.py` (signal
+configurations). The workers form one paratrain world and move tensors with its point-to-point.
 """
 
-from paratrain.frontend.api import (
-    arange, cat, connect, disconnect, from_numpy, full, gpu_workers, manual_seed, matmul, maximum,
-    minimum, ones, ones_like, rand, randint, randn, randn_like, session, stack, start, tensor,
-    uniform, where, worker, zeros, zeros_like,
-)
 from paratrain.frontend.client import functional, nn, optim, pipeline, signal
-from paratrain.frontend.client.signal import ShardConfig, SignalConfig, load_config, register_config
+from paratrain.frontend.client.api import (
+    arange, cat, connect, connected, disconnect, from_numpy, full, gpu_workers, manual_seed, matmul, maximum,
+    minimum, ones, ones_like, rand, randint, randn, randn_like, stack, start, tensor, uniform, where,
+    worker, zeros, zeros_like,
+)
 from paratrain.frontend.client.autograd import enable_grad, is_grad_enabled, no_grad
+from paratrain.frontend.client.defaults import session
 from paratrain.frontend.client.functional import (
     cross_entropy, gelu, layer_norm, log_softmax, relu, sigmoid, softmax, tanh,
 )
 from paratrain.frontend.client.session import Session
-from paratrain.frontend.client.shapes import ShapeError
+from paratrain.frontend.client.signal import ShardConfig, SignalConfig, load_config, register_config
 from paratrain.frontend.client.tensor import Tensor
 from paratrain.frontend.errors import (
-    AuthenticationError, DispatcherUnreachable, FrontendError, ProtocolError, RemoteError,
+    AuthenticationError, ConnectionLost, DispatcherUnreachable, FrontendError, ProtocolError, RemoteError,
 )
+from paratrain.frontend.shapes import ShapeError
 from paratrain.frontend.signals import ConfigError
 
 float32, float64, float16, bfloat16 = "float32", "float64", "float16", "bfloat16"

@@ -25,6 +25,11 @@ class ProtocolError(FrontendError):
     """The dispatcher could not make sense of a message (or the client of a reply)."""
 
 
+class ConnectionLost(FrontendError):
+    """The dispatcher stopped serving this client (it dropped it, or its server exited); the
+    session is closed."""
+
+
 class AuthenticationError(FrontendError):
     """The dispatcher refused the connection (missing or wrong token)."""
 

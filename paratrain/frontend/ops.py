@@ -1,14 +1,15 @@
 """Every operation the frontend can run, in one table.
 
 The same entry serves three places: the client runs `fn` on meta tensors to infer the
-result's shape and dtype at the line that made it, the dispatcher validates an instruction
-against it (known name, allowed keyword arguments), and a worker runs `fn` on real tensors.
-So a shape the client predicts is the shape the worker produces, by construction.
+result's shape and dtype at the line that made it (`shapes.py`), the protocol checks an
+instruction against it (a known name, allowed keyword arguments, as many tensor inputs and
+results as the operation takes), and a worker runs `fn` on real tensors. So a shape the client
+predicts is the shape the worker produces, by construction.
 
-An instruction on the wire is a list `[seq, op, outs, args, targs, kwargs, flags]`: `outs` are
-the client's handles for the results, `args` the positional arguments, `targs` the positions
-in `args` that hold tensor handles (the rest are plain values), `flags` a small map or nil
-(`ng`: run without autograd; `w`: the worker a created tensor goes to).
+Operations whose `fn` is None are run by the worker's own handlers (`workers/handlers.py`):
+uploads, autograd, optimizers. Those of kind "internal" only the dispatcher may ask for
+(moving tensors between workers, the collectives of sharded execution); a client naming one is
+refused.
 """
 
 from __future__ import annotations
@@ -36,16 +37,26 @@ def torch_dtype(name: str | None, default: torch.dtype | None = None) -> torch.d
     return TORCH_DTYPES[name]
 
 
+MANY = 1 << 16  # "any number": tensors in a cat, parameters of an optimizer
+
+
 @dataclass(frozen=True)
 class Op:
-    fn: Callable | None  # None: the executor implements it (uploads, autograd, optimizers)
+    fn: Callable | None  # None: a worker handler implements it (uploads, autograd, optimizers)
     kwargs: frozenset = frozenset()
-    kind: str = "compute"  # compute | create (placed by the client's context) | inplace | special
+    kind: str = "compute"  # compute | create | inplace | special | internal (dispatcher only)
     differentiable: bool = True
     elementwise: bool = False  # a scalar operand changes only the dtype: shapes cache by its type
+    inputs: tuple[int, int] = (1, 1)  # (fewest, most) tensor arguments
+    results: int | None = 1  # result handles; None: as many as it makes (chunk, split)
 
 
 def _op(fn, *kwargs, **options) -> Op:
+    kind = options.get("kind")
+    if kind == "create":
+        options.setdefault("inputs", (0, 0))
+    elif kind == "inplace":
+        options.setdefault("results", 0)
     return Op(fn, frozenset(kwargs), **options)
 
 
@@ -142,26 +153,27 @@ _UNARY = {
 }
 
 OPS: dict[str, Op] = {
-    **{name: _op(fn, elementwise=True) for name, fn in _BINARY.items()},
-    **{name: _op(fn, elementwise=True, differentiable=False) for name, fn in _COMPARE.items()},
+    **{name: _op(fn, elementwise=True, inputs=(1, 2)) for name, fn in _BINARY.items()},
+    **{name: _op(fn, elementwise=True, differentiable=False, inputs=(1, 2)) for name, fn in _COMPARE.items()},
     **{name: _op(fn) for name, fn in _UNARY.items()},
-    "maximum": _op(torch.maximum), "minimum": _op(torch.minimum), "where": _op(torch.where),
+    "maximum": _op(torch.maximum, inputs=(1, 2)), "minimum": _op(torch.minimum, inputs=(1, 2)),
+    "where": _op(torch.where, inputs=(1, 3)),
     "gelu": _op(F.gelu, "approximate"),
     "softmax": _op(lambda x, dim: torch.softmax(x, dim)),
     "log_softmax": _op(lambda x, dim: torch.log_softmax(x, dim)),
     "clamp": _op(torch.clamp, "min", "max"),
     "to": _op(_to),
     "tril": _op(torch.tril, "diagonal"), "triu": _op(torch.triu, "diagonal"),
-    "masked_fill": _op(torch.Tensor.masked_fill),
+    "masked_fill": _op(torch.Tensor.masked_fill, inputs=(2, 3)),
     "dropout": _op(F.dropout, "p", "training"),
-    "matmul": _op(torch.matmul),
+    "matmul": _op(torch.matmul, inputs=(2, 2)),
     # x @ weight + bias for a weight stored [in, out] (GT's layout), as one fused addmm
-    "linear": _op(lambda x, weight, bias=None: F.linear(x, weight.t(), bias)),
+    "linear": _op(lambda x, weight, bias=None: F.linear(x, weight.t(), bias), inputs=(2, 3)),
     # reductions (dim=None reduces everything)
     "sum": _op(_reduce("sum"), "dim", "keepdim"), "mean": _op(_reduce("mean"), "dim", "keepdim"),
     "amax": _op(_reduce("amax"), "dim", "keepdim"), "amin": _op(_reduce("amin"), "dim", "keepdim"),
     "max_all": _op(torch.max), "min_all": _op(torch.min),
-    "max": _op(_max_with_indices, "keepdim"), "min": _op(_min_with_indices, "keepdim"),
+    "max": _op(_max_with_indices, "keepdim", results=2), "min": _op(_min_with_indices, "keepdim", results=2),
     "argmax": _op(torch.argmax, "dim", "keepdim", differentiable=False),
     "var": _op(lambda x, dim=None, keepdim=False, correction=1: torch.var(x, _dims(dim), correction=correction, keepdim=keepdim), "dim", "keepdim", "correction"),
     # shapes
@@ -173,29 +185,32 @@ OPS: dict[str, Op] = {
     "expand": _op(lambda x, *shape: x.expand(shape)),
     "contiguous": _op(torch.Tensor.contiguous), "clone": _op(torch.clone),
     "detach": _op(torch.Tensor.detach, differentiable=False),
-    "cat": _op(lambda *xs, dim=0: torch.cat(xs, dim), "dim"),
-    "stack": _op(lambda *xs, dim=0: torch.stack(xs, dim), "dim"),
-    "chunk": _op(torch.chunk, "dim"), "split": _op(torch.split, "dim"),
-    "getitem": _op(_getitem),
+    "cat": _op(lambda *xs, dim=0: torch.cat(xs, dim), "dim", inputs=(1, MANY)),
+    "stack": _op(lambda *xs, dim=0: torch.stack(xs, dim), "dim", inputs=(1, MANY)),
+    "chunk": _op(torch.chunk, "dim", results=None), "split": _op(torch.split, "dim", results=None),
+    "getitem": _op(_getitem, inputs=(1, MANY)),
     # neural-network functions
-    "cross_entropy": _op(F.cross_entropy, "ignore_index", "reduction", "label_smoothing"),
-    "mse_loss": _op(F.mse_loss, "reduction"),
-    "embedding": _op(lambda indices, weight: F.embedding(indices, weight)),
-    "layer_norm": _op(_layer_norm, "eps"),
-    "sdpa": _op(F.scaled_dot_product_attention, "is_causal", "scale"),
+    "cross_entropy": _op(F.cross_entropy, "ignore_index", "reduction", "label_smoothing", inputs=(2, 2)),
+    "mse_loss": _op(F.mse_loss, "reduction", inputs=(2, 2)),
+    "embedding": _op(lambda indices, weight: F.embedding(indices, weight), inputs=(2, 2)),
+    "layer_norm": _op(_layer_norm, "eps", inputs=(1, 3)),
+    "sdpa": _op(F.scaled_dot_product_attention, "is_causal", "scale", inputs=(3, 3)),
     "zeros_like": _op(torch.zeros_like, differentiable=False),
     "ones_like": _op(torch.ones_like, differentiable=False),
     "randn_like": _op(torch.randn_like, differentiable=False),
     # in place: no result handle, the first argument changes
-    "add_": _op(torch.Tensor.add_, kind="inplace"), "sub_": _op(torch.Tensor.sub_, kind="inplace"),
-    "mul_": _op(torch.Tensor.mul_, kind="inplace"), "div_": _op(torch.Tensor.div_, kind="inplace"),
-    "pow_": _op(torch.Tensor.pow_, kind="inplace"),
-    "zero_": _op(torch.Tensor.zero_, kind="inplace"), "fill_": _op(torch.Tensor.fill_, kind="inplace"),
-    "copy_": _op(torch.Tensor.copy_, kind="inplace"),
+    "add_": _op(torch.Tensor.add_, kind="inplace", inputs=(1, 2)),
+    "sub_": _op(torch.Tensor.sub_, kind="inplace", inputs=(1, 2)),
+    "mul_": _op(torch.Tensor.mul_, kind="inplace", inputs=(1, 2)),
+    "div_": _op(torch.Tensor.div_, kind="inplace", inputs=(1, 2)),
+    "pow_": _op(torch.Tensor.pow_, kind="inplace", inputs=(1, 2)),
+    "zero_": _op(torch.Tensor.zero_, kind="inplace"),
+    "fill_": _op(torch.Tensor.fill_, kind="inplace", inputs=(1, 2)),
+    "copy_": _op(torch.Tensor.copy_, kind="inplace", inputs=(2, 2)),
     "clamp_": _op(torch.Tensor.clamp_, "min", "max", kind="inplace"),
-    "masked_fill_": _op(torch.Tensor.masked_fill_, kind="inplace"),
-    "setitem": _op(_setitem, kind="inplace"),
-    # creation: placed where the client's context says; the executor passes `device`
+    "masked_fill_": _op(torch.Tensor.masked_fill_, kind="inplace", inputs=(2, 3)),
+    "setitem": _op(_setitem, kind="inplace", inputs=(1, MANY)),
+    # creation: placed where the client's context says; the worker passes `device`
     "randn": _op(_creation(lambda s, dt, dev: torch.randn(s, dtype=dt, device=dev)), "dtype", kind="create"),
     "rand": _op(_creation(lambda s, dt, dev: torch.rand(s, dtype=dt, device=dev)), "dtype", kind="create"),
     "zeros": _op(_creation(lambda s, dt, dev: torch.zeros(s, dtype=dt, device=dev)), "dtype", kind="create"),
@@ -204,27 +219,41 @@ OPS: dict[str, Op] = {
     "uniform": _op(_creation(lambda s, dt, dev, low, high: torch.empty(s, dtype=dt, device=dev).uniform_(low, high)), "dtype", "low", "high", kind="create"),
     "randint": _op(_creation(lambda s, dt, dev, low, high: torch.randint(low, high, s, device=dev)), "dtype", "low", "high", kind="create"),
     "arange": _op(lambda start, end, step, dtype=None, device="cpu": torch.arange(start, end, step, dtype=torch_dtype(dtype), device=device), "dtype", kind="create"),
-    # implemented by the executor itself
-    "upload": _op(None, "dtype", "shape", "frame", kind="special"),
-    "free": _op(None, kind="special"),
-    "backward": _op(None, "retain_graph", "local", kind="special"),
-    "cross_backward": _op(None, kind="special"),  # a pipeline stage's share of backward
+    # run by the worker's handlers
+    "upload": _op(None, "dtype", "shape", "frame", kind="special", inputs=(0, 0)),
+    "free": _op(None, kind="special", inputs=(0, 0), results=0),
+    "backward": _op(None, "retain_graph", "local", kind="special", inputs=(1, 2), results=0),
+    "cross_backward": _op(None, kind="special", results=0),  # a pipeline stage's share of backward
     "reshard": _op(None, "signal", kind="special"),  # gt.signal.tensor
     "grad": _op(None, kind="special"),
-    "set_grad_none": _op(None, kind="special"),
-    "set_grad": _op(None, kind="special"),
-    "set_data": _op(None, kind="special"),
-    "requires_grad_": _op(None, kind="special"),
-    "optim_create": _op(None, "kind", "lr", "momentum", "weight_decay", "betas", "eps", "nesterov", "dampening", kind="special"),
-    "optim_step": _op(None, kind="special"),
-    "optim_zero_grad": _op(None, "set_to_none", kind="special"),
-    "optim_set_lr": _op(None, "lr", kind="special"),
-    "manual_seed": _op(None, kind="special"),
+    "set_grad_none": _op(None, kind="special", results=0),
+    "set_grad": _op(None, kind="special", inputs=(2, 2), results=0),
+    "set_data": _op(None, kind="special", inputs=(2, 2), results=0),
+    "requires_grad_": _op(None, kind="special", results=0),
+    "optim_create": _op(None, "kind", "lr", "momentum", "weight_decay", "betas", "eps", "nesterov", "dampening",
+                        kind="special", inputs=(1, MANY)),
+    "optim_step": _op(None, kind="special", results=0),
+    "optim_zero_grad": _op(None, "set_to_none", kind="special", results=0),
+    "optim_set_lr": _op(None, "lr", kind="special", results=0),
+    "manual_seed": _op(None, kind="special", inputs=(0, 0), results=0),
+    # only the dispatcher asks for these (see workers/crossings.py and workers/collectives.py)
+    "send": _op(None, "to", "crossing", kind="internal", results=0),
+    "recv": _op(None, "src", "crossing", kind="internal", inputs=(0, 0)),
+    "bw_send": _op(None, "crossing", "to", "parts", "axis", "retain", kind="internal", inputs=(0, 0), results=0),
+    "bw_recv": _op(None, "crossing", "src", "retain", "gather", "axis", "length", kind="internal",
+                   inputs=(0, 0), results=0),
+    "release": _op(None, kind="internal", inputs=(0, 0), results=0),
+    "make_group": _op(None, "g", kind="internal", inputs=(0, 0), results=0),
+    "tp_f": _op(None, "g", kind="internal"),
+    "tp_g": _op(None, "g", kind="internal"),
+    "tp_scatter": _op(None, "g", "axis", kind="internal"),
+    "tp_gather": _op(None, "g", "axis", "length", kind="internal"),
+    "tp_broadcast": _op(None, "g", "shape", "dtype", kind="internal", inputs=(0, 0)),
+    "vp_embedding": _op(None, "g", "vocab", kind="internal", inputs=(2, 2)),
+    "vp_cross_entropy": _op(None, "g", "vocab", kind="internal", inputs=(2, 2)),
+    "alias": _op(None, kind="internal"),
 }
-
-# What only the dispatcher asks a worker to do (not in OPS: a client sending these is refused):
-# send, recv, bw_send, bw_recv, release (crossings); make_group, tp_f, tp_g, tp_scatter,
-# tp_gather, tp_broadcast, vp_embedding, vp_cross_entropy, alias (sharded execution).
+CLIENT_OPS = frozenset(name for name, op in OPS.items() if op.kind != "internal")
 
 
 def validate_kwargs(name: str, kwargs: dict) -> str | None:
@@ -232,18 +261,5 @@ def validate_kwargs(name: str, kwargs: dict) -> str | None:
     op = OPS[name]
     unknown = set(kwargs) - op.kwargs
     if unknown:
-        return f"{name}: unexpected keyword argument(s) {', '.join(sorted(unknown))}"
-    for key, value in kwargs.items():
-        if not _plain(value):
-            return f"{name}: keyword argument {key!r} must be a number, bool, short string or list of them"
+        return f"{name}: unexpected keyword argument(s) {', '.join(sorted(map(str, unknown)))}"
     return None
-
-
-def _plain(value, depth: int = 0) -> bool:
-    if value is None or isinstance(value, (bool, int, float)):
-        return True
-    if isinstance(value, str):
-        return len(value) <= 64
-    if isinstance(value, list) and depth == 0:
-        return len(value) <= 64 and all(_plain(item, 1) for item in value)
-    return False

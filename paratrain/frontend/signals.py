@@ -103,6 +103,7 @@ def _parse_one(name: str, settings, n_workers, problems: list[str]) -> Signal | 
     backward = settings.get("backward")
     if backward is not None and not isinstance(backward, str):
         problems.append(f"{name}: backward must name another signal, got {backward!r}")
+        backward = None
     return Signal(name, tuple(workers), axis if isinstance(axis, int) else None, backward)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import zmq
@@ -10,8 +11,10 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from paratrain.frontend import wire
-from paratrain.frontend.handshake import handshake, receive
+from paratrain.frontend.errors import ProtocolError
+from paratrain.frontend.protocol import VERSION, codec, messages
+from paratrain.frontend.protocol.addresses import endpoint
+from paratrain.frontend.protocol.handshake import handshake, receive
 
 
 class Monitor:
@@ -22,32 +25,34 @@ class Monitor:
         self.context = zmq.Context()
         self.sock = self.context.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{address}")
-        handshake(self.sock, "monitor", token, {"pid": os.getpid()}, timeout, address)
+        self.sock.connect(endpoint(address))
+        hello = messages.Hello("monitor", VERSION, os.getpid(), "paratrain top", socket.gethostname()[:256], "", None)
+        handshake(self.sock, hello, token, timeout, address)
 
-    def stats(self) -> dict:
-        self.sock.send(wire.encode({"t": "stats"}))
-        return receive(self.sock, self.timeout, self.address)
+    def stats(self) -> messages.Stats:
+        self.sock.send_multipart(codec.encode(messages.StatsRequest()))
+        reply = receive(self.sock, "monitor", self.timeout, self.address)
+        if not isinstance(reply, messages.Stats):
+            raise ProtocolError(f"{self.address} answered {reply.KIND!r} to a request for statistics")
+        return reply
 
     def close(self) -> None:
         self.sock.close(linger=0)
         self.context.term()
 
 
-def render(stats: dict) -> Group:
-    workers = Table(title=f"paratrain frontend at {stats['address']} (up {stats['uptime_s']:.0f}s)")
+def render(stats: messages.Stats) -> Group:
+    workers = Table(title=f"paratrain frontend at {stats.address} (up {stats.uptime_s:.0f}s)")
     for column in ("worker", "host", "pid", "device", "state", "ops/s", "busy", "queue", "memory"):
         workers.add_column(column, justify="right" if column in ("ops/s", "busy", "queue", "memory") else "left")
-    for w in stats["workers"]:
-        workers.add_row(str(w["rank"]), str(w.get("host")), str(w.get("pid")), str(w.get("device")),
-                        "alive" if w["alive"] else "LOST", f"{w['ops_per_s']:.0f}", f"{w['busy']:.0%}",
-                        str(w["queue"]), _bytes(w["memory"]))
+    for w in stats.workers:
+        workers.add_row(str(w.rank), w.host, str(w.pid), w.device, "alive" if w.alive else "LOST",
+                        f"{w.ops_per_s:.0f}", f"{w.busy:.0%}", str(w.queue), _bytes(w.memory))
     clients = Table(title="clients")
     for column in ("client", "program", "pid", "instructions", "tensors"):
         clients.add_column(column)
-    for c in stats["clients"]:
-        clients.add_row(str(c["client"]), str(c.get("name")), str(c.get("pid")), str(c["instructions"]),
-                        str(c["tensors"]))
+    for c in stats.clients:
+        clients.add_row(str(c.client), c.name, str(c.pid), str(c.instructions), str(c.tensors))
     return Group(workers, clients)
 
 

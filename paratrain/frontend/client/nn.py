@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from paratrain.frontend.client import functional
+from paratrain.frontend.client import api, functional
 from paratrain.frontend.client.autograd import no_grad
 from paratrain.frontend.client.functional import (  # noqa: F401 - GT exposes these on nn
     binary_cross_entropy, cross_entropy, dropout, embedding, gelu, layer_norm, linear, log_softmax,
@@ -98,8 +98,6 @@ class Module:
         return {name: value for (name, _), value in zip(named, values)}
 
     def load_state_dict(self, state: dict) -> None:
-        from paratrain.frontend import api
-
         params = dict(self.named_parameters())
         missing = set(params) - set(state)
         if missing:
@@ -114,8 +112,6 @@ class Module:
 
 class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: str = "float32"):
-        from paratrain.frontend import api
-
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         bound = 1 / math.sqrt(in_features)  # PyTorch's default (kaiming uniform, a=sqrt(5))
@@ -128,8 +124,6 @@ class Linear(Module):
 
 class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: str = "float32"):
-        from paratrain.frontend import api
-
         super().__init__()
         self.weight = Parameter(api.randn(num_embeddings, embedding_dim, dtype=dtype))
 
@@ -139,8 +133,6 @@ class Embedding(Module):
 
 class LayerNorm(Module):
     def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype: str = "float32"):
-        from paratrain.frontend import api
-
         super().__init__()
         self.normalized_shape, self.eps = normalized_shape, eps
         self.weight = Parameter(api.ones(normalized_shape, dtype=dtype))

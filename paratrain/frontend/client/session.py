@@ -1,76 +1,75 @@
-"""A client's connection to a dispatcher, and its instruction stream.
+"""A client's instruction stream to one dispatcher.
 
 Nothing waits for a worker until the program needs a value: instructions are appended to a
-batch and sent when it is full or at a *sync point* (a value read with `.item()`,
-`.numpy()`, `print`...). A sync asks every worker this client used to report the errors since
-the last sync and the values asked for; the first error is raised here, naming the operation,
-its inputs, the worker and the line of the program that issued it.
+batch and sent when it is full or at a *sync point* (a value read with `.item()`, `.numpy()`,
+`print`...). A sync asks every worker this client used to report the errors since the last sync
+and the values asked for; the first error is raised here, naming the operation, its inputs, the
+worker and the line of the program that issued it.
 
 The client chooses the handles of its tensors itself, so creating a result costs no round
-trip. A daemon thread sends a heartbeat on its own socket, so that the dispatcher can tell a
-client that died from one that is thinking.
+trip. Closing the session syncs what is still queued, so that no error goes unreported.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 
 import numpy as np
-import zmq
 
-from paratrain.frontend import wire
-from paratrain.frontend.client import autograd, shapes, signal
-from paratrain.frontend.errors import (
-    DispatcherUnreachable, FrontendError, ProtocolError, RemoteError,
-)
-from paratrain.frontend.handshake import handshake
+from paratrain.comm.settings import timeout_from_env
+from paratrain.frontend import signals
+from paratrain.frontend.client import autograd, regions
+from paratrain.frontend.client.connection import Connection
+from paratrain.frontend.client.tensor import Tensor, floating
+from paratrain.frontend.errors import ConnectionLost, FrontendError, RemoteError
 from paratrain.frontend.ops import OPS
-from paratrain.frontend.sharding import part_sizes
+from paratrain.frontend.protocol import Instruction, messages
+from paratrain.frontend.protocol.tensors import array_from_frame, numpy_dtype_name, part_sizes
+from paratrain.frontend.shapes import infer
 
 BATCH_SIZE = 256  # instructions per message when nothing forces a send earlier
 MAX_UNSYNCED = 16  # batches in flight before the client waits for the workers to catch up
-HEARTBEAT_S = 2.0
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Session:
     def __init__(self, address: str, *, token: str | None = None, timeout: float | None = None,
                  connect_timeout: float = 60.0, name: str | None = None):
-        from paratrain.comm.settings import timeout_from_env
-
         self.address = address
-        self.timeout = timeout if timeout is not None else timeout_from_env()
-        self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{address}")
-        info = {"pid": os.getpid(), "name": name or os.path.basename(sys.argv[0] or "python")}
-        try:
-            welcome = handshake(self.sock, "client", token, info, connect_timeout, address)
-        except BaseException:
-            self.sock.close(linger=0)
-            self.context.term()
-            raise
-        self.slot, self.n_workers, self.home = welcome["client"], welcome["workers"], welcome["home"]
-        self.devices, self.logging = welcome.get("devices", []), bool(welcome.get("log"))
-        self.max_message_bytes = int(welcome.get("max_message_mb", wire.DEFAULT_MAX_MESSAGE_MB)) << 20
-        self.server_alive = lambda: True  # set by whoever started the server, to fail fast
+        self.connection = Connection(address, token=token, timeout=timeout if timeout is not None else timeout_from_env(),
+                                     connect_timeout=connect_timeout, name=name)
+        welcome = self.connection.welcome
+        self.slot, self.n_workers, self.home = welcome.client, welcome.workers, welcome.home
+        self.devices, self.logging = welcome.devices, welcome.log
+        self.max_message_bytes = welcome.max_message_mb << 20
         self.placement: int | None = None  # the worker new tensors go to (None: home)
         self.signal_config: dict = {}  # what configure() last sent (signal name -> settings)
         self.worker_stats: dict = {}  # per worker, as of the last sync: busy_s, wait_s (cumulative)
         self._next_handle = 0
         self._seq = 0
-        self._batch: list = []
+        self._batch: list[Instruction] = []
         self._frames: list = []
         self._issued: dict[int, tuple] = {}  # seq -> (op, input shapes, (file, line)) until a sync
         self._unsynced = 0
-        self.closed = False
-        self._stop_heartbeat = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, args=(welcome["secret"],),
-                                           name="frontend-heartbeat", daemon=True)
-        self._heartbeat.start()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.connection.lost is not None
+
+    @property
+    def lost(self) -> str | None:
+        """Why the dispatcher no longer serves this session (None while it does)."""
+        return self.connection.lost
+
+    @property
+    def server_alive(self):
+        return self.connection.server_alive
+
+    @server_alive.setter
+    def server_alive(self, check) -> None:
+        self.connection.server_alive = check
 
     # ---- issuing ------------------------------------------------------------------------------
 
@@ -79,10 +78,9 @@ class Session:
         self._next_handle += 1
         return handle
 
-    def call(self, name: str, args: list, kwargs: dict | None = None, *, flags: dict | None = None):
+    def call(self, name: str, args: list, kwargs: dict | None = None, *, requires_grad: bool = False,
+             worker: int | None = None) -> list[Tensor]:
         """Issue `name(*args, **kwargs)`; -> its result tensors (a list; empty for in-place ops)."""
-        from paratrain.frontend.client.tensor import Tensor
-
         self._check_open()
         kwargs = kwargs or {}
         args = [_plain(arg, self) for arg in args]
@@ -90,40 +88,39 @@ class Session:
         for i in targs:
             if args[i]._session is not self:
                 raise ValueError(f"{name}: a tensor of another client (session) cannot be used here")
-        results = shapes.infer(name, args, targs, kwargs)
+        results = infer(name, args, targs, kwargs)
         op = OPS[name]
+        if requires_grad and not all(floating(dtype) for _, dtype in results):
+            raise RuntimeError(f"only floating-point tensors can require gradients, {name} makes {results[0][1]}")
         grad_on = autograd.is_grad_enabled()
         parents = tuple(args[i] for i in targs if args[i].requires_grad) if grad_on and op.differentiable else ()
         if op.kind == "inplace":
             self._check_inplace(name, args[0], parents)
             outs = []
         else:
-            outs = [Tensor(self, self.new_handle(), shape, dtype, bool(parents) and _floating(dtype))
+            outs = [Tensor(self, self.new_handle(), shape, dtype, requires_grad or bool(parents) and floating(dtype))
                     for shape, dtype in results]
             for out in outs:
-                if out.requires_grad:
+                if out.requires_grad and parents:
                     out._parents = parents
-        if grad_on is False:
-            flags = {**(flags or {}), "ng": 1}
         wire_args = [arg._handle if isinstance(arg, Tensor) else arg for arg in args]
-        self._append(name, [out._handle for out in outs], wire_args, targs, kwargs, flags,
-                     [args[i] for i in targs], outs)
+        self._append(name, [out._handle for out in outs], wire_args, targs, kwargs, [args[i] for i in targs],
+                     requires_grad, worker)
         if op.kind == "inplace" and parents:
             target = args[0]
-            target.requires_grad = True
+            target._requires_grad = True
             target._parents = tuple(dict.fromkeys((*target._parents, *parents)))
         return outs
 
-    def issue(self, name: str, outs: list[int], args: list, targs: list, kwargs: dict | None = None,
-              flags: dict | None = None, tensors: tuple = (), results: tuple = ()) -> None:
-        """Issue an instruction whose results the caller makes itself (grad, uploads...)."""
+    def issue(self, name: str, outs: list[int], args: list, targs: list, kwargs: dict | None = None, *,
+              tensors: tuple = (), requires_grad: bool = False, worker: int | None = None) -> None:
+        """Issue an instruction whose results the caller makes itself (grad, uploads...);
+        `tensors`: its tensor inputs, for error messages."""
         self._check_open()
-        self._append(name, outs, args, targs, kwargs or {}, flags, tensors, results)
+        self._append(name, outs, args, targs, kwargs or {}, tensors, requires_grad, worker)
 
-    def upload(self, array: np.ndarray, flags: dict | None, requires_grad: bool = False):
+    def upload(self, array: np.ndarray, *, requires_grad: bool = False, worker: int | None = None) -> Tensor:
         """Queue a numpy array's bytes for a new tensor; -> the tensor."""
-        from paratrain.frontend.client.tensor import Tensor
-
         array = np.ascontiguousarray(array)
         if not array.dtype.isnative:
             array = array.astype(array.dtype.newbyteorder("="))
@@ -133,20 +130,21 @@ class Session:
                 f"{self.max_message_bytes >> 20} MiB (paratrain serve --max-message-mb); create it on the "
                 "workers (gt.randn, gt.zeros...) or upload it in pieces"
             )
-        dtype = wire.numpy_dtype_name(array)
+        dtype = numpy_dtype_name(array)
+        if requires_grad and not floating(dtype):
+            raise RuntimeError(f"only floating-point tensors can require gradients, this array is {dtype}")
         tensor = Tensor(self, self.new_handle(), array.shape, dtype, requires_grad)
         kwargs = {"dtype": dtype, "shape": list(array.shape), "frame": len(self._frames)}
         self._frames.append(memoryview(array).cast("B") if array.size else b"")
-        self.issue("upload", [tensor._handle], [], [], kwargs, flags, results=(tensor,))
+        self.issue("upload", [tensor._handle], [], [], kwargs, requires_grad=requires_grad, worker=worker)
         return tensor
 
-    def _append(self, name, outs, args, targs, kwargs, flags, inputs, results) -> None:
-        region = signal.current()
-        if region is not None:
-            flags = {**(flags or {}), "s": region}
+    def _append(self, name, outs, args, targs, kwargs, inputs, requires_grad, worker) -> None:
         self._seq += 1
         self._issued[self._seq] = (name, [_describe(t) for t in inputs], _caller())
-        self._batch.append([self._seq, name, outs, args, targs, kwargs, flags])
+        self._batch.append(Instruction(self._seq, name, outs, args, targs, kwargs, not autograd.is_grad_enabled(),
+                                       requires_grad, worker if worker is not None else self.placement,
+                                       regions.current()))
         if len(self._batch) >= BATCH_SIZE:
             self.flush()
 
@@ -163,10 +161,10 @@ class Session:
         if self.closed:
             return
         batch = self._batch
-        if batch and batch[-1][1] == "free":
-            batch[-1][3].append(handle)
+        if batch and batch[-1].op == "free":
+            batch[-1].args.append(handle)
         else:
-            batch.append([0, "free", [], [handle], [], {}, None])
+            batch.append(Instruction(0, "free", [], [handle], [], {}))
 
     # ---- sending and syncing --------------------------------------------------------------
 
@@ -186,98 +184,75 @@ class Session:
         token = self._seq
         self._send(token, list(fetch))
         self._unsynced = 0
-        reply, frames = self._await(token)
+        reply = self._await(messages.Synced, lambda reply: reply.token == token)
         issued, self._issued = self._issued, {}
-        errors = reply.get("errors") or []
-        if errors:
-            raise self._remote_error(errors, issued)
-        self.worker_stats = {int(k): v for k, v in (reply.get("stats") or {}).items()}
-        values, frame_iter = [], iter(frames)
-        for handle, dtype, detail, *layout in reply.get("fetched") or []:
-            if dtype is None:
-                raise FrontendError(f"cannot read tensor h{handle}: {detail}")
-            values.append(_assemble(frame_iter, dtype, detail, *layout))
+        if reply.errors:
+            raise self._remote_error(reply.errors, issued)
+        self.worker_stats = {times.worker: {"busy_s": times.busy_s, "wait_s": times.wait_s} for times in reply.stats}
+        values, frames = [], iter(reply.frames)
+        for entry in reply.fetched:
+            if entry.dtype is None:
+                raise FrontendError(f"cannot read tensor h{entry.handle}: {entry.error}")
+            values.append(_assemble(frames, entry))
         return values
 
-    def configure(self, signals: dict) -> list[str]:
+    def configure(self, config: dict) -> list[str]:
         """Send a signal configuration (checked by the dispatcher against its workers);
         -> the signal names. Raises ConfigError with one line per problem."""
-        from paratrain.frontend.signals import ConfigError
-
         self.flush()
-        self.sock.send(wire.encode({"t": "config", "signals": signals}))
-        while True:
-            reply, _ = self._next_reply()
-            if reply["t"] == "configured":
-                return reply["signals"]
-            if reply["t"] == "error":
-                raise ConfigError(reply["message"].splitlines())
+        self.connection.send(messages.Configure(config))
+        reply = self._await((messages.Configured, messages.Error), lambda reply: True)
+        if isinstance(reply, messages.Error):
+            raise signals.ConfigError(reply.message.splitlines())
+        self.signal_config = config
+        return reply.signals
+
+    def load_config(self, source) -> list[str]:
+        """Use the signals of a YAML file (or a dict) from now on; -> their names."""
+        return self.configure(dict(signals.load(source)))
 
     def _send(self, token, fetch) -> None:
-        ops, self._batch = self._batch, []
-        header = {"t": "run", "ops": ops, "sync": token, "fetch": fetch}
-        try:
-            self.sock.send_multipart([wire.encode(header), *self._frames], copy=False)
-        finally:
-            self._frames = []
+        batch, self._batch = self._batch, []
+        frames, self._frames = self._frames, []
+        self.connection.send(messages.Run(batch, token, fetch, frames))
 
-    def _await(self, token: int):
+    def _await(self, kinds, matches):
+        """The dispatcher's next reply of `kinds` for which `matches(reply)`."""
         while True:
-            reply, frames = self._next_reply()
-            if reply["t"] == "synced" and reply.get("token") == token:
-                return reply, frames
-            if reply["t"] == "error":
-                raise ProtocolError(f"the dispatcher rejected a message: {reply.get('message')}")
-
-    def _next_reply(self):
-        """The dispatcher's next message (header, frames); fails fast if its server has exited."""
-        waited = 0.0
-        while not self.sock.poll(1000, zmq.POLLIN):
-            waited += 1.0
-            if not self.server_alive():
-                raise FrontendError(f"the frontend server at {self.address} has exited (its messages are above)")
-            if waited >= self.timeout:
-                raise DispatcherUnreachable(
-                    f"no answer from the dispatcher at {self.address} within {self.timeout:g}s "
-                    "(PARATRAIN_TIMEOUT sets the limit)"
-                )
-        frames = self.sock.recv_multipart(copy=False)
-        return wire.decode(frames[0].bytes), frames[1:]
+            reply = self.connection.receive()
+            if isinstance(reply, kinds) and matches(reply):
+                return reply
+            if isinstance(reply, messages.Error):
+                raise FrontendError(f"the dispatcher could not take our message: {reply.message}")
 
     def _remote_error(self, errors: list, issued: dict) -> RemoteError:
-        seq, name, worker_shapes, worker, message = errors[0]
-        op, input_shapes, (filename, line) = issued.get(seq, (name, [], ("?", 0)))
-        return RemoteError(op, worker_shapes or input_shapes, worker, f"{filename}:{line}", message,
+        first = errors[0]
+        op, input_shapes, (filename, line) = issued.get(first.seq, (first.op, [], ("?", 0)))
+        return RemoteError(op, first.inputs or input_shapes, first.worker, f"{filename}:{line}", first.message,
                            more=len(errors) - 1)
 
     # ---- lifetime -------------------------------------------------------------------------------
 
-    def _beat(self, secret: bytes) -> None:
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{self.address}")
-        try:
-            while not self._stop_heartbeat.wait(HEARTBEAT_S):
-                sock.send(wire.encode({"t": "alive", "secret": secret}))
-        finally:
-            sock.close(linger=0)
-
     def close(self) -> None:
-        """Say goodbye (the dispatcher frees this client's tensors) and close the sockets."""
-        if self.closed:
+        """Run what is still queued and report its errors (RemoteError), then say goodbye (the
+        dispatcher frees this client's tensors) and close the connection."""
+        if self._closed:
             return
-        self.closed = True
-        self._stop_heartbeat.set()
-        self._heartbeat.join(timeout=5)
         try:
-            self.sock.send(wire.encode({"t": "bye"}))
+            if self._issued:
+                if self.lost is not None:
+                    raise ConnectionLost(f"{len(self._issued)} instruction(s) issued after the last sync never "
+                                         f"ran: the dispatcher at {self.address} no longer serves this client: {self.lost}")
+                self.sync()
         finally:
-            self.sock.close(linger=500)
-            self.context.term()
+            self._closed = True
+            self.connection.close()
 
     def _check_open(self) -> None:
-        if self.closed:
+        if self._closed:
             raise FrontendError("this frontend session is closed")
+        if self.connection.lost is not None:
+            self.connection.check()
 
 
 def _plain(arg, session):
@@ -285,26 +260,23 @@ def _plain(arg, session):
     if isinstance(arg, np.generic):
         return arg.item()
     if isinstance(arg, np.ndarray):
-        from paratrain.frontend.client.tensor import from_numpy
-
-        return from_numpy(arg, session=session)
+        return session.upload(arg)
     return arg
 
 
-def _assemble(frames, dtype, shape, parts=1, axis=None) -> np.ndarray:
-    """A fetched tensor from its parts (a split tensor comes as one part per worker)."""
-    if parts == 1:
-        return wire.array_from_frame(next(frames).buffer, dtype, shape)
-    pieces, lengths = [], part_sizes(shape[axis], parts)
-    for length in lengths:
-        local = list(shape)
-        local[axis] = length
-        pieces.append(wire.array_from_frame(next(frames).buffer, dtype, local))
-    return np.concatenate(pieces, axis=axis)
-
-
-def _floating(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat"))
+def _assemble(frames, entry: messages.Fetched) -> np.ndarray:
+    """A fetched tensor from its parts (a split tensor comes as one part per worker, in order)."""
+    if entry.parts == 1:
+        return array_from_frame(next(frames), entry.dtype, entry.shape)
+    if entry.axis is None or entry.axis >= len(entry.shape):
+        raise FrontendError(f"tensor h{entry.handle} came in {entry.parts} parts along axis {entry.axis} "
+                            f"of a {len(entry.shape)}-d shape")
+    pieces = []
+    for length in part_sizes(entry.shape[entry.axis], entry.parts):
+        local = list(entry.shape)
+        local[entry.axis] = length
+        pieces.append(array_from_frame(next(frames), entry.dtype, local))
+    return np.concatenate(pieces, axis=entry.axis)
 
 
 def _describe(tensor) -> str:

@@ -14,53 +14,34 @@ their inputs live, as outside any region.
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
 
-_state = threading.local()
+from paratrain.frontend.client import defaults, regions
+from paratrain.frontend.client.tensor import Tensor
 
-
-def current() -> str | None:
-    """The innermost active signal of this thread (None outside every region)."""
-    stack = getattr(_state, "stack", None)
-    return stack[-1] if stack else None
-
-
-def enter(name: str) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a signal name must be a non-empty string, got {name!r}")
-    if not hasattr(_state, "stack"):
-        _state.stack = []
-    _state.stack.append(name)
-
-
-def exit(name: str) -> None:  # noqa: A001 - GT's name
-    stack = getattr(_state, "stack", [])
-    if not stack or stack[-1] != name:
-        raise RuntimeError(f"signal.exit({name!r}) does not match the innermost region {current()!r}")
-    stack.pop()
+current = regions.current
+enter = regions.enter
+exit = regions.leave  # noqa: A001 - GT's name
 
 
 @contextlib.contextmanager
 def context(name: str, backward: str | None = None):
     """Issue what runs inside as part of region `name`. (`backward` is accepted for GT's
     programs; in paratrain a region's backward layout comes from its configuration.)"""
-    enter(name)
+    regions.enter(name)
     try:
         yield
     finally:
-        exit(name)
+        regions.leave(name)
 
 
-def tensor(x, name: str):
+def tensor(x: Tensor, name: str) -> Tensor:
     """`x` laid out as signal `name` says: moved to its workers, split or gathered. The move
     is differentiable; in backward its gradient travels back the same way."""
-    from paratrain.frontend.client.tensor import Tensor
-
     session = x._session
     result = Tensor(session, session.new_handle(), x.shape, x.dtype, x.requires_grad)
     result._parents = (x,) if x.requires_grad else ()
-    session.issue("reshard", [result._handle], [x._handle], [0], {"signal": name}, tensors=(x,), results=(result,))
+    session.issue("reshard", [result._handle], [x._handle], [0], {"signal": name}, tensors=(x,))
     return result
 
 
@@ -93,18 +74,11 @@ class SignalConfig:
 def load_config(source, session=None) -> list[str]:
     """Use the signals of a YAML file (or a dict) from now on; -> their names. Every problem
     in it is reported at once, one line each (ConfigError)."""
-    from paratrain.frontend import api, signals
-
-    session = session or api.session()
-    session.signal_config = dict(signals.load(source))
-    return session.configure(session.signal_config)
+    return (session or defaults.session()).load_config(source)
 
 
 def register_config(name: str, config, session=None) -> list[str]:
     """Add or replace one signal (a SignalConfig or a settings dict)."""
-    from paratrain.frontend import api
-
-    session = session or api.session()
+    session = session or defaults.session()
     settings = config.to_dict() if isinstance(config, SignalConfig) else dict(config)
-    session.signal_config = {**session.signal_config, name: settings}
-    return session.configure(session.signal_config)
+    return session.configure({**session.signal_config, name: settings})

@@ -113,7 +113,7 @@ class Tensor:
     def requires_grad_(self, flag: bool = True) -> Tensor:
         if self._parents and not flag:
             raise RuntimeError("requires_grad can only be switched off on leaf tensors (use detach())")
-        if flag and not self.dtype.startswith(("float", "bfloat")):
+        if flag and not floating(self.dtype):
             raise RuntimeError(f"only floating-point tensors can require gradients, this one is {self.dtype}")
         self._session.issue("requires_grad_", [], [self._handle, bool(flag)], [0], tensors=(self,))
         self._requires_grad = bool(flag)
@@ -135,8 +135,7 @@ class Tensor:
             return None
         if self._grad is None:
             self._grad = Tensor(self._session, self._session.new_handle(), self.shape, self.dtype)
-            self._session.issue("grad", [self._grad._handle], [self._handle], [0], tensors=(self,),
-                                results=(self._grad,))
+            self._session.issue("grad", [self._grad._handle], [self._handle], [0], tensors=(self,))
         return self._grad
 
     @grad.setter
@@ -331,14 +330,8 @@ class Tensor:
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
-def from_numpy(array: np.ndarray, requires_grad: bool = False, *, session, placement=None) -> Tensor:
-    flags = {}
-    if requires_grad:
-        flags["rg"] = 1
-    worker = placement if placement is not None else session.placement
-    if worker is not None:
-        flags["w"] = worker
-    return session.upload(array, flags or None, requires_grad)
+def floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
 
 
 SPENT = (None,)  # the parents of a result whose graph backward has consumed (still not a leaf)

@@ -1,111 +1,45 @@
-"""The module-level API (`gt.randn`, `gt.connect`, ...) over a default session.
-
-GT's programs never name a connection, so the frontend keeps one default session per
-program: `connect(address)` sets it, and otherwise the first operation makes it, connecting to
-`PARATRAIN_SERVER` if that is set, or else starting a dispatcher and `gpu_workers(n)` workers
-on this machine (one by default), which stop when the program exits. Everything else takes its
-session from the tensors it is given, so several explicit `Session`s can live side by side.
-"""
+"""The module-level API (`gt.randn`, `gt.connect`, ...) over the program's default session
+(see `defaults.py`)."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
-import threading
 
 import numpy as np
 
+from paratrain.frontend.client.defaults import DEFAULTS, session
 from paratrain.frontend.client.session import Session
 from paratrain.frontend.client.tensor import Tensor
-from paratrain.frontend.client.tensor import from_numpy as _from_numpy
-
-
-class _Defaults:
-    """The default session and the server it may have started (one per program)."""
-
-    def __init__(self):
-        self.session: Session | None = None
-        self.server = None
-        self.workers = 1
-
-    def get(self) -> Session:
-        if self.session is None or self.session.closed:
-            address = os.environ.get("PARATRAIN_SERVER")
-            if address:
-                connect(address)
-            else:
-                start(self.workers)
-        return self.session
-
-    def connected(self, session: Session) -> Session:
-        """A new default session: it takes the signal configuration GT_CONFIG / PARATRAIN_CONFIG
-        names, if one does."""
-        from paratrain.frontend.client.signal import load_config
-
-        self.session = session
-        path = os.environ.get("PARATRAIN_CONFIG") or os.environ.get("GT_CONFIG")
-        if path:
-            load_config(path, session)
-        return session
-
-    def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
-            self.session = None
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-
-_defaults = _Defaults()
-atexit.register(_defaults.close)
 
 
 def connect(address: str | None = None, token: str | None = None) -> Session:
     """Connect the program to the dispatcher at HOST:PORT (default `PARATRAIN_SERVER`)."""
-    address = address or os.environ.get("PARATRAIN_SERVER")
-    if not address:
-        raise ValueError("connect() needs an address HOST:PORT (or PARATRAIN_SERVER)")
-    if _defaults.session is not None and not _defaults.session.closed:
-        raise RuntimeError(f"already connected to {_defaults.session.address}; call disconnect() first")
-    return _defaults.connected(Session(address, token=token or os.environ.get("PARATRAIN_TOKEN")))
+    return DEFAULTS.connect(address, token)
 
 
 def start(workers: int = 1, token: str | None = None) -> Session:
     """Start a dispatcher and `workers` workers on this machine and connect to them."""
-    from paratrain.frontend.client.shapes import warm_up
-    from paratrain.frontend.server import LocalServer
-
-    if _defaults.session is not None and not _defaults.session.closed:
-        raise RuntimeError(f"already connected to {_defaults.session.address}; call disconnect() first")
-    warming = threading.Thread(target=warm_up, name="frontend-warm-up", daemon=True)
-    warming.start()
-    _defaults.server = LocalServer.start(workers, token=token)
-    warming.join()
-    session = Session(_defaults.server.address, token=token)
-    process = _defaults.server.process
-    session.server_alive = lambda: process.poll() is None
-    return _defaults.connected(session)
+    return DEFAULTS.start(workers, token)
 
 
 def disconnect() -> None:
-    """Leave the dispatcher (and stop the one this program started)."""
-    _defaults.close()
+    """Leave the dispatcher (and stop the one this program started). What was queued since the
+    last sync runs first; its errors raise here."""
+    DEFAULTS.close()
+
+
+def connected() -> bool:
+    """Whether this program has a session (its first operation, or connect(), made one)."""
+    return DEFAULTS.session is not None and not DEFAULTS.session.closed
 
 
 def gpu_workers(n: int) -> None:
     """How many workers the auto-start gives this program (before its first operation)."""
-    if _defaults.session is not None:
+    if DEFAULTS.session is not None:
         raise RuntimeError("gpu_workers() must be called before the first tensor operation")
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"gpu_workers needs a positive number of workers, got {n!r}")
-    _defaults.workers = n
-
-
-def session() -> Session:
-    """The program's default session (connecting or starting one on first use)."""
-    return _defaults.get()
+    DEFAULTS.workers = n
 
 
 @contextlib.contextmanager
@@ -125,16 +59,8 @@ def worker(index: int):
 # ---- making tensors ------------------------------------------------------------------------------
 
 def _create(name: str, shape, dtype: str | None, requires_grad: bool, **kwargs) -> Tensor:
-    current = session()
-    flags = {}
-    if requires_grad:
-        flags["rg"] = 1
-    if current.placement is not None:
-        flags["w"] = current.placement
     args = list(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else list(shape)
-    (result,) = current.call(name, [int(s) for s in args], {"dtype": dtype, **kwargs}, flags=flags or None)
-    if requires_grad:
-        result._requires_grad = True
+    (result,) = session().call(name, [int(s) for s in args], {"dtype": dtype, **kwargs}, requires_grad=requires_grad)
     return result
 
 
@@ -169,13 +95,11 @@ def randint(low: int, high: int, size, dtype: str = "int64") -> Tensor:
 def arange(start, end=None, step=1, dtype: str | None = None) -> Tensor:
     if end is None:
         start, end = 0, start
-    current = session()
-    flags = {"w": current.placement} if current.placement is not None else None
-    return current.call("arange", [start, end, step], {"dtype": dtype}, flags=flags)[0]
+    return session().call("arange", [start, end, step], {"dtype": dtype})[0]
 
 
 def from_numpy(array: np.ndarray, requires_grad: bool = False) -> Tensor:
-    return _from_numpy(np.asarray(array), requires_grad, session=session())
+    return session().upload(np.asarray(array), requires_grad=requires_grad)
 
 
 def tensor(data, dtype: str | None = None, requires_grad: bool = False) -> Tensor:

@@ -4,7 +4,8 @@ Two threads. The I/O thread owns the ZeroMQ socket to the dispatcher: it queues 
 batches, sends replies, and sends a heartbeat with this worker's statistics twice a second, so
 that a worker busy with a long matmul is still seen alive. The executor thread runs the queued
 instructions in order (see `executor.py`). A worker that hears nothing from its dispatcher for
-`DISPATCHER_SILENCE_S` exits by itself, so a killed server never leaves workers behind.
+`DISPATCHER_SILENCE_S`, or whose `exit_with_pid` process is gone, exits by itself, so a killed
+server never leaves workers behind.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import time
 import torch
 import zmq
 
-from paratrain.frontend import wire
-from paratrain.frontend.executor import Executor
-from paratrain.frontend.handshake import handshake
+from paratrain.frontend.protocol import VERSION, MalformedMessage, codec, messages
+from paratrain.frontend.protocol.addresses import endpoint, resolve, split_address
+from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
+from paratrain.frontend.processes import pid_alive
+from paratrain.frontend.workers.executor import Executor
 
 HEARTBEAT_S = 0.5
 DISPATCHER_SILENCE_S = 10.0
+_ACCEPTS = ACCEPTS["worker"]
 
 
 def worker_device(local_rank: int) -> torch.device:
@@ -41,28 +45,30 @@ def worker_device(local_rank: int) -> torch.device:
 
 
 def run_worker(address: str, token: str | None = None, *, group=None, local_rank: int = 0,
-               threads: int | None = None) -> None:
+               threads: int | None = None, connect_timeout: float = 120.0, exit_with_pid: int | None = None) -> None:
     """Serve the dispatcher at `address` until it says exit (or goes silent).
 
-    `group` is this worker's paratrain Group when a launcher already formed the world (the
-    elastic launcher, torchrun); without one the dispatcher numbers the workers as they arrive
-    and hands out a store to meet at.
+    `group` is this worker's paratrain Group when a launcher already formed the world
+    (torchrun); without one the dispatcher numbers the workers as they arrive and hands out a
+    store to meet at. Waits at most `connect_timeout` seconds for the dispatcher to answer,
+    saying so every few seconds.
     """
     if threads:
         torch.set_num_threads(threads)
     device = worker_device(local_rank)
+    target = endpoint(address)  # resolves the host now: an unknown host is an error, not a silent wait
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{address}")
-    hello = {"rank": group.rank if group is not None else None, "pid": os.getpid(),
-             "host": socket.gethostname(), "device": str(device)}
+    sock.connect(target)
+    hello = messages.Hello("worker", VERSION, os.getpid(), os.path.basename(sys.argv[0] or "python")[:256],
+                           socket.gethostname()[:256], str(device), group.rank if group is not None else None)
     own_group = group is None
     try:
-        welcome = handshake(sock, "worker", token, hello, timeout=None)
+        welcome = handshake(sock, hello, token, connect_timeout, address, on_wait=_waiting_notice(address))
         if own_group:
-            group = _join_world(welcome, device, wire.split_address(address)[0])
-        _WorkerLoop(sock, context, Executor(group, device)).run()
+            group = _join_world(welcome, device, resolve(split_address(address)[0]))
+        _WorkerLoop(sock, context, Executor(group, device), exit_with_pid).run()
     finally:
         sock.close(linger=0)
         context.term()
@@ -70,7 +76,18 @@ def run_worker(address: str, token: str | None = None, *, group=None, local_rank
             _leave_world(group)
 
 
-def _join_world(welcome: dict, device: torch.device, dispatcher_host: str):
+def _waiting_notice(address: str):
+    said = [0.0]
+
+    def notice(waited: float) -> None:
+        if waited - said[0] >= 10.0 or said[0] == 0.0:
+            print(f"paratrain worker: waiting for the dispatcher at {address} ({waited:.0f}s)", file=sys.stderr,
+                  flush=True)
+            said[0] = max(waited, 1e-9)
+    return notice
+
+
+def _join_world(welcome: messages.WorkerWelcome, device: torch.device, dispatcher_host: str):
     """Form the workers' world through the store the dispatcher hosts."""
     from datetime import timedelta
 
@@ -79,16 +96,13 @@ def _join_world(welcome: dict, device: torch.device, dispatcher_host: str):
     from paratrain.comm import Group, TorchTransport
     from paratrain.comm.settings import timeout_from_env
 
-    rank, size = welcome["rank"], welcome["size"]
-    store_host, store_port = welcome["store"]
-    store_host = store_host or dispatcher_host  # the store runs beside the dispatcher
     timeout = timeout_from_env()
-    store = dist.TCPStore(store_host, store_port, size, is_master=False,
+    store = dist.TCPStore(dispatcher_host, welcome.store_port, welcome.size, is_master=False,
                           timeout=timedelta(seconds=timeout))
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+    dist.init_process_group(backend, store=store, rank=welcome.rank, world_size=welcome.size,
                             timeout=timedelta(seconds=timeout))
     return Group(TorchTransport(), timeout=timeout)
 
@@ -102,8 +116,9 @@ def _leave_world(group) -> None:
 
 
 class _WorkerLoop:
-    def __init__(self, sock, context, executor: Executor):
+    def __init__(self, sock, context, executor: Executor, exit_with_pid: int | None):
         self.sock, self.context, self.executor = sock, context, executor
+        self.exit_with_pid = exit_with_pid
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self.received = 0  # instructions queued so far; minus executed = queue depth
@@ -135,6 +150,8 @@ class _WorkerLoop:
                 if now - last_beat >= HEARTBEAT_S:
                     self._send_heartbeat()
                     last_beat = now
+                    if self.exit_with_pid is not None and not pid_alive(self.exit_with_pid):
+                        break
                 if now - heard > DISPATCHER_SILENCE_S:
                     print(f"paratrain worker {self.executor.rank}: no word from the dispatcher for "
                           f"{DISPATCHER_SILENCE_S:g}s; exiting", file=sys.stderr)
@@ -148,15 +165,19 @@ class _WorkerLoop:
     def _receive(self) -> bool:
         """Queue one message for the executor; False when told to exit."""
         frames = self.sock.recv_multipart(copy=False)
-        header = wire.decode(frames[0].bytes)
-        kind = header["t"]
-        if kind == "exit":
+        try:
+            message = codec.decode([frame.buffer for frame in frames], _ACCEPTS)
+        except MalformedMessage as error:
+            print(f"paratrain worker {self.executor.rank}: dropped a malformed message from the dispatcher: {error}",
+                  file=sys.stderr, flush=True)
+            return True
+        if isinstance(message, messages.Exit):
             return False
-        if kind == "run":
-            self.received += len(header["ops"])
-            self.inbox.put((header, [frame.buffer for frame in frames[1:]]))
-        elif kind in ("sync", "drop"):
-            self.inbox.put((header, []))
+        if isinstance(message, messages.Tasks):
+            self.received += len(message.instructions)
+            self.inbox.put(message)
+        elif isinstance(message, (messages.Collect, messages.Forget)):
+            self.inbox.put(message)
         return True
 
     def _execute_forever(self, wake_address: str) -> None:
@@ -166,37 +187,34 @@ class _WorkerLoop:
         wake = self.context.socket(zmq.PUSH)
         wake.connect(wake_address)
         try:
-            while (item := self.inbox.get()) is not None:
-                header, frames = item
-                reply = self._execute(header, frames)
+            while (message := self.inbox.get()) is not None:
+                reply = self._execute(message)
                 if reply is not None:
                     self.outbox.put(reply)
                     wake.send(b"")
         finally:
             wake.close(linger=0)
 
-    def _execute(self, header: dict, frames: list):
-        kind, slot = header["t"], header["slot"]
-        if kind == "run":
+    def _execute(self, message):
+        executor = self.executor
+        if isinstance(message, messages.Tasks):
             started = time.perf_counter()
-            timings = [] if header.get("log") else None
-            self.executor.run_batch(slot, header["ops"], frames, timings)
+            timings = [] if message.timed else None
+            executor.run_batch(message.slot, message.instructions, message.frames, timings)
             self.busy_s += time.perf_counter() - started
-            return [wire.encode({"t": "done", "timings": timings})] if timings else None
-        if kind == "sync":
-            errors, fetched, tensor_frames = self.executor.sync(slot, header["fetch"])
-            reply = {"t": "synced", "slot": slot, "token": header["token"], "errors": errors,
-                     "fetched": fetched, "stats": {"busy_s": self.busy_s, "wait_s": self.executor.wait_s}}
-            return [wire.encode(reply), *tensor_frames]
-        self.executor.drop(slot)
+            return messages.Timings(timings) if timings else None
+        if isinstance(message, messages.Collect):
+            errors, fetched, frames = executor.collect(message.slot, message.fetch)
+            return messages.Collected(message.slot, message.token, errors, fetched, self.busy_s, executor.wait_s, frames)
+        executor.forget(message.slot)
         return None
 
     def _send_replies(self) -> None:
         while not self.outbox.empty():
-            self.sock.send_multipart(self.outbox.get(), copy=False)
+            self.sock.send_multipart(codec.encode(self.outbox.get()), copy=False)
 
     def _send_heartbeat(self) -> None:
         executor = self.executor
-        stats = {"ops": executor.executed, "busy_s": self.busy_s,
-                 "queue": self.received - executor.executed, "memory": executor.memory_bytes()}
-        self.sock.send(wire.encode({"t": "hb", "stats": stats}))
+        beat = messages.Heartbeat(executor.executed, self.busy_s, self.received - executor.executed,
+                                  executor.memory_bytes())
+        self.sock.send_multipart(codec.encode(beat))

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from paratrain.frontend.ops import OPS, decode_index
+from paratrain.frontend.protocol.tensors import part_sizes
 
 # Operations that work element by element on one tensor (or keep every axis where it is).
 LOCAL_UNARY = frozenset({
@@ -42,12 +43,6 @@ class Placement:
     def describe(self) -> str:
         where = ",".join(map(str, self.workers))
         return f"split {self.split} over [{where}]" if self.split is not None else f"on [{where}]"
-
-
-def part_sizes(length: int, parts: int) -> list[int]:
-    """torch.tensor_split's sizes: the first length % parts parts are one longer."""
-    base, extra = divmod(length, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def local_shapes(shape: tuple, placement: Placement) -> list[tuple]:

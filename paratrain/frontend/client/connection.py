@@ -1,0 +1,124 @@
+"""A client's connection to its dispatcher: the sockets, joining, and knowing when it is lost.
+
+Two sockets. The main one carries the instruction stream and its replies. The heartbeat one,
+on a daemon thread, says "alive" every two seconds, so that the dispatcher can tell a client
+that died from one that is thinking; if the dispatcher answers that it has dropped this client
+(it was silent past `--client-timeout`), the next call raises `ConnectionLost` with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+
+import zmq
+
+from paratrain.frontend.errors import ConnectionLost, DispatcherUnreachable, ProtocolError
+from paratrain.frontend.protocol import VERSION, codec, messages
+from paratrain.frontend.protocol.addresses import endpoint
+from paratrain.frontend.protocol.fields import MalformedMessage
+from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
+
+HEARTBEAT_S = 2.0
+_ACCEPTS = ACCEPTS["client"]
+
+
+class Connection:
+    def __init__(self, address: str, *, token: str | None, timeout: float, connect_timeout: float,
+                 name: str | None = None):
+        self.address, self.timeout = address, timeout
+        self.endpoint = endpoint(address)
+        self.server_alive = lambda: True  # set by whoever started the server, to fail fast
+        self.lost: str | None = None  # why the dispatcher no longer serves us
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.endpoint)
+        hello = messages.Hello("client", VERSION, os.getpid(), (name or os.path.basename(sys.argv[0] or "python"))[:256],
+                               socket.gethostname()[:256], "", None)
+        try:
+            self.welcome: messages.ClientWelcome = handshake(self.sock, hello, token, connect_timeout, address)
+        except BaseException:
+            self.sock.close(linger=0)
+            self.context.term()
+            raise
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, args=(self.welcome.secret,),
+                                           name="frontend-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def send(self, message) -> None:
+        self.check()
+        self.sock.send_multipart(codec.encode(message), copy=False)
+
+    def check(self) -> None:
+        """ConnectionLost if the dispatcher has said it dropped us (on either socket)."""
+        if self.lost is None and self.sock.poll(0, zmq.POLLIN):
+            self._read_refusals()
+        if self.lost is not None:
+            raise ConnectionLost(f"the dispatcher at {self.address} no longer serves this client: {self.lost}")
+
+    def _read_refusals(self) -> None:
+        """Take a waiting Refused off the main socket (only a refusal arrives unasked)."""
+        frames = self.sock.recv_multipart()
+        message = self._decode(frames)
+        if isinstance(message, messages.Refused):
+            self.lost = message.reason
+        else:
+            raise ProtocolError(f"unexpected {message.KIND!r} from {self.address}")
+
+    def receive(self):
+        """The dispatcher's next message; fails fast if its server has exited or dropped us."""
+        waited = 0.0
+        while not self.sock.poll(1000, zmq.POLLIN):
+            waited += 1.0
+            if self.lost is not None:
+                self.check()
+            if not self.server_alive():
+                self.lost = "its server has exited (its messages are above)"
+                self.check()
+            if waited >= self.timeout:
+                raise DispatcherUnreachable(f"no answer from the dispatcher at {self.address} within "
+                                            f"{self.timeout:g}s (PARATRAIN_TIMEOUT sets the limit)")
+        message = self._decode(self.sock.recv_multipart(copy=False))
+        if isinstance(message, messages.Refused):
+            self.lost = message.reason
+            self.check()
+        return message
+
+    def _decode(self, frames):
+        try:
+            return codec.decode([getattr(frame, "buffer", frame) for frame in frames], _ACCEPTS)
+        except MalformedMessage as error:
+            raise ProtocolError(f"the dispatcher at {self.address} sent a message we cannot read: {error}") from None
+
+    def _beat(self, secret: bytes) -> None:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        alive = codec.encode(messages.Alive(secret))
+        try:
+            while not self._stop_heartbeat.wait(HEARTBEAT_S):
+                sock.send_multipart(alive)
+                while sock.poll(0, zmq.POLLIN):  # the dispatcher answers only to say we are dropped
+                    try:
+                        reply = codec.decode(sock.recv_multipart(), _ACCEPTS)
+                    except MalformedMessage:
+                        continue
+                    if isinstance(reply, messages.Refused):
+                        self.lost = reply.reason
+        finally:
+            sock.close(linger=0)
+
+    def close(self, say_bye: bool = True) -> None:
+        self._stop_heartbeat.set()
+        self._heartbeat.join(timeout=5)
+        try:
+            if say_bye and self.lost is None:
+                self.sock.send_multipart(codec.encode(messages.Bye()))
+        finally:
+            self.sock.close(linger=500)
+            self.context.term()
+

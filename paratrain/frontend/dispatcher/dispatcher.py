@@ -1,0 +1,323 @@
+"""The dispatcher: one ZeroMQ ROUTER socket that clients, workers and monitors connect to.
+
+It never touches tensor data except what a client uploads or asks to see. Each message is
+decoded into its typed class (`protocol`), found in `handlers` by the sender's role and the
+message's type, and handled; one thread, no locks: all state lives in this object and its parts
+(`Peers`, `Admission`, `Router`, `Syncs`) and changes only in `serve`'s loop.
+
+Nothing a peer sends can stop the loop. A message that does not decode costs its sender an
+Error naming the field (a stranger's is dropped and logged); an exception while handling one
+message costs that sender an Error. Workers and clients are watched by heartbeat: a worker that
+falls silent (or whose process exits, with local workers) is lost, and every sync waiting on it
+fails at once; a client that falls silent is dropped, its tensors freed, and told why.
+"""
+
+from __future__ import annotations
+
+import errno
+import sys
+import time
+import traceback
+
+import zmq
+
+from paratrain.frontend import signals
+from paratrain.frontend.dispatcher.admission import Admission
+from paratrain.frontend.dispatcher.log import InstructionLog
+from paratrain.frontend.dispatcher.peers import ClientState, Peers, WorkerState
+from paratrain.frontend.dispatcher.router import Router
+from paratrain.frontend.dispatcher.settings import DispatcherSettings
+from paratrain.frontend.dispatcher.syncs import Syncs
+from paratrain.frontend.protocol import MalformedMessage, codec, messages
+
+TICK_S = 1.0  # pings, liveness and expiry, this often
+STRANGER_HEADER = 64 << 10  # bytes a peer may send before it has joined
+
+
+class CannotServe(RuntimeError):
+    """The dispatcher cannot listen where it was asked to (a port in use, no such interface)."""
+
+
+class Complaints:
+    """Warnings about misbehaving peers, at most one line a second per kind: a flood of bad
+    messages must not become a flood of lines."""
+
+    def __init__(self, say):
+        self.say, self.last, self.held = say, {}, {}
+
+    def __call__(self, kind: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self.last.get(kind, -1e9) < 1.0:
+            self.held[kind] = self.held.get(kind, 0) + 1
+            return
+        held = self.held.pop(kind, 0)
+        self.last[kind] = now
+        self.say(text + (f" (and {held} more like it)" if held else ""), warning=True)
+
+
+class Dispatcher:
+    def __init__(self, settings: DispatcherSettings):
+        self.settings = settings
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises instead of dropping
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # clients bound their own backlog (see session.py)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, settings.max_message_mb << 20)
+        self.port = self._bind(settings.host, settings.port)
+        self.log = InstructionLog(settings.log_path) if settings.log_path else None
+        self.peers = Peers()
+        self.complain = Complaints(self.say)
+        max_tensor = settings.max_tensor_mb << 20 if settings.max_tensor_mb else None
+        self.router = Router(settings.workers, self.peers.is_alive, self.log, max_tensor,
+                             warn=lambda text: self.complain("router", text))
+        self.syncs = Syncs(self.peers, self.send, self.peers.is_alive)
+        self.admission = Admission(settings, self.peers, self.send, self.say, on_ready=self._all_serving)
+        self.started = time.time()
+        self.stopping = False
+        self.failure: str | None = None  # why it stopped serving, if it had to
+        self.on_ready = None  # called once, when every worker serves
+        self.accepts = codec.decoder(messages.TO_DISPATCHER)
+        self.handlers = {
+            ("client", messages.Run): self._run,
+            ("client", messages.Configure): self._configure,
+            ("client", messages.Bye): lambda client, message: self._drop_client(client, "said bye", tell=False),
+            ("worker", messages.Heartbeat): self._heartbeat,
+            ("worker", messages.Collected): self.syncs.collected,
+            ("worker", messages.Timings): self._timings,
+            ("monitor", messages.StatsRequest): self._send_stats,
+            ("pending", messages.Auth): self.admission.auth,
+            ("pending", messages.Hello): self.admission.hello,
+            (None, messages.Hello): self.admission.hello,
+        }
+
+    def _bind(self, host: str, port: int) -> int:
+        try:
+            if port == 0:
+                return self.sock.bind_to_random_port(f"tcp://{host}")
+            self.sock.bind(f"tcp://{host}:{port}")
+            return port
+        except zmq.ZMQError as error:
+            self.sock.close(linger=0)
+            self.context.term()
+            if error.errno == errno.EADDRINUSE:
+                raise CannotServe(f"port {port} on {host} is in use (another `paratrain serve`? try --port 0)") from None
+            raise CannotServe(f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    @property
+    def ready(self) -> bool:
+        return self.admission.ready
+
+    def say(self, text: str, warning: bool = False) -> None:
+        """A line on stderr; `quiet` keeps only warnings (what a user must know of)."""
+        if warning or not self.settings.quiet:
+            print(f"paratrain serve: {text}", file=sys.stderr, flush=True)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def serve(self, should_stop=lambda: False, on_tick=lambda: None) -> None:
+        """Serve until stopped; `should_stop()` is asked a few times a second, `on_tick()` is
+        called once a second (serve.py watches its worker processes there)."""
+        last_tick = 0.0
+        try:
+            while not self.stopping and not should_stop():
+                if self.sock.poll(250, zmq.POLLIN):
+                    while self.sock.poll(0, zmq.POLLIN) and not self.stopping:
+                        self._receive()
+                now = time.monotonic()
+                if now - last_tick >= TICK_S:
+                    self._tick(now)
+                    on_tick()
+                    last_tick = now
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def fail(self, reason: str) -> None:
+        """Stop serving, telling every client (and every client still waiting to join) why."""
+        self.failure = reason
+        self.say(f"cannot go on: {reason}", warning=True)
+        for identity in [*self.peers.clients, *(k for k, p in self.peers.pending.items() if p.authenticated)]:
+            self.send(identity, messages.Refused(f"the dispatcher stopped: {reason}"))
+        self.stop()
+
+    def close(self) -> None:
+        for worker in self.peers.workers.values():
+            if worker.alive:
+                self.send(worker.identity, messages.Exit("the dispatcher stopped"))
+        if self.log is not None:
+            self.log.close()
+        self.sock.close(linger=200)
+        self.context.term()
+
+    def _receive(self) -> None:
+        frames = self.sock.recv_multipart(copy=False)
+        identity, body = frames[0].bytes, [frame.buffer for frame in frames[1:]]
+        role = self.peers.role_of(identity)
+        joined = role in ("client", "worker", "monitor")
+        try:
+            message = codec.decode(body, self.accepts, codec.MAX_HEADER if joined else STRANGER_HEADER)
+        except MalformedMessage as error:
+            who = f"{role} {self._name(identity, role)}" if joined else f"an unjoined peer {identity.hex()}"
+            self.complain(f"malformed {role}", f"dropped a malformed message from {who}: {error}")
+            if joined:
+                self.send(identity, messages.Error(f"malformed message: {error}"))
+            return
+        try:
+            self._dispatch(identity, role, message)
+        except Exception as error:  # noqa: BLE001 - one message's failure is its sender's, never the loop's
+            self.complain("handler", f"handling {message.KIND} from {role} {self._name(identity, role)} failed:\n"
+                                     f"{traceback.format_exc(limit=6)}")
+            if joined:
+                self.send(identity, messages.Error(f"the dispatcher could not handle your {message.KIND} "
+                                                   f"({type(error).__name__}: {str(error)[:300]})"))
+
+    def _dispatch(self, identity: bytes, role: str | None, message) -> None:
+        if isinstance(message, messages.Alive):
+            self._alive(identity, message)
+            return
+        peer = {"client": self.peers.clients, "worker": self.peers.worker_ids}.get(role, {}).get(identity)
+        handler = self.handlers.get((role, type(message)))
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+            if role == "worker" and not peer.alive:
+                self.send(identity, messages.Exit(f"this worker was declared lost: {peer.lost}"))
+                return
+        elif role == "monitor":
+            self.peers.monitors[identity] = time.monotonic()
+        if handler is not None:
+            handler(peer if peer is not None else identity, message)
+        elif role in ("client", "worker", "monitor"):
+            self.send(identity, messages.Error(f"a {role} cannot send {message.KIND!r}"))
+        else:
+            reason = self.peers.dropped.get(identity) or "say hello (and authenticate) first"
+            self.send(identity, messages.Refused(reason))
+
+    def _name(self, identity: bytes, role: str | None) -> str:
+        if role == "client":
+            return str(self.peers.clients[identity].table.slot)
+        if role == "worker":
+            return str(self.peers.worker_ids[identity].rank)
+        return identity.hex()
+
+    # ---- clients -------------------------------------------------------------------------------
+
+    def _run(self, client: ClientState, message: messages.Run) -> None:
+        client.instructions += len(message.instructions)
+        routed = self.router.route(client.table, message.instructions, message.frames)
+        self._forward(client.table.slot, routed)
+        client.dirty.update(routed.streams)
+        self.syncs.add_errors(client, routed.errors)
+        if message.sync is not None:
+            self.syncs.start(client, message.sync, message.fetch)
+
+    def _forward(self, slot: int, routed) -> None:
+        for rank, instructions in routed.streams.items():
+            worker = self.peers.workers.get(rank)
+            if worker is not None and worker.alive:
+                self.send(worker.identity, messages.Tasks(slot, instructions, self.log is not None,
+                                                          routed.frames.get(rank, [])))
+
+    def _configure(self, client: ClientState, message: messages.Configure) -> None:
+        """A client's signal configuration, checked against this dispatcher's workers."""
+        try:
+            client.table.signals = signals.parse(message.signals, self.settings.workers)
+        except signals.ConfigError as error:
+            self.send(client.identity, messages.Error(str(error)))
+            return
+        self.send(client.identity, messages.Configured(sorted(client.table.signals)))
+
+    def _alive(self, identity: bytes, message: messages.Alive) -> None:
+        """A client's heartbeat connection: the client lives (or is told it was dropped)."""
+        client = self.peers.by_secret.get(message.secret)
+        if client is not None:
+            client.last_seen = time.monotonic()
+        elif message.secret in self.peers.dropped:
+            self.send(identity, messages.Refused(self.peers.dropped[message.secret]))
+
+    def _drop_client(self, client: ClientState, why: str, tell: bool = True) -> None:
+        self._forward(client.table.slot, self.router.drop_client(client.table))
+        for worker in self.peers.workers.values():
+            if worker.alive:
+                self.send(worker.identity, messages.Forget(client.table.slot))
+        self.peers.remove_client(client, f"dropped: {why}")
+        if tell:
+            self.send(client.identity, messages.Refused(f"dropped: {why}"))
+        self.say(f"client {client.table.slot} left ({why}); its {len(client.table.where)} tensors are freed")
+
+    # ---- workers -------------------------------------------------------------------------------
+
+    def _heartbeat(self, worker: WorkerState, beat: messages.Heartbeat) -> None:
+        worker.heartbeat(beat, time.monotonic())
+        if not worker.serving:
+            self.admission.worker_serving(worker)
+
+    def _timings(self, worker: WorkerState, message: messages.Timings) -> None:
+        if self.log is not None:
+            self.log.complete(message.timings)
+
+    def _all_serving(self) -> None:
+        self.say(f"all {self.settings.workers} workers are serving; clients connect to {self.address}")
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def lose_worker(self, rank: int, reason: str) -> None:
+        """Worker `rank` is gone: fail the syncs waiting on it, rehome its clients, serve on."""
+        worker = self.peers.workers.get(rank)
+        if worker is None or not worker.alive:
+            return
+        worker.lost = reason
+        self.say(f"worker {rank} is lost: {reason}", warning=True)
+        if not self.ready:
+            self.fail(f"worker {rank} was lost before every worker served ({reason})")
+            return
+        self.syncs.worker_lost(rank, reason)
+        live = [r for r, w in self.peers.workers.items() if w.alive]
+        for client in self.peers.clients.values():
+            if client.table.home == rank and live:
+                client.table.home = min(live, key=lambda r: sum(c.table.home == r for c in self.peers.clients.values()))
+        if not live:
+            self.fail("every worker is lost")
+
+    # ---- time ---------------------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        for worker in list(self.peers.workers.values()):
+            if not worker.alive:
+                continue
+            silent = now - worker.last_seen
+            if worker.serving and silent > self.settings.worker_timeout:
+                self.lose_worker(worker.rank, f"no heartbeat for {silent:.1f}s")
+            else:
+                self.send(worker.identity, messages.Ping())  # a waiting worker hears we are here
+        for client in list(self.peers.clients.values()):
+            silent = now - client.last_seen
+            if silent > self.settings.client_timeout:
+                self._drop_client(client, f"no heartbeat for {silent:.1f}s (--client-timeout "
+                                          f"{self.settings.client_timeout:g}s)")
+        for identity in self.peers.expire(now):
+            self.complain("expired", f"forgot a peer that did not authenticate in time ({identity.hex()})")
+
+    # ---- monitoring -----------------------------------------------------------------------
+
+    def stats(self) -> messages.Stats:
+        return messages.Stats(self.address, time.time() - self.started,
+                              [self.peers.workers[rank].row() for rank in sorted(self.peers.workers)],
+                              [client.row() for client in self.peers.clients.values()])
+
+    def _send_stats(self, identity: bytes, message: messages.StatsRequest) -> None:
+        self.send(identity, self.stats())
+
+    # ---- sending ------------------------------------------------------------------------------
+
+    def send(self, identity: bytes, message) -> None:
+        try:
+            self.sock.send_multipart([identity, *codec.encode(message)], copy=False)
+        except zmq.ZMQError:
+            pass  # the peer is gone; liveness checks deal with it

@@ -1,0 +1,35 @@
+"""A dispatcher's settings, checked once (every `paratrain serve` option lands here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.frontend.protocol.addresses import AddressError, check_port, is_loopback
+
+
+@dataclass(frozen=True)
+class DispatcherSettings:
+    host: str = "127.0.0.1"  # the interface to listen on (anything but loopback needs a token)
+    port: int = 0  # 0: any free port
+    workers: int = 1  # workers in the world; clients are admitted once all serve
+    token: str | None = None  # shared secret every peer proves it knows (HMAC challenge)
+    log_path: str | None = None  # the instruction log: one line per instruction
+    client_timeout: float = 30.0  # seconds without a heartbeat before a client is dropped
+    worker_timeout: float = 5.0  # seconds without a heartbeat before a worker is lost
+    max_message_mb: int = 1024  # the largest message (one uploaded tensor)
+    max_tensor_mb: int | None = None  # the largest tensor a client may make (None: any)
+    quiet: bool = False  # print only warnings
+
+    def __post_init__(self):
+        if self.workers < 1:
+            raise ValueError(f"a dispatcher needs at least one worker, got {self.workers}")
+        try:
+            check_port(self.port)
+        except AddressError as error:
+            raise ValueError(str(error)) from None
+        if not is_loopback(self.host) and not self.token:
+            raise ValueError(f"binding {self.host} exposes the dispatcher beyond this machine: give a token "
+                             "(--token or PARATRAIN_TOKEN)")
+        for name in ("client_timeout", "worker_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

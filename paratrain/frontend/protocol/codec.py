@@ -1,0 +1,91 @@
+"""Messages to ZeroMQ frames and back: the one place that packs and unpacks.
+
+A message is a multipart ZeroMQ message: its first frame a msgpack map, `{"t": kind, field:
+value, ...}`, and then the raw bytes of any tensors it carries. msgpack decodes only nil, bools,
+numbers, strings, bytes, lists and maps (no pickle, no extension types), and decoding is
+bounded: the header's size, and the lengths of its strings, lists and maps. `decode` then
+checks the kind against the messages this receiver accepts and every field against its spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields as dataclass_fields
+
+import msgpack
+
+from paratrain.frontend.protocol.fields import MalformedMessage
+
+MAX_HEADER = 64 << 20  # bytes of one header (a batch of instructions, a list of freed handles)
+MAX_STR = 1 << 16
+MAX_ARRAY = 1 << 20
+MAX_MAP = 1 << 12
+
+
+def _layout(cls) -> tuple[list, bool]:
+    """(header fields as (name, check, args), whether it carries frames) of a message class."""
+    header, carries_frames = [], False
+    for spec in dataclass_fields(cls):
+        if spec.metadata.get("frames"):
+            carries_frames = True
+        else:
+            header.append((spec.name, spec.metadata["check"], spec.metadata["args"]))
+    return header, carries_frames
+
+
+_LAYOUTS: dict = {}
+
+
+def layout(cls):
+    found = _LAYOUTS.get(cls)
+    if found is None:
+        found = _LAYOUTS[cls] = _layout(cls)
+    return found
+
+
+def encode(message) -> list:
+    """The frames of `message`: its header, then its frames (tensor bytes), if it has any."""
+    header_fields, carries_frames = layout(type(message))
+    header = {"t": message.KIND}
+    for name, _, _ in header_fields:
+        header[name] = getattr(message, name)
+    packed = msgpack.packb(header, use_bin_type=True)
+    return [packed, *message.frames] if carries_frames else [packed]
+
+
+def decoder(accepted) -> dict:
+    """{kind: class} for a receiver that accepts the message classes `accepted`."""
+    return {cls.KIND: cls for cls in accepted}
+
+
+def decode(frames: list, accepted: dict, max_header: int = MAX_HEADER):
+    """A message from `frames` (bytes-like), of a kind in `accepted` ({kind: class}), with every
+    field checked. MalformedMessage (naming the field) otherwise."""
+    if not frames:
+        raise MalformedMessage("an empty message")
+    head = frames[0]
+    if len(head) > max_header:
+        raise MalformedMessage(f"a header of {len(head)} bytes (at most {max_header} here)")
+    try:
+        body = msgpack.unpackb(head, raw=False, strict_map_key=False, max_str_len=MAX_STR, max_bin_len=MAX_STR,
+                               max_array_len=MAX_ARRAY, max_map_len=MAX_MAP, max_ext_len=0)
+    except Exception as error:  # noqa: BLE001 - whatever does not decode is the sender's fault
+        raise MalformedMessage(f"not a msgpack message ({type(error).__name__}: {str(error)[:200]})") from None
+    if type(body) is not dict:
+        raise MalformedMessage("a message must be a msgpack map")
+    kind = body.pop("t", None)
+    cls = accepted.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise MalformedMessage(f"unknown message type {str(kind)[:64]!r} (this side takes: {', '.join(accepted)})", "t")
+    header_fields, carries_frames = layout(cls)
+    if len(body) != len(header_fields) or any(name not in body for name, _, _ in header_fields):
+        missing = [name for name, _, _ in header_fields if name not in body]
+        extra = sorted(str(key)[:64] for key in body if key not in {name for name, _, _ in header_fields})
+        raise MalformedMessage(f"{kind} message: missing {missing or 'nothing'}, unexpected {extra or 'nothing'}")
+    values = {name: check(body[name], f"{kind}.{name}", *args) for name, check, args in header_fields}
+    if not carries_frames:
+        if len(frames) > 1:
+            raise MalformedMessage(f"a {kind} message carries no frames, got {len(frames) - 1}")
+        return cls(**values)
+    message = cls(**values, frames=list(frames[1:]))
+    message.check_frames()
+    return message

@@ -1,0 +1,105 @@
+"""One instruction: an operation of the table (`ops.py`) on tensors named by handles.
+
+A client numbers its instructions (`seq`, which errors name), chooses the handles of their
+results itself (so a result costs no round trip), and says where it was issued (its signal
+region, `gt.worker(k)`, grad mode). The dispatcher turns each into instructions for workers:
+the same type, with the fields a worker needs.
+
+On the wire an instruction is a list of its fields in the order below (batches hold hundreds;
+names in every one would double their size). `check_instruction` is the one place that reads
+that list, and it checks every field before anything else sees it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from paratrain.frontend.ops import CLIENT_OPS, OPS
+from paratrain.frontend.protocol import fields
+from paratrain.frontend.protocol.fields import MalformedMessage
+
+CLIENT_HANDLES = 1 << 31  # a client's handles live below this; the dispatcher's temporaries above
+MAX_ARGS = 4096  # positional arguments of one instruction (a cat of many tensors)
+MAX_FREE = 1 << 20  # handles freed by one instruction
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+class Instruction(NamedTuple):
+    seq: int  # the client's number for it (0 for a free); errors name it
+    op: str  # a name in ops.OPS
+    outs: list  # handles for its results (as many as the op makes)
+    args: list  # positional arguments: plain values, and tensor handles at the positions in targs
+    targs: list  # the positions in args that hold tensor handles
+    kwargs: dict  # keyword arguments, from the op's allow-list
+    no_grad: bool = False  # run outside autograd
+    requires_grad: bool = False  # a created tensor becomes a leaf that requires grad
+    worker: int | None = None  # client: the worker a created tensor goes to (gt.worker(k))
+    signal: str | None = None  # client: the signal region it was issued in
+    log: int | None = None  # dispatcher -> worker: its line in the instruction log, to time it
+
+
+FIELD_COUNT = len(Instruction._fields)
+
+
+def check_instruction(raw, where: str, from_client: bool) -> Instruction:
+    """An Instruction from its wire form, every field checked; MalformedMessage otherwise.
+    `from_client`: only the client's operations, and result handles below CLIENT_HANDLES."""
+    if type(raw) is not list or len(raw) != FIELD_COUNT:
+        raise MalformedMessage(f"an instruction is a list of {FIELD_COUNT} fields ({', '.join(Instruction._fields)})",
+                               where)
+    seq, op, outs, args, targs, kwargs, no_grad, requires_grad, worker, signal, log = raw
+    fields.integer(seq, f"{where}.seq", 0)
+    if type(op) is not str or op not in (CLIENT_OPS if from_client else OPS):
+        raise MalformedMessage(f"unknown operation {str(op)[:64]!r}", f"{where}.op")
+    spec = OPS[op]
+    handle_limit = CLIENT_HANDLES - 1 if from_client else fields.INT64[1]
+    fields.integers(outs, f"{where}.outs", spec.results if spec.results is not None else 1024, 0, handle_limit)
+    if spec.results is not None and len(outs) != spec.results:
+        raise MalformedMessage(f"{op} makes {spec.results} result(s), the instruction names {len(outs)}", f"{where}.outs")
+    if spec.results is None and not outs or len(set(outs)) != len(outs):
+        raise MalformedMessage("result handles must be distinct, and at least one", f"{where}.outs")
+    if op in ("free", "release"):
+        fields.integers(args, f"{where}.args", MAX_FREE, 0, handle_limit)
+    else:
+        for i, arg in enumerate(fields.items(args, f"{where}.args", MAX_ARGS)):
+            fields.plain(arg, f"{where}.args[{i}]")
+    fields.integers(targs, f"{where}.targs", MAX_ARGS, 0, len(args) - 1)
+    fewest, most = spec.inputs
+    if not fewest <= len(targs) <= most or len(set(targs)) != len(targs):
+        raise MalformedMessage(f"{op} takes {fewest} to {most} distinct tensor arguments, got {len(targs)}",
+                               f"{where}.targs")
+    for i in targs:
+        if type(args[i]) is not int or not 0 <= args[i] <= handle_limit:
+            raise MalformedMessage("a tensor argument must be a handle (an integer >= 0)", f"{where}.args[{i}]")
+    fields.mapping(kwargs, f"{where}.kwargs", len(spec.kwargs))
+    for key, value in kwargs.items():
+        if key not in spec.kwargs:
+            raise MalformedMessage(f"{op} takes no keyword argument {str(key)[:64]!r} "
+                                   f"(it takes: {', '.join(sorted(spec.kwargs)) or 'none'})", f"{where}.kwargs")
+        fields.plain(value, f"{where}.kwargs.{key}")
+    fields.flag(no_grad, f"{where}.no_grad")
+    fields.flag(requires_grad, f"{where}.requires_grad")
+    fields.optional(worker, f"{where}.worker", fields.integer, 0, 1 << 20)
+    fields.optional(signal, f"{where}.signal", fields.text, 256)
+    fields.optional(log, f"{where}.log", fields.integer, 0)
+    if op == "upload":
+        _check_upload(kwargs, f"{where}.kwargs")
+    return Instruction(seq, op, outs, args, targs, kwargs, no_grad, requires_grad, worker, signal, log)
+
+
+def _check_upload(kwargs: dict, where: str) -> None:
+    fields.one_of(kwargs.get("dtype"), f"{where}.dtype", DTYPES)
+    fields.integers(kwargs.get("shape"), f"{where}.shape", 64, 0, fields.INT64[1])
+    fields.integer(kwargs.get("frame"), f"{where}.frame", 0, MAX_ARGS)
+
+
+def upload_bytes(instruction: Instruction) -> int:
+    """How many bytes an upload's frame must hold."""
+    count = 1
+    for size in instruction.kwargs["shape"]:
+        count *= size
+    return count * ITEM_SIZES[instruction.kwargs["dtype"]]
+
+
+ITEM_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+              "int8": 1, "uint8": 1, "bool": 1}

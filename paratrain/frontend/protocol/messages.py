@@ -1,0 +1,412 @@
+"""Every message between client, dispatcher and worker, as a class with typed fields.
+
+Each class says who sends it to whom, and each field how it is checked when decoded (`spec`):
+a message that `decode` returns has every field of the type and range written here, so no code
+past decoding checks a field again. Tensor bytes travel as extra frames (`frames`), never inside
+the msgpack header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from paratrain.frontend.protocol import fields
+from paratrain.frontend.protocol.fields import MalformedMessage
+from paratrain.frontend.protocol.instructions import check_instruction, upload_bytes
+
+VERSION = 2  # bumped when a message changes; a hello with another version is refused
+ROLES = ("client", "worker", "monitor")
+MAX_BATCH = 1 << 14  # instructions in one message (a client sends at most 256)
+MAX_FETCH = 1 << 16  # tensors read in one sync
+MAX_WORKERS = 1 << 12
+MAX_ERRORS = 1 << 10  # error reports in one reply
+SLOT = (1, (1 << 31) - 1)  # a client's number at the dispatcher
+HANDLE = (0, (1 << 31) - 1)
+RANK = (0, MAX_WORKERS - 1)
+
+
+def spec(check, *args):
+    """A message field, checked on decoding by `check(value, name, *args)`."""
+    return field(metadata={"check": check, "args": args})
+
+
+def frames_field():
+    """The raw frames after the header (tensor bytes); not part of the header."""
+    return field(default_factory=list, metadata={"frames": True})
+
+
+# ---- records inside messages ------------------------------------------------------------------
+
+class ErrorReport(NamedTuple):
+    """An instruction that failed (on a worker) or was refused (by the dispatcher)."""
+    seq: int  # the client's number for the instruction (-1: not one instruction)
+    op: str
+    inputs: list  # its tensor inputs, described as dtype[shape]
+    worker: int | None  # None: the dispatcher refused it
+    message: str
+
+
+class Fetched(NamedTuple):
+    """A tensor's value asked for by a sync: its bytes follow as `parts` frames (one per worker
+    holding a part of it, split along `axis`), or `error` says why it cannot be read."""
+    handle: int
+    dtype: str | None  # None: not read, see error
+    shape: list
+    parts: int
+    axis: int | None
+    error: str | None
+
+
+class WorkerTimes(NamedTuple):
+    worker: int
+    busy_s: float  # running instructions, since the worker started
+    wait_s: float  # waiting for another worker's tensor (a pipeline's bubble)
+
+
+class Timing(NamedTuple):
+    log: int  # the instruction's line in the log
+    started: float  # when it started, seconds since the epoch (the worker's clock)
+    seconds: float
+
+
+class WorkerRow(NamedTuple):
+    """One row of `paratrain top`."""
+    rank: int
+    host: str
+    pid: int
+    device: str
+    alive: bool
+    ops: int
+    queue: int
+    memory: int
+    ops_per_s: float
+    busy: float
+
+
+class ClientRow(NamedTuple):
+    client: int
+    name: str
+    pid: int
+    instructions: int
+    tensors: int
+
+
+def _records(kind, value, name: str, max_len: int, *checks):
+    """A list of `kind` records, each a list whose items pass `checks` (one per field)."""
+    out = []
+    for i, item in enumerate(fields.items(value, name, max_len)):
+        if type(item) is not list or len(item) != len(checks):
+            raise MalformedMessage(f"a record of {len(checks)} fields ({', '.join(kind._fields)})", f"{name}[{i}]")
+        out.append(kind(*(check(v, f"{name}[{i}].{f}") for check, v, f in zip(checks, item, kind._fields))))
+    return out
+
+
+def _error_reports(value, name):
+    return _records(ErrorReport, value, name, MAX_ERRORS,
+                    lambda v, n: fields.integer(v, n, -1), lambda v, n: fields.text(v, n, 64),
+                    lambda v, n: fields.texts(v, n, 4096, 256),
+                    lambda v, n: fields.optional(v, n, fields.integer, *RANK),
+                    lambda v, n: fields.text(v, n, fields.MAX_TEXT))
+
+
+def _fetched(value, name):
+    return _records(Fetched, value, name, MAX_FETCH,
+                    lambda v, n: fields.integer(v, n, *HANDLE), lambda v, n: fields.optional(v, n, fields.text, 16),
+                    lambda v, n: fields.integers(v, n, 64, 0), lambda v, n: fields.integer(v, n, 0, MAX_WORKERS),
+                    lambda v, n: fields.optional(v, n, fields.integer, 0, 63),
+                    lambda v, n: fields.optional(v, n, fields.text, fields.MAX_TEXT))
+
+
+def _worker_times(value, name):
+    return _records(WorkerTimes, value, name, MAX_WORKERS, lambda v, n: fields.integer(v, n, *RANK),
+                    fields.number, fields.number)
+
+
+def _instructions(value, name, from_client):
+    return [check_instruction(raw, f"{name}[{i}]", from_client)
+            for i, raw in enumerate(fields.items(value, name, MAX_BATCH))]
+
+
+def _config(value, name, depth: int = 4):
+    """A signal configuration as sent: maps with string keys, nested at most `depth` deep, over
+    plain values (signals.parse says what is wrong with its contents)."""
+    if type(value) is dict:
+        if depth == 0 or len(value) > 4096:
+            raise MalformedMessage("a configuration nested at most 4 deep, at most 4096 entries a map", name)
+        for key, item in value.items():
+            _config(item, f"{name}.{fields.text(key, name, 256)}", depth - 1)
+        return value
+    return fields.plain(value, name)
+
+
+def _check_upload_frames(instructions, frames, name: str) -> None:
+    for i, instruction in enumerate(instructions):
+        if instruction.op != "upload":
+            continue
+        frame = instruction.kwargs["frame"]
+        if frame >= len(frames):
+            raise MalformedMessage(f"frame {frame} is not among the message's {len(frames)} frames",
+                                   f"{name}[{i}].kwargs.frame")
+        if len(frames[frame]) != upload_bytes(instruction):
+            raise MalformedMessage(f"frame {frame} holds {len(frames[frame])} bytes; a {instruction.kwargs['dtype']}"
+                                   f"{instruction.kwargs['shape']} tensor has {upload_bytes(instruction)}",
+                                   f"{name}[{i}].kwargs.shape")
+
+
+def _check_fetched_frames(fetched, frames) -> None:
+    expected = sum(entry.parts for entry in fetched if entry.dtype is not None)
+    if expected != len(frames):
+        raise MalformedMessage(f"the fetched tensors need {expected} frames, the message has {len(frames)}", "fetched")
+
+
+# ---- joining: any peer and the dispatcher ------------------------------------------------------
+
+@dataclass(slots=True)
+class Hello:
+    """peer -> dispatcher, first: who it is. `rank`: a worker's rank in a world formed by a
+    launcher (torchrun); None lets the dispatcher number it."""
+    KIND = "hello"
+    role: str = spec(fields.one_of, ROLES)
+    version: int = spec(fields.integer, 0, 1 << 16)
+    pid: int = spec(fields.integer, 0, (1 << 31) - 1)
+    name: str = spec(fields.text, 256)
+    host: str = spec(fields.text, 256)
+    device: str = spec(fields.text, 64)
+    rank: int | None = spec(fields.optional, fields.integer, *RANK)
+
+
+@dataclass(slots=True)
+class Challenge:
+    """dispatcher -> peer (with a token): prove you know it; answer HMAC(token, nonce || role)."""
+    KIND = "challenge"
+    nonce: bytes = spec(fields.raw, 32)
+
+
+@dataclass(slots=True)
+class Auth:
+    """peer -> dispatcher: the answer to the challenge (hex HMAC-SHA256)."""
+    KIND = "auth"
+    mac: str = spec(fields.text, 64)
+
+
+@dataclass(slots=True)
+class Refused:
+    """dispatcher -> peer: not admitted, or no longer (a dropped client); the reason says why."""
+    KIND = "refused"
+    reason: str = spec(fields.text, fields.MAX_TEXT)
+
+
+@dataclass(slots=True)
+class Waiting:
+    """dispatcher -> worker: admitted; the world forms when all `need` workers are here."""
+    KIND = "waiting"
+    have: int = spec(fields.integer, 0, MAX_WORKERS)
+    need: int = spec(fields.integer, 1, MAX_WORKERS)
+
+
+@dataclass(slots=True)
+class ClientWelcome:
+    """dispatcher -> client: admitted as client number `client`, homed on worker `home`.
+    `secret` is what its heartbeat connection proves itself with."""
+    KIND = "client_welcome"
+    client: int = spec(fields.integer, *SLOT)
+    secret: bytes = spec(fields.raw, 16)
+    workers: int = spec(fields.integer, 1, MAX_WORKERS)
+    home: int = spec(fields.integer, *RANK)
+    log: bool = spec(fields.flag)
+    max_message_mb: int = spec(fields.integer, 1, 1 << 20)
+    devices: list = spec(fields.texts, MAX_WORKERS, 64)
+
+
+@dataclass(slots=True)
+class WorkerWelcome:
+    """dispatcher -> worker: your rank in a world of `size`; meet the others at the store on
+    the dispatcher's host and `store_port` (None: a launcher formed the world already)."""
+    KIND = "worker_welcome"
+    rank: int = spec(fields.integer, *RANK)
+    size: int = spec(fields.integer, 1, MAX_WORKERS)
+    store_port: int | None = spec(fields.optional, fields.integer, 1, 65535)
+
+
+@dataclass(slots=True)
+class MonitorWelcome:
+    """dispatcher -> monitor: admitted; may ask for statistics."""
+    KIND = "monitor_welcome"
+    workers: int = spec(fields.integer, 1, MAX_WORKERS)
+
+
+# ---- client and dispatcher ---------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Run:
+    """client -> dispatcher: instructions to route to the workers. With `sync` (a token), the
+    dispatcher answers with Synced once they have all run, carrying the tensors in `fetch`.
+    `frames`: the bytes of the uploads, which name their frame by index."""
+    KIND = "run"
+    instructions: list = spec(_instructions, True)
+    sync: int | None = spec(fields.optional, fields.integer, 0)
+    fetch: list = spec(fields.integers, MAX_FETCH, *HANDLE)
+    frames: list = frames_field()
+
+    def check_frames(self) -> None:
+        _check_upload_frames(self.instructions, self.frames, "instructions")
+
+
+@dataclass(slots=True)
+class Synced:
+    """dispatcher -> client: everything up to the sync `token` has run. `errors`: what failed
+    since the last sync (by seq); `fetched`: the tensors asked for, their bytes in `frames`."""
+    KIND = "synced"
+    token: int = spec(fields.integer, 0)
+    errors: list = spec(_error_reports)
+    fetched: list = spec(_fetched)
+    stats: list = spec(_worker_times)
+    frames: list = frames_field()
+
+    def check_frames(self) -> None:
+        _check_fetched_frames(self.fetched, self.frames)
+
+
+@dataclass(slots=True)
+class Configure:
+    """client -> dispatcher: its signal configuration (GT's YAML schema, as a map)."""
+    KIND = "configure"
+    signals: dict = spec(_config)
+
+
+@dataclass(slots=True)
+class Configured:
+    """dispatcher -> client: the configuration is in use; these are its signals."""
+    KIND = "configured"
+    signals: list = spec(fields.texts, 4096, 256)
+
+
+@dataclass(slots=True)
+class Error:
+    """dispatcher -> peer: a message it could not take (the text names the field), or a
+    configuration it refused (one problem per line)."""
+    KIND = "error"
+    message: str = spec(fields.text, fields.MAX_TEXT)
+
+
+@dataclass(slots=True)
+class Bye:
+    """client -> dispatcher: leaving; free my tensors."""
+    KIND = "bye"
+
+
+@dataclass(slots=True)
+class Alive:
+    """a client's heartbeat connection -> dispatcher: the client is alive (it may be busy
+    computing and not sending anything on its main connection)."""
+    KIND = "alive"
+    secret: bytes = spec(fields.raw, 16)
+
+
+# ---- monitor and dispatcher -------------------------------------------------------------------
+
+@dataclass(slots=True)
+class StatsRequest:
+    """monitor -> dispatcher: what `paratrain top` shows."""
+    KIND = "stats_request"
+
+
+@dataclass(slots=True)
+class Stats:
+    """dispatcher -> monitor: its workers and clients now."""
+    KIND = "stats"
+    address: str = spec(fields.text, 300)
+    uptime_s: float = spec(fields.number)
+    workers: list = spec(lambda v, n: _records(
+        WorkerRow, v, n, MAX_WORKERS, lambda x, m: fields.integer(x, m, *RANK), fields.text, fields.integer, fields.text,
+        fields.flag, fields.integer, fields.integer, fields.integer, fields.number, fields.number))
+    clients: list = spec(lambda v, n: _records(
+        ClientRow, v, n, 1 << 16, fields.integer, fields.text, fields.integer, fields.integer, fields.integer))
+
+
+# ---- dispatcher and worker ---------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Tasks:
+    """dispatcher -> worker: instructions of client `slot`, to run in order; `frames`: the
+    bytes of its uploads. `timed`: report when each ran (Timings), for the instruction log."""
+    KIND = "tasks"
+    slot: int = spec(fields.integer, *SLOT)
+    instructions: list = spec(_instructions, False)
+    timed: bool = spec(fields.flag)
+    frames: list = frames_field()
+
+    def check_frames(self) -> None:
+        _check_upload_frames(self.instructions, self.frames, "instructions")
+
+
+@dataclass(slots=True)
+class Collect:
+    """dispatcher -> worker: once everything before this has run, report client `slot`'s errors
+    and the values of the handles in `fetch` (Collected, with `token`)."""
+    KIND = "collect"
+    slot: int = spec(fields.integer, *SLOT)
+    token: int = spec(fields.integer, 0)
+    fetch: list = spec(fields.integers, MAX_FETCH, *HANDLE)
+
+
+@dataclass(slots=True)
+class Collected:
+    """worker -> dispatcher: the answer to Collect; the fetched tensors' bytes in `frames`."""
+    KIND = "collected"
+    slot: int = spec(fields.integer, *SLOT)
+    token: int = spec(fields.integer, 0)
+    errors: list = spec(_error_reports)
+    fetched: list = spec(_fetched)
+    busy_s: float = spec(fields.number)
+    wait_s: float = spec(fields.number)
+    frames: list = frames_field()
+
+    def check_frames(self) -> None:
+        _check_fetched_frames(self.fetched, self.frames)
+
+
+@dataclass(slots=True)
+class Forget:
+    """dispatcher -> worker: client `slot` has left; free everything it held."""
+    KIND = "forget"
+    slot: int = spec(fields.integer, *SLOT)
+
+
+@dataclass(slots=True)
+class Ping:
+    """dispatcher -> worker: I am here (a worker that hears nothing for a while exits)."""
+    KIND = "ping"
+
+
+@dataclass(slots=True)
+class Exit:
+    """dispatcher -> worker: stop serving."""
+    KIND = "exit"
+    reason: str = spec(fields.text, fields.MAX_TEXT)
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """worker -> dispatcher, twice a second: alive, and its running totals for `paratrain top`."""
+    KIND = "heartbeat"
+    ops: int = spec(fields.integer, 0)
+    busy_s: float = spec(fields.number)
+    queue: int = spec(fields.integer, 0)
+    memory: int = spec(fields.integer, 0)
+
+
+@dataclass(slots=True)
+class Timings:
+    """worker -> dispatcher: when each instruction of a timed Tasks ran."""
+    KIND = "timings"
+    timings: list = spec(lambda v, n: _records(
+        Timing, v, n, MAX_BATCH, lambda x, m: fields.integer(x, m, 0), fields.number, fields.number))
+
+
+# Who accepts what: the decoder of each receiver knows only the messages sent to it.
+TO_DISPATCHER = (Hello, Auth, Run, Configure, Bye, Alive, StatsRequest, Heartbeat, Collected, Timings)
+TO_CLIENT = (Challenge, Refused, ClientWelcome, Synced, Configured, Error)
+TO_WORKER = (Challenge, Refused, Waiting, WorkerWelcome, Tasks, Collect, Forget, Ping, Exit, Error)
+TO_MONITOR = (Challenge, Refused, MonitorWelcome, Stats, Error)
