@@ -24,6 +24,7 @@ from paratrain.frontend.client.autostart import LocalServer
 from paratrain.frontend.client.connection import Connection
 from paratrain.frontend.protocol import codec, messages
 
+TOKEN = "fuzz-token"  # so that "before authentication" includes the challenge and its answer
 HUGE = [2**31, 2**32 + 1, 2**53 + 1, 2**63 - 1, 2**64 - 1, -1, -(2**31), -(2**63), 1e308, -1e308, 1e-320]
 ODD = [None, True, False, 0, 1, 3.5, "", "x" * 300, "t", b"", b"\x00" * 40, [], {}, {"t": "run"}, [[1]], [None]]
 SPECIAL_FLOATS = [math.nan, math.inf, -math.inf]
@@ -135,7 +136,7 @@ def record_session(address: str) -> list[list[bytes]]:
 
     Connection.send = recording
     try:
-        session = gt.Session(address)
+        session = gt.Session(address, token=TOKEN)
         session.configure({"pair": {"workers": [0, 1]}, "split": {"shard": {"axis": 0, "workers": [0, 1]}}})
         x = session.upload(np.arange(12, dtype=np.float32).reshape(3, 4), requires_grad=True)
         w = session.call("randn", [4, 2], {"dtype": "float32"}, requires_grad=True)[0]
@@ -184,7 +185,7 @@ class Fuzzer:
 
 def well_behaved_check(address: str, round_number: int) -> None:
     """A client that plays by the rules gets correct values (on both workers)."""
-    session = gt.Session(address, timeout=30)
+    session = gt.Session(address, token=TOKEN, timeout=30)
     try:
         a = session.call("full", [4], {"dtype": None, "value": float(round_number)})[0]
         b = session.call("ones", [4], {"dtype": None}, worker=1)[0]
@@ -200,7 +201,7 @@ def fuzz_server():
     env_timeout = os.environ.get("PARATRAIN_TIMEOUT")
     os.environ["PARATRAIN_TIMEOUT"] = "20"  # a worker left waiting on a broken partner gives up soon
     try:
-        srv = LocalServer.start(2, extra_args=("--max-tensor-mb", "16", "--max-message-mb", "4",
+        srv = LocalServer.start(2, token=TOKEN, extra_args=("--max-tensor-mb", "16", "--max-message-mb", "4",
                                                "--client-timeout", "20", "--threads", "1"))
     finally:
         if env_timeout is None:
@@ -230,7 +231,7 @@ def test_mutated_messages_never_kill_the_dispatcher(fuzz_server, request):
                     fuzzer.send_cases(sock, batch, joining + recorded)
                     sock.close(linger=0)
                 else:
-                    with raw_client(address) as (sock, _):
+                    with raw_client(address, TOKEN) as (sock, _):
                         fuzzer.send_cases(sock, batch, recorded)
                 done += batch
                 assert fuzz_server.process.poll() is None, f"the dispatcher died {side}, after {done} cases"

@@ -19,8 +19,9 @@ from paratrain.frontend.protocol.auth import auth_ok, new_nonce
 
 
 class Admission:
-    def __init__(self, settings: DispatcherSettings, peers: Peers, send, say, on_ready=None):
+    def __init__(self, settings: DispatcherSettings, peers: Peers, send, say, warn, on_ready=None):
         self.settings, self.peers, self.send, self.say = settings, peers, send, say
+        self.warn = warn  # (kind, text): a warning about a peer, at most one line a second per kind
         self.on_ready = on_ready  # called once, when every worker serves
         self.store: WorkerStore | None = None
         self.next_slot = 1
@@ -32,7 +33,7 @@ class Admission:
 
     def hello(self, identity: bytes, hello: messages.Hello) -> None:
         if hello.version != VERSION:
-            self.say(f"refused a {hello.role} (pid {hello.pid}) speaking protocol {hello.version}", warning=True)
+            self.warn("version", f"refused a {hello.role} (pid {hello.pid}) speaking protocol {hello.version}")
             self.send(identity, messages.Refused(f"protocol version {hello.version}; this dispatcher speaks {VERSION} "
                                                  "(is the peer's paratrain the same version?)"))
             return
@@ -51,7 +52,7 @@ class Admission:
             return
         if not auth_ok(self.settings.token, pending.nonce, pending.hello.role, auth.mac):
             del self.peers.pending[identity]
-            self.say(f"refused a {pending.hello.role} connection: wrong token (HMAC mismatch)", warning=True)
+            self.warn("token", f"refused a {pending.hello.role} connection: wrong token (HMAC mismatch)")
             self.send(identity, messages.Refused("wrong token"))
             return
         self._admit(identity, pending)
@@ -77,8 +78,8 @@ class Admission:
         if rank is None:
             rank = next((r for r in range(self.settings.workers) if r not in taken), None)
         if rank is None or rank in taken or rank >= self.settings.workers:
-            self.say(f"refused a worker (rank {hello.rank}): this dispatcher has {self.settings.workers} "
-                     f"worker slots, taken: {sorted(taken)}", warning=True)
+            self.warn("slots", f"refused a worker (rank {hello.rank}): this dispatcher has {self.settings.workers} "
+                               f"worker slots, taken: {sorted(taken)}")
             self.send(identity, messages.Refused("no free worker slot"))
             return
         self.peers.add_worker(WorkerState(identity, rank, hello, time.monotonic()))

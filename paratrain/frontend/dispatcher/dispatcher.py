@@ -72,7 +72,7 @@ class Dispatcher:
         self.router = Router(settings.workers, self.peers.is_alive, self.log, max_tensor,
                              warn=lambda text: self.complain("router", text))
         self.syncs = Syncs(self.peers, self.send, self.peers.is_alive)
-        self.admission = Admission(settings, self.peers, self.send, self.say, on_ready=self._all_serving)
+        self.admission = Admission(settings, self.peers, self.send, self.say, self.complain, on_ready=self._all_serving)
         self.started = time.time()
         self.stopping = False
         self.failure: str | None = None  # why it stopped serving, if it had to
