@@ -78,3 +78,75 @@ def raw_sync(sock, instructions: list, fetch=(), token: int = 10_000, frames=())
         if isinstance(reply, messages.Synced) and reply.token == token:
             return reply
         assert not isinstance(reply, messages.Error), reply.message
+
+
+def start_serve(*args: str, stderr=None, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`paratrain serve ARGS` in a child process (its stderr to `stderr`, a file); -> (the
+    process, its address once ready). Stop it with `stop`."""
+    from paratrain.frontend.client.autostart import wait_until_ready
+
+    process = subprocess.Popen([*PYTHON_M_PARATRAIN, "serve", "--port", "0", *args], stdout=subprocess.PIPE,
+                               stderr=stderr, text=True)
+    try:
+        return process, wait_until_ready(process, timeout)
+    except BaseException:
+        stop(process)
+        raise
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses (IP:port) of the TCP sockets process `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in inodes:  # 0A: LISTEN
+                    found.append(_address(local))
+    return found
+
+
+def _address(hex_address: str) -> str:
+    import ipaddress
+
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        ip = ipaddress.IPv4Address(raw[::-1])
+    else:  # /proc writes IPv6 as four little-endian 32-bit words
+        ip = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return f"{ip}:{int(port, 16)}"
+
+
+@contextlib.contextmanager
+def standalone_workers(count: int, *serve_args: str):
+    """`paratrain serve` and `count` `paratrain worker` processes started by hand, as a user
+    would on several machines; -> (the serve process, its address)."""
+    from paratrain.frontend.client.autostart import wait_until_ready
+
+    port = free_port()
+    serve = subprocess.Popen([*PYTHON_M_PARATRAIN, "serve", "--workers", str(count), "--port", str(port),
+                              *serve_args], stdout=subprocess.PIPE, text=True)
+    workers = [subprocess.Popen([*PYTHON_M_PARATRAIN, "worker", "--port", str(port), "--threads", "1"])
+               for _ in range(count)]
+    try:
+        yield serve, wait_until_ready(serve, 120)
+    finally:
+        for process in (serve, *workers):
+            stop(process)

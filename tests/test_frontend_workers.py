@@ -16,9 +16,9 @@ import torch
 from click.testing import CliRunner
 
 import paratrain.frontend as gt
-from frontend_helpers import PYTHON_M_PARATRAIN, free_port, stop, wait_until
+from frontend_helpers import standalone_workers, wait_until
 from paratrain.cli import main as paratrain_cli
-from paratrain.frontend.client.autostart import LocalServer, wait_until_ready
+from paratrain.frontend.client.autostart import LocalServer
 
 RTOL, ATOL = 1e-5, 1e-6  # same kernels and inputs as the reference: float32 rounding at most
 
@@ -138,13 +138,7 @@ def test_layers_on_four_workers_train_with_adamw_like_pytorch(four_workers):
 
 
 def test_a_killed_worker_fails_its_clients_at_their_next_sync_and_the_rest_go_on():
-    port = free_port()
-    serve = subprocess.Popen([*PYTHON_M_PARATRAIN, "serve", "--workers", "2", "--port", str(port),
-                              "--worker-timeout", "2"], stdout=subprocess.PIPE, text=True)
-    workers = [subprocess.Popen([*PYTHON_M_PARATRAIN, "worker", "--port", str(port), "--threads", "1"])
-               for _ in range(2)]
-    try:
-        address = wait_until_ready(serve, 120)
+    with standalone_workers(2, "--worker-timeout", "2") as (serve, address):
         first, second = gt.Session(address), gt.Session(address)
         assert {first.home, second.home} == {0, 1}
         doomed = second if second.home == 1 else first
@@ -162,10 +156,6 @@ def test_a_killed_worker_fails_its_clients_at_their_next_sync_and_the_rest_go_on
         assert kept.numpy().tolist() == [2.0, 2.0, 2.0]
         first.close()
         second.close()
-    finally:
-        stop(serve)
-        for worker in workers:
-            stop(worker)
 
 
 def _worker_info(address, rank):
@@ -203,7 +193,9 @@ def test_serve_refuses_a_public_address_without_a_token():
     assert result.exit_code == 2 and "give a token" in result.output
 
 
-def test_a_program_auto_starts_its_workers_and_leaves_nothing_running():
+def test_a_program_auto_starts_its_workers_and_leaves_nothing_running(tmp_path):
+    """No process, and nothing in the temp directory but torch's own cache (torchinductor_<user>,
+    made by torch on its first meta kernel and reused by every later run)."""
     program = textwrap.dedent("""
         import paratrain.frontend as gt
         from paratrain.frontend.top import Monitor
@@ -213,10 +205,11 @@ def test_a_program_auto_starts_its_workers_and_leaves_nothing_running():
         server = gt.session().address
         print("pids", [w.pid for w in Monitor(server).stats().workers], gt.client.defaults.DEFAULTS.server.process.pid)
     """)
-    env = {k: v for k, v in os.environ.items() if k != "PARATRAIN_SERVER"}
+    env = {**{k: v for k, v in os.environ.items() if k != "PARATRAIN_SERVER"}, "TMPDIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr
     assert "sum 24.0" in done.stdout
+    assert [name for name in os.listdir(tmp_path) if not name.startswith("torchinductor_")] == []
     pids_line = next(line for line in done.stdout.splitlines() if line.startswith("pids"))
     workers, server = eval(pids_line.split(" ", 1)[1].rsplit(" ", 1)[0]), int(pids_line.rsplit(" ", 1)[1])
     assert len(workers) == 2

@@ -30,6 +30,7 @@ from paratrain.frontend.client.signal import ShardConfig, SignalConfig, load_con
 from paratrain.frontend.client.tensor import Tensor
 from paratrain.frontend.errors import (
     AuthenticationError, ConnectionLost, DispatcherUnreachable, FrontendError, ProtocolError, RemoteError,
+    WorkerLost,
 )
 from paratrain.frontend.shapes import ShapeError
 from paratrain.frontend.signals import ConfigError

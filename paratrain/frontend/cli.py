@@ -69,14 +69,14 @@ def worker(host, port, token, threads, connect_timeout, exit_with_pid):
     under torchrun the workers' world is torchrun's, else the dispatcher forms it."""
     from paratrain.frontend.errors import FrontendError
     from paratrain.frontend.protocol.addresses import AddressError
-    from paratrain.frontend.workers.worker import run_worker
+    from paratrain.frontend.workers.worker import DeviceUnavailable, run_worker
     from paratrain.launch import in_torchrun, init_process_group_from_env
 
     group = init_process_group_from_env() if in_torchrun() else None
     try:
         run_worker(f"{host}:{port}", token, group=group, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                    threads=threads, connect_timeout=connect_timeout, exit_with_pid=exit_with_pid)
-    except (AddressError, FrontendError) as error:
+    except (AddressError, FrontendError, DeviceUnavailable) as error:
         raise click.ClickException(str(error)) from None
 
 

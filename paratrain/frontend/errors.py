@@ -21,6 +21,11 @@ class RemoteError(FrontendError):
         self.op, self.inputs, self.worker, self.source, self.detail = op, inputs, worker, source, message
 
 
+class WorkerLost(FrontendError):
+    """A worker this client used is gone (its process exited, or its heartbeat stopped); the
+    tensors that lived there are gone with it."""
+
+
 class ProtocolError(FrontendError):
     """The dispatcher could not make sense of a message (or the client of a reply)."""
 

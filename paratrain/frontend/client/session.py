@@ -22,9 +22,10 @@ from paratrain.frontend import signals
 from paratrain.frontend.client import autograd, regions
 from paratrain.frontend.client.connection import Connection
 from paratrain.frontend.client.tensor import Tensor, floating
-from paratrain.frontend.errors import ConnectionLost, FrontendError, RemoteError
+from paratrain.frontend.errors import ConnectionLost, FrontendError, RemoteError, WorkerLost
 from paratrain.frontend.ops import OPS
 from paratrain.frontend.protocol import Instruction, messages
+from paratrain.frontend.protocol.records import Fetched
 from paratrain.frontend.protocol.tensors import array_from_frame, numpy_dtype_name, part_sizes
 from paratrain.frontend.shapes import infer
 
@@ -225,8 +226,11 @@ class Session:
             if isinstance(reply, messages.Error):
                 raise FrontendError(f"the dispatcher could not take our message: {reply.message}")
 
-    def _remote_error(self, errors: list, issued: dict) -> RemoteError:
+    def _remote_error(self, errors: list, issued: dict) -> FrontendError:
         first = errors[0]
+        if first.seq < 0:  # not an instruction's: a worker lost
+            more = f" (and {len(errors) - 1} more error(s) since the last sync)" if len(errors) > 1 else ""
+            return WorkerLost(f"{first.message}; tensors that lived there are gone{more}")
         op, input_shapes, (filename, line) = issued.get(first.seq, (first.op, [], ("?", 0)))
         return RemoteError(op, first.inputs or input_shapes, first.worker, f"{filename}:{line}", first.message,
                            more=len(errors) - 1)
@@ -264,7 +268,7 @@ def _plain(arg, session):
     return arg
 
 
-def _assemble(frames, entry: messages.Fetched) -> np.ndarray:
+def _assemble(frames, entry: Fetched) -> np.ndarray:
     """A fetched tensor from its parts (a split tensor comes as one part per worker, in order)."""
     if entry.parts == 1:
         return array_from_frame(next(frames), entry.dtype, entry.shape)

@@ -12,7 +12,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from paratrain.frontend.dispatcher.table import ClientTable
-from paratrain.frontend.protocol.messages import ClientRow, Heartbeat, Hello, WorkerRow
+from paratrain.frontend.protocol.messages import Heartbeat, Hello
+from paratrain.frontend.protocol.records import ClientRow, WorkerRow
 
 PENDING_S = 10.0  # seconds a peer has to authenticate
 MAX_PENDING = 256  # unauthenticated peers at a time; the oldest goes first

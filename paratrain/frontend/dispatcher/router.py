@@ -30,7 +30,7 @@ from paratrain.frontend.dispatcher.table import ClientTable, Job, MetaTensor, Re
 from paratrain.frontend.ops import OPS
 from paratrain.frontend.protocol import CLIENT_HANDLES, Instruction
 from paratrain.frontend.protocol.instructions import ITEM_SIZES
-from paratrain.frontend.protocol.messages import ErrorReport
+from paratrain.frontend.protocol.records import ErrorReport
 from paratrain.frontend.shapes import ShapeError, infer
 
 __all__ = ["ClientTable", "Refused", "Router"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paratrain.frontend.protocol import messages
-from paratrain.frontend.protocol.messages import ErrorReport, Fetched, WorkerTimes
+from paratrain.frontend.protocol.records import ErrorReport, Fetched, WorkerTimes
 
 MAX_ERRORS_KEPT = 256  # per client between two syncs: the first ones explain the rest
 

@@ -20,8 +20,8 @@ ACCEPTS = {"client": codec.decoder(messages.TO_CLIENT), "worker": codec.decoder(
 def handshake(sock, hello: messages.Hello, token: str | None, timeout: float | None, address: str,
               on_wait=None):
     """Introduce this peer and return the dispatcher's welcome. `timeout` bounds each wait for
-    a reply; `on_wait(seconds)` is called every few seconds while none has come (a worker
-    prints that it is waiting)."""
+    a reply; `on_wait(seconds)` is called every second while none has come (a worker prints
+    that it is waiting)."""
     sock.send_multipart(codec.encode(hello))
     while True:
         reply = receive(sock, hello.role, timeout, address, on_wait)
@@ -42,13 +42,16 @@ def handshake(sock, hello: messages.Hello, token: str | None, timeout: float | N
 def receive(sock, role: str, timeout: float | None, address: str, on_wait=None):
     """The next message for a peer of `role`, decoded; DispatcherUnreachable after `timeout`."""
     started = time.monotonic()
-    while not sock.poll(2000 if on_wait else (int(timeout * 1000) if timeout is not None else -1), zmq.POLLIN):
+    while True:
         waited = time.monotonic() - started
         if timeout is not None and waited >= timeout:
             raise DispatcherUnreachable(f"no reply from {address} within {timeout:g}s "
                                         "(is `paratrain serve` running there?)")
+        left_ms = -1 if timeout is None else max(1, int((timeout - waited) * 1000))
+        if sock.poll(min(1000, left_ms) if on_wait else left_ms, zmq.POLLIN):
+            break
         if on_wait is not None:
-            on_wait(waited)
+            on_wait(time.monotonic() - started)
     try:
         return codec.decode(sock.recv_multipart(), ACCEPTS[role])
     except MalformedMessage as error:

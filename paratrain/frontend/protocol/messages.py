@@ -9,21 +9,19 @@ the msgpack header.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from paratrain.frontend.protocol import fields
 from paratrain.frontend.protocol.fields import MalformedMessage
 from paratrain.frontend.protocol.instructions import check_instruction, upload_bytes
+from paratrain.frontend.protocol.records import (
+    HANDLE, MAX_FETCH, MAX_WORKERS, RANK, ClientRow, Timing, WorkerRow, error_reports, fetched_list, records,
+    worker_times,
+)
 
 VERSION = 2  # bumped when a message changes; a hello with another version is refused
 ROLES = ("client", "worker", "monitor")
 MAX_BATCH = 1 << 14  # instructions in one message (a client sends at most 256)
-MAX_FETCH = 1 << 16  # tensors read in one sync
-MAX_WORKERS = 1 << 12
-MAX_ERRORS = 1 << 10  # error reports in one reply
 SLOT = (1, (1 << 31) - 1)  # a client's number at the dispatcher
-HANDLE = (0, (1 << 31) - 1)
-RANK = (0, MAX_WORKERS - 1)
 
 
 def spec(check, *args):
@@ -36,92 +34,7 @@ def frames_field():
     return field(default_factory=list, metadata={"frames": True})
 
 
-# ---- records inside messages ------------------------------------------------------------------
-
-class ErrorReport(NamedTuple):
-    """An instruction that failed (on a worker) or was refused (by the dispatcher)."""
-    seq: int  # the client's number for the instruction (-1: not one instruction)
-    op: str
-    inputs: list  # its tensor inputs, described as dtype[shape]
-    worker: int | None  # None: the dispatcher refused it
-    message: str
-
-
-class Fetched(NamedTuple):
-    """A tensor's value asked for by a sync: its bytes follow as `parts` frames (one per worker
-    holding a part of it, split along `axis`), or `error` says why it cannot be read."""
-    handle: int
-    dtype: str | None  # None: not read, see error
-    shape: list
-    parts: int
-    axis: int | None
-    error: str | None
-
-
-class WorkerTimes(NamedTuple):
-    worker: int
-    busy_s: float  # running instructions, since the worker started
-    wait_s: float  # waiting for another worker's tensor (a pipeline's bubble)
-
-
-class Timing(NamedTuple):
-    log: int  # the instruction's line in the log
-    started: float  # when it started, seconds since the epoch (the worker's clock)
-    seconds: float
-
-
-class WorkerRow(NamedTuple):
-    """One row of `paratrain top`."""
-    rank: int
-    host: str
-    pid: int
-    device: str
-    alive: bool
-    ops: int
-    queue: int
-    memory: int
-    ops_per_s: float
-    busy: float
-
-
-class ClientRow(NamedTuple):
-    client: int
-    name: str
-    pid: int
-    instructions: int
-    tensors: int
-
-
-def _records(kind, value, name: str, max_len: int, *checks):
-    """A list of `kind` records, each a list whose items pass `checks` (one per field)."""
-    out = []
-    for i, item in enumerate(fields.items(value, name, max_len)):
-        if type(item) is not list or len(item) != len(checks):
-            raise MalformedMessage(f"a record of {len(checks)} fields ({', '.join(kind._fields)})", f"{name}[{i}]")
-        out.append(kind(*(check(v, f"{name}[{i}].{f}") for check, v, f in zip(checks, item, kind._fields))))
-    return out
-
-
-def _error_reports(value, name):
-    return _records(ErrorReport, value, name, MAX_ERRORS,
-                    lambda v, n: fields.integer(v, n, -1), lambda v, n: fields.text(v, n, 64),
-                    lambda v, n: fields.texts(v, n, 4096, 256),
-                    lambda v, n: fields.optional(v, n, fields.integer, *RANK),
-                    lambda v, n: fields.text(v, n, fields.MAX_TEXT))
-
-
-def _fetched(value, name):
-    return _records(Fetched, value, name, MAX_FETCH,
-                    lambda v, n: fields.integer(v, n, *HANDLE), lambda v, n: fields.optional(v, n, fields.text, 16),
-                    lambda v, n: fields.integers(v, n, 64, 0), lambda v, n: fields.integer(v, n, 0, MAX_WORKERS),
-                    lambda v, n: fields.optional(v, n, fields.integer, 0, 63),
-                    lambda v, n: fields.optional(v, n, fields.text, fields.MAX_TEXT))
-
-
-def _worker_times(value, name):
-    return _records(WorkerTimes, value, name, MAX_WORKERS, lambda v, n: fields.integer(v, n, *RANK),
-                    fields.number, fields.number)
-
+# ---- checks of whole fields -----------------------------------------------------------------------
 
 def _instructions(value, name, from_client):
     return [check_instruction(raw, f"{name}[{i}]", from_client)
@@ -259,9 +172,9 @@ class Synced:
     since the last sync (by seq); `fetched`: the tensors asked for, their bytes in `frames`."""
     KIND = "synced"
     token: int = spec(fields.integer, 0)
-    errors: list = spec(_error_reports)
-    fetched: list = spec(_fetched)
-    stats: list = spec(_worker_times)
+    errors: list = spec(error_reports)
+    fetched: list = spec(fetched_list)
+    stats: list = spec(worker_times)
     frames: list = frames_field()
 
     def check_frames(self) -> None:
@@ -318,10 +231,10 @@ class Stats:
     KIND = "stats"
     address: str = spec(fields.text, 300)
     uptime_s: float = spec(fields.number)
-    workers: list = spec(lambda v, n: _records(
+    workers: list = spec(lambda v, n: records(
         WorkerRow, v, n, MAX_WORKERS, lambda x, m: fields.integer(x, m, *RANK), fields.text, fields.integer, fields.text,
         fields.flag, fields.integer, fields.integer, fields.integer, fields.number, fields.number))
-    clients: list = spec(lambda v, n: _records(
+    clients: list = spec(lambda v, n: records(
         ClientRow, v, n, 1 << 16, fields.integer, fields.text, fields.integer, fields.integer, fields.integer))
 
 
@@ -357,8 +270,8 @@ class Collected:
     KIND = "collected"
     slot: int = spec(fields.integer, *SLOT)
     token: int = spec(fields.integer, 0)
-    errors: list = spec(_error_reports)
-    fetched: list = spec(_fetched)
+    errors: list = spec(error_reports)
+    fetched: list = spec(fetched_list)
     busy_s: float = spec(fields.number)
     wait_s: float = spec(fields.number)
     frames: list = frames_field()
@@ -401,7 +314,7 @@ class Heartbeat:
 class Timings:
     """worker -> dispatcher: when each instruction of a timed Tasks ran."""
     KIND = "timings"
-    timings: list = spec(lambda v, n: _records(
+    timings: list = spec(lambda v, n: records(
         Timing, v, n, MAX_BATCH, lambda x, m: fields.integer(x, m, 0), fields.number, fields.number))
 
 

@@ -21,7 +21,7 @@ import torch
 
 from paratrain.frontend.ops import DTYPE_NAMES, OPS
 from paratrain.frontend.protocol import Instruction
-from paratrain.frontend.protocol.messages import ErrorReport, Fetched, Timing
+from paratrain.frontend.protocol.records import ErrorReport, Fetched, Timing
 from paratrain.frontend.workers import collectives, crossings, handlers
 from paratrain.frontend.workers.crossings import Links
 

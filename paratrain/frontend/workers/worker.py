@@ -31,6 +31,10 @@ DISPATCHER_SILENCE_S = 10.0
 _ACCEPTS = ACCEPTS["worker"]
 
 
+class DeviceUnavailable(RuntimeError):
+    """The device this worker was asked to use is not there."""
+
+
 def worker_device(local_rank: int) -> torch.device:
     """One GPU per worker where there are GPUs, unless GT_BACKEND / PARATRAIN_BACKEND asks
     for the CPU ('numpy' is GT's name for its CPU backend)."""
@@ -40,7 +44,7 @@ def worker_device(local_rank: int) -> torch.device:
     if hasattr(torch, "cuda") and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     if backend == "cuda":
-        raise RuntimeError("GT_BACKEND/PARATRAIN_BACKEND asks for cuda, but torch sees no GPU")
+        raise DeviceUnavailable("GT_BACKEND/PARATRAIN_BACKEND asks for cuda, but torch sees no GPU")
     return torch.device("cpu")
 
 

@@ -1,9 +1,12 @@
-"""The dispatcher survives any message: recorded messages of a real client session, mutated
-field by field, sent before and after authentication; after every 100, a well-behaved client
-still gets correct values, and the dispatcher never dies.
+"""The dispatcher survives any message a peer can send.
 
-`--fuzz-cases N` (default 2,000) sets the cases on each side of authentication; the figures of
-a run are printed (pytest -s shows them).
+The fuzz test: recorded messages of a real client session, mutated field by field, sent before
+and after authentication; after every 100, a well-behaved client still gets correct values, and
+the dispatcher never dies. `--fuzz-cases N` (default 2,000) sets the cases on each side of
+authentication; the figures of a run are printed (pytest -s shows them).
+
+Then the messages that used to kill it, one test each: an odd field before authentication, bad
+instructions after it, and strangers' hellos that used to hold memory forever.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ import pytest
 import zmq
 
 import paratrain.frontend as gt
-from frontend_helpers import client_hello, raw_client
+from frontend_helpers import client_hello, raw_client, reply_to, rss_bytes
 from paratrain.frontend.client.autostart import LocalServer
 from paratrain.frontend.client.connection import Connection
-from paratrain.frontend.protocol import codec, messages
+from paratrain.frontend.protocol import Instruction, codec, messages
 
 TOKEN = "fuzz-token"  # so that "before authentication" includes the challenge and its answer
 HUGE = [2**31, 2**32 + 1, 2**53 + 1, 2**63 - 1, 2**64 - 1, -1, -(2**31), -(2**63), 1e308, -1e308, 1e-320]
@@ -54,15 +57,7 @@ def _replace(value, path, make):
     if not path:
         return make(value)
     head, rest = path[0], path[1:]
-    if isinstance(value, dict):
-        copy = dict(value)
-        new = _replace(value[head], rest, make)
-        if new is _DELETE:
-            del copy[head]
-        else:
-            copy[head] = new
-        return copy
-    copy = list(value)
+    copy = dict(value) if isinstance(value, dict) else list(value)
     new = _replace(value[head], rest, make)
     if new is _DELETE:
         del copy[head]
@@ -197,7 +192,7 @@ def well_behaved_check(address: str, round_number: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server():
+def token_server():
     env_timeout = os.environ.get("PARATRAIN_TIMEOUT")
     os.environ["PARATRAIN_TIMEOUT"] = "20"  # a worker left waiting on a broken partner gives up soon
     try:
@@ -212,9 +207,9 @@ def fuzz_server():
     srv.stop()
 
 
-def test_mutated_messages_never_kill_the_dispatcher(fuzz_server, request):
+def test_mutated_messages_never_kill_the_dispatcher(token_server, request):
     cases = request.config.getoption("--fuzz-cases")
-    address = fuzz_server.address
+    address = token_server.address
     recorded = record_session(address)
     assert len(recorded) >= 3 and any(len(frames) > 1 for frames in recorded)  # uploads carry frames
     joining = [codec.encode(client_hello()), codec.encode(messages.Auth("0" * 64)),
@@ -234,12 +229,114 @@ def test_mutated_messages_never_kill_the_dispatcher(fuzz_server, request):
                     with raw_client(address, TOKEN) as (sock, _):
                         fuzzer.send_cases(sock, batch, recorded)
                 done += batch
-                assert fuzz_server.process.poll() is None, f"the dispatcher died {side}, after {done} cases"
+                assert token_server.process.poll() is None, f"the dispatcher died {side}, after {done} cases"
                 well_behaved_check(address, checks)
                 checks += 1
     finally:
         fuzzer.close()
     elapsed = time.monotonic() - started
-    assert fuzz_server.process.poll() is None
+    assert token_server.process.poll() is None
     print(f"\nfuzz: {2 * cases} mutated messages ({cases} before and {cases} after authentication), "
           f"{checks} well-behaved checks, 0 dispatcher deaths, {fuzzer.replies} replies, {elapsed:.1f}s")
+
+
+# ---- the messages that used to kill it ------------------------------------------------------------------
+
+def _stranger(address: str):
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{address}")
+    return context, sock
+
+
+@pytest.mark.parametrize("header", [
+    {"t": "alive", "secret": [1, 2]},  # a list where bytes belong: was TypeError, unhashable
+    {"t": "hello", "role": ["client"], "version": 2, "pid": 1, "name": "", "host": "", "device": "", "rank": None},
+    {"t": "auth", "mac": {"x": 1}},
+    {"t": ["run"]},
+])
+def test_an_odd_field_before_authentication_costs_the_dispatcher_nothing(token_server, header):
+    context, sock = _stranger(token_server.address)
+    try:
+        sock.send(msgpack.packb(header))
+        assert not sock.poll(300)  # a stranger's malformed message is dropped (and logged), not answered
+    finally:
+        sock.close(linger=0)
+        context.term()
+    assert token_server.process.poll() is None
+    well_behaved_check(token_server.address, 1)
+
+
+def _wire(seq, op, outs, args, targs, kwargs=None, signal=None):
+    return [seq, op, outs, args, targs, kwargs or {}, False, False, None, signal, None]
+
+
+BAD_AFTER_AUTHENTICATION = {
+    "a tensor argument holding a list": ([_wire(1, "relu", [5], [[1, 2]], [0])], [], "a tensor argument must be a handle"),
+    "fetch of a list": ([], [[1]], "run.fetch[0]"),
+    "a list as the signal": ([_wire(1, "ones", [5], [2], [], signal=[1])], [], "instructions[0].signal"),
+    "grad without a tensor": ([_wire(1, "grad", [5], [0], [])], [], "grad takes 1 to 1 distinct tensor arguments"),
+    "backward without a tensor": ([_wire(1, "backward", [], [], [])], [], "backward takes 1 to 2"),
+    "optim_step on an unknown handle": ([_wire(1, "optim_step", [], [777], [0])], [], "not a tensor of this client"),
+    "optim_step on a tensor": ([_wire(1, "ones", [6], [2], []), _wire(2, "optim_step", [], [6], [0])], [],
+                               "is a tensor, not an optimizer"),
+    "a creation without a result": ([_wire(1, "randn", [], [2], [])], [], "randn makes 1 result(s)"),
+    "an upload whose shape is not its frame's": (
+        [_wire(1, "upload", [5], [], [], {"dtype": "float32", "shape": [3], "frame": 0})], [],
+        "frame 0 holds 8 bytes; a float32[3] tensor has 12"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_AFTER_AUTHENTICATION)
+def test_a_bad_instruction_costs_its_client_an_error_and_nothing_more(token_server, case):
+    instructions, fetch, reason = BAD_AFTER_AUTHENTICATION[case]
+    with raw_client(token_server.address, TOKEN) as (sock, _):
+        frames = [np.zeros(2, np.float32).tobytes()] if "upload" in case else []
+        sock.send_multipart(codec.encode(messages.Run(instructions, 7, fetch, frames)))
+        reply = reply_to(sock)
+        text = reply.message if isinstance(reply, messages.Error) else " ".join(e.message for e in reply.errors)
+        assert reason in text, text
+        sock.send_multipart(codec.encode(messages.Run([Instruction(9, "full", [0], [3], [], {"value": 2.0})], 8, [0])))
+        reply = reply_to(sock)
+        while not isinstance(reply, messages.Synced):
+            reply = reply_to(sock)
+        assert reply.errors == [] and np.frombuffer(reply.frames[0], np.float32).tolist() == [2.0, 2.0, 2.0]
+    assert token_server.process.poll() is None
+    well_behaved_check(token_server.address, 2)
+
+
+def test_strangers_cannot_make_the_dispatcher_hold_memory(token_server):
+    """Hellos with a large map used to stay forever: three took a dispatcher from 315 MB to 1 GB.
+    A peer that has not joined may send at most 64 KiB, and must authenticate within seconds."""
+    pid = token_server.process.pid
+    before = rss_bytes(pid)
+    big = {"t": "hello", "role": "client", "version": 2, "pid": 1, "host": "", "device": "", "rank": None,
+           "name": "n", **{f"k{i}": "x" * 60_000 for i in range(1000)}}  # 60 MB of header
+    packed = msgpack.packb(big)
+    strangers = [_stranger(token_server.address) for _ in range(3)]
+    try:
+        for _, sock in strangers:
+            sock.send(packed)
+        time.sleep(1.0)
+        well_behaved_check(token_server.address, 3)
+        grown = rss_bytes(pid) - before
+    finally:
+        for context, sock in strangers:
+            sock.close(linger=0)
+            context.term()
+    assert grown < 50 << 20, f"the dispatcher grew by {grown >> 20} MiB"
+
+
+def test_unauthenticated_peers_expire_and_are_few():
+    from paratrain.frontend.dispatcher.peers import MAX_PENDING, PENDING_S, Pending, Peers
+
+    peers = Peers()
+    hello = client_hello()
+    for i in range(MAX_PENDING + 10):
+        peers.add_pending(i.to_bytes(4, "big"), Pending(hello, since=100.0))
+    assert len(peers.pending) == MAX_PENDING and b"\x00\x00\x00\x00" not in peers.pending  # the oldest went
+    waiting = Pending(hello, since=100.0, authenticated=True)  # a client proven, waiting for workers
+    peers.add_pending(b"waits", waiting)
+    expired = peers.expire(100.0 + PENDING_S + 1)
+    assert len(expired) == MAX_PENDING and list(peers.pending) == [b"waits"]

@@ -1,0 +1,101 @@
+"""The records inside messages: an error, a fetched tensor, a worker's times, the rows of
+`paratrain top`. Each travels as a list of its fields (they repeat by the hundred); `records`
+checks such a list into its NamedTuple."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from paratrain.frontend.protocol import fields
+from paratrain.frontend.protocol.fields import MalformedMessage
+
+MAX_WORKERS = 1 << 12
+MAX_ERRORS = 1 << 10  # error reports in one reply
+MAX_FETCH = 1 << 16  # tensors read in one sync
+HANDLE = (0, (1 << 31) - 1)
+RANK = (0, MAX_WORKERS - 1)
+
+
+class ErrorReport(NamedTuple):
+    """An instruction that failed (on a worker) or was refused (by the dispatcher)."""
+    seq: int  # the client's number for the instruction (-1: not one instruction)
+    op: str
+    inputs: list  # its tensor inputs, described as dtype[shape]
+    worker: int | None  # None: the dispatcher refused it
+    message: str
+
+
+class Fetched(NamedTuple):
+    """A tensor's value asked for by a sync: its bytes follow as `parts` frames (one per worker
+    holding a part of it, split along `axis`), or `error` says why it cannot be read."""
+    handle: int
+    dtype: str | None  # None: not read, see error
+    shape: list
+    parts: int
+    axis: int | None
+    error: str | None
+
+
+class WorkerTimes(NamedTuple):
+    worker: int
+    busy_s: float  # running instructions, since the worker started
+    wait_s: float  # waiting for another worker's tensor (a pipeline's bubble)
+
+
+class Timing(NamedTuple):
+    log: int  # the instruction's line in the log
+    started: float  # when it started, seconds since the epoch (the worker's clock)
+    seconds: float
+
+
+class WorkerRow(NamedTuple):
+    """One row of `paratrain top`."""
+    rank: int
+    host: str
+    pid: int
+    device: str
+    alive: bool
+    ops: int
+    queue: int
+    memory: int
+    ops_per_s: float
+    busy: float
+
+
+class ClientRow(NamedTuple):
+    client: int
+    name: str
+    pid: int
+    instructions: int
+    tensors: int
+
+
+def records(kind, value, name: str, max_len: int, *checks):
+    """A list of `kind` records, each a list whose items pass `checks` (one per field)."""
+    out = []
+    for i, item in enumerate(fields.items(value, name, max_len)):
+        if type(item) is not list or len(item) != len(checks):
+            raise MalformedMessage(f"a record of {len(checks)} fields ({', '.join(kind._fields)})", f"{name}[{i}]")
+        out.append(kind(*(check(v, f"{name}[{i}].{f}") for check, v, f in zip(checks, item, kind._fields))))
+    return out
+
+
+def error_reports(value, name):
+    return records(ErrorReport, value, name, MAX_ERRORS,
+                    lambda v, n: fields.integer(v, n, -1), lambda v, n: fields.text(v, n, 64),
+                    lambda v, n: fields.texts(v, n, 4096, 256),
+                    lambda v, n: fields.optional(v, n, fields.integer, *RANK),
+                    lambda v, n: fields.text(v, n, fields.MAX_TEXT))
+
+
+def fetched_list(value, name):
+    return records(Fetched, value, name, MAX_FETCH,
+                    lambda v, n: fields.integer(v, n, *HANDLE), lambda v, n: fields.optional(v, n, fields.text, 16),
+                    lambda v, n: fields.integers(v, n, 64, 0), lambda v, n: fields.integer(v, n, 0, MAX_WORKERS),
+                    lambda v, n: fields.optional(v, n, fields.integer, 0, 63),
+                    lambda v, n: fields.optional(v, n, fields.text, fields.MAX_TEXT))
+
+
+def worker_times(value, name):
+    return records(WorkerTimes, value, name, MAX_WORKERS, lambda v, n: fields.integer(v, n, *RANK),
+                    fields.number, fields.number)

@@ -1,0 +1,219 @@
+"""Faults a frontend user meets, and what each costs: a worker killed while a client waits on it
+(standalone, and under --local-workers), a client dropped while it was paused, the workers'
+store, bad ports and unreachable dispatchers, and what a program queued when it exits.
+(What an auto-started program leaves behind: test_frontend_workers.py.)"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import paratrain.frontend as gt
+from frontend_helpers import (
+    PYTHON_M_PARATRAIN, free_port, listening_addresses, standalone_workers, start_serve, stop,
+)
+from paratrain.cli import main as paratrain_cli
+from paratrain.frontend.top import Monitor
+
+ERROR_WITHIN_S = 10  # what the frontend promises: a client waiting on a killed worker hears of it
+
+
+def _worker_pid(address: str, rank: int) -> int:
+    monitor = Monitor(address)
+    try:
+        return next(w.pid for w in monitor.stats().workers if w.rank == rank)
+    finally:
+        monitor.close()
+
+
+def _kill_a_worker_while_a_client_waits(address: str) -> tuple[str, float]:
+    """Two clients homed on workers 0 and 1. The first starts long work on its worker and waits
+    for a value; its worker is killed. -> (the error the waiting client got, seconds after the
+    kill); the second client's work comes back right, and the dispatcher serves on."""
+    first, second = gt.Session(address), gt.Session(address)
+    doomed, survivor = (first, second) if first.home == 1 else (second, first)
+    try:
+        x = doomed.call("randn", [600, 600], {"dtype": None})[0]
+        for _ in range(400):  # seconds of matmuls: the client is still waiting when the kill comes
+            x = (x @ x).tanh()
+        outcome = {}
+
+        def wait_for_value():
+            try:
+                x.sum().item()
+            except gt.FrontendError as error:
+                outcome["error"], outcome["at"] = str(error), time.monotonic()
+
+        waiter = threading.Thread(target=wait_for_value)
+        waiter.start()
+        time.sleep(1.0)
+        os.kill(_worker_pid(address, doomed.home), signal.SIGKILL)
+        killed = time.monotonic()
+        waiter.join(60)
+        assert "error" in outcome, "the waiting client got no error"
+        kept = survivor.call("full", [3], {"dtype": None, "value": 2.0})[0]
+        assert (kept * 3.0).numpy().tolist() == [6.0, 6.0, 6.0]
+        return outcome["error"], outcome["at"] - killed
+    finally:
+        for session in (first, second):
+            try:
+                session.close()
+            except gt.FrontendError:
+                pass
+
+
+def test_a_standalone_worker_killed_while_a_client_waits_fails_that_client_only():
+    with standalone_workers(2, "--worker-timeout", "2") as (serve, address):
+        error, seconds = _kill_a_worker_while_a_client_waits(address)
+        assert "worker 1 is lost" in error and seconds < ERROR_WITHIN_S, (error, seconds)
+        assert serve.poll() is None
+
+
+def test_a_local_worker_killed_is_reported_at_once_and_the_server_serves_on(tmp_path):
+    log = tmp_path / "serve.err"
+    with open(log, "w") as stderr:
+        serve, address = start_serve("--workers", "2", "--local-workers", "--threads", "1", stderr=stderr)
+    try:
+        error, seconds = _kill_a_worker_while_a_client_waits(address)
+        assert "worker 1 is lost (its process was killed by SIGKILL)" in error and seconds < ERROR_WITHIN_S, \
+            (error, seconds)
+        assert serve.poll() is None
+        text = log.read_text()
+        assert "worker 1 is lost: its process was killed by SIGKILL" in text and "Traceback" not in text, text
+    finally:
+        stop(serve)
+
+
+def test_the_workers_store_listens_where_serve_does(server):
+    """conftest's server binds loopback; its local workers met at a store it hosts."""
+    addresses = listening_addresses(server.process.pid)
+    assert len(addresses) >= 2, addresses  # the dispatcher and the store
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+
+
+def test_a_client_dropped_while_paused_is_told_so_at_its_next_call(server):
+    """conftest's server drops a client after 3 s without a heartbeat."""
+    program = textwrap.dedent(f"""
+        import sys, paratrain.frontend as gt
+        gt.connect({server.address!r})
+        x = gt.ones(4)
+        print("ready", x.sum().item(), flush=True)
+        sys.stdin.readline()
+        try:
+            x.sum().item()
+        except gt.ConnectionLost as error:
+            print("lost:", error, flush=True)
+    """)
+    env = {**os.environ, "PARATRAIN_TIMEOUT": "120"}
+    child = subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        assert child.stdout.readline().startswith("ready 4.0")
+        os.kill(child.pid, signal.SIGSTOP)  # paused: no heartbeats
+        time.sleep(6)
+        os.kill(child.pid, signal.SIGCONT)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        out, _ = child.communicate(timeout=60)  # not the 120 s of waiting for an answer
+        assert "lost:" in out and "dropped: no heartbeat" in out, out
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+# ---- errors at the command line -------------------------------------------------------------------
+
+def test_serve_refuses_a_port_out_of_range():
+    result = CliRunner().invoke(paratrain_cli, ["serve", "--port", "99999"])
+    assert result.exit_code == 2 and "99999 is not in the range 0<=x<=65535" in result.output
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([*PYTHON_M_PARATRAIN, "serve", "--port", str(port)], capture_output=True, text=True,
+                              timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"Error: port {port} on 127.0.0.1 is in use (another `paratrain serve`? try --port 0)"], done.stderr
+
+
+def test_a_worker_without_a_dispatcher_waits_a_bounded_time_saying_so():
+    done = subprocess.run([*PYTHON_M_PARATRAIN, "worker", "--port", str(free_port()), "--connect-timeout", "2"],
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and "waiting for the dispatcher at 127.0.0.1:" in lines[0], done.stderr
+    assert lines[-1].startswith("Error: no reply from 127.0.0.1:") and "within 2s" in lines[-1], done.stderr
+
+
+def test_a_worker_given_an_unknown_host_says_so_at_once():
+    done = subprocess.run([*PYTHON_M_PARATRAIN, "worker", "--host", "no-such-host.invalid"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"Error: cannot resolve host 'no-such-host.invalid' ({_resolver_error('no-such-host.invalid')})"], done.stderr
+
+
+def _resolver_error(host: str) -> str:
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        return str(error)
+    return "resolved"
+
+
+# ---- a program's end -----------------------------------------------------------------------------------
+
+def test_an_integer_tensor_cannot_require_grad_and_says_so_at_once(client):
+    with pytest.raises(RuntimeError, match="only floating-point tensors can require gradients"):
+        gt.tensor([1, 2], requires_grad=True)
+    with pytest.raises(RuntimeError, match="only floating-point tensors can require gradients"):
+        gt.zeros(3, dtype="int64", requires_grad=True)
+
+
+def _run_program(source: str, env: dict) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "PARATRAIN_SERVER"}, **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
+                          timeout=180, env=env)
+
+
+def test_what_a_program_queued_after_its_last_sync_runs_and_its_errors_fail_the_program(server, four_workers):
+    quiet = _run_program(f"""
+        import paratrain.frontend as gt
+        gt.connect({server.address!r})
+        x = gt.ones(3)
+        print(x.sum().item())
+        y = x * 5.0          # never read: runs at exit all the same
+    """, {})
+    assert quiet.returncode == 0, quiet.stderr
+    failing = _run_program(f"""
+        import paratrain.frontend as gt
+        gt.connect({four_workers.address!r})
+        x = gt.randn(4, 13, requires_grad=True)
+        print(x.sum().item() is not None)
+        loss = gt.cross_entropy(x, gt.tensor([1, 2, 30, 4]))   # fails on the worker, after the last sync
+        loss.backward()
+    """, {})
+    assert failing.returncode == 1, (failing.stdout, failing.stderr)
+    assert "paratrain frontend: at exit: cross_entropy(float32[4, 13], int64[4]) failed on worker" in failing.stderr
+    assert "out of bounds" in failing.stderr
+    time.sleep(0.5)  # lines are written when the workers report their timings
+    logged = [line for line in four_workers.log.read_text().splitlines() if "float32[4, 13]" in line]
+    assert any("| cross_entropy |" in line for line in logged), logged
+
+
+def test_a_worker_lost_before_every_worker_served_stops_the_server_with_one_line(tmp_path):
+    """A local worker that cannot start: the world cannot form, so the server says why and stops."""
+    env = {**os.environ, "PARATRAIN_BACKEND": "cuda"}  # no GPU here: each worker fails at once
+    done = subprocess.run([*PYTHON_M_PARATRAIN, "serve", "--port", "0", "--workers", "2", "--local-workers"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "cannot go on: a worker process (pid" in done.stderr and "ended before it joined" in done.stderr
