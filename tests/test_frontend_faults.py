@@ -72,6 +72,7 @@ def _kill_a_worker_while_a_client_waits(address: str) -> tuple[str, float]:
 def test_a_standalone_worker_killed_while_a_client_waits_fails_that_client_only():
     with standalone_workers(2, "--worker-timeout", "2") as (serve, address):
         error, seconds = _kill_a_worker_while_a_client_waits(address)
+        print(f"\nstandalone worker killed: the waiting client's error came {seconds:.2f}s later: {error}")
         assert "worker 1 is lost" in error and seconds < ERROR_WITHIN_S, (error, seconds)
         assert serve.poll() is None
 
@@ -82,6 +83,7 @@ def test_a_local_worker_killed_is_reported_at_once_and_the_server_serves_on(tmp_
         serve, address = start_serve("--workers", "2", "--local-workers", "--threads", "1", stderr=stderr)
     try:
         error, seconds = _kill_a_worker_while_a_client_waits(address)
+        print(f"\nlocal worker killed: the waiting client's error came {seconds:.2f}s later: {error}")
         assert "worker 1 is lost (its process was killed by SIGKILL)" in error and seconds < ERROR_WITHIN_S, \
             (error, seconds)
         assert serve.poll() is None

@@ -90,3 +90,13 @@ def test_gt_worker_stays_a_function_whatever_is_imported():
     for path in FRONTEND.rglob("*.py"):
         importlib.import_module(_module_name(path))
     assert callable(gt.worker) and callable(gt.session) and hasattr(gt.signal, "context")
+
+
+def test_the_protocols_docstring_lists_every_message():
+    import paratrain.frontend.protocol as protocol
+    from paratrain.frontend.protocol import messages
+
+    classes = {cls.__name__ for cls in {*messages.TO_DISPATCHER, *messages.TO_CLIENT, *messages.TO_WORKER,
+                                        *messages.TO_MONITOR}}
+    table = {line.split()[0] for line in protocol.__doc__.splitlines() if " -> " in line and line.startswith("    ") and "from -> to" not in line}
+    assert classes == table, (classes - table, table - classes)

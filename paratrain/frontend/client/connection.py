@@ -15,7 +15,7 @@ import threading
 
 import zmq
 
-from paratrain.frontend.errors import ConnectionLost, DispatcherUnreachable, ProtocolError
+from paratrain.frontend.errors import ConnectionLost, DispatcherUnreachable, FrontendError, ProtocolError
 from paratrain.frontend.protocol import VERSION, codec, messages
 from paratrain.frontend.protocol.addresses import endpoint
 from paratrain.frontend.protocol.fields import MalformedMessage
@@ -61,13 +61,13 @@ class Connection:
             raise ConnectionLost(f"the dispatcher at {self.address} no longer serves this client: {self.lost}")
 
     def _read_refusals(self) -> None:
-        """Take a waiting Refused off the main socket (only a refusal arrives unasked)."""
-        frames = self.sock.recv_multipart()
-        message = self._decode(frames)
+        """Take what arrived unasked off the main socket: a refusal (we were dropped), or an
+        error about a batch sent without waiting (its instructions were not run)."""
+        message = self._decode(self.sock.recv_multipart())
         if isinstance(message, messages.Refused):
             self.lost = message.reason
-        else:
-            raise ProtocolError(f"unexpected {message.KIND!r} from {self.address}")
+        elif isinstance(message, messages.Error):
+            raise FrontendError(f"the dispatcher could not take an earlier message: {message.message}")
 
     def receive(self):
         """The dispatcher's next message; fails fast if its server has exited or dropped us."""

@@ -5,7 +5,7 @@ client issues every action of one step in the order the schedule's simulation st
 (`issue_order`); since each worker runs its own stream in order, each stage then runs exactly
 its schedule's list, and the stages overlap because nothing waits for the client.
 
-A stage boundary is `gt.signal.tensor(x, next_stage_signal)`: x moves to the next stage's
+Between stages, `gt.signal.tensor(x, next_stage_signal)` moves x to the next stage's
 workers. B of the last chunk is the loss's backward on its own workers (`backward_local`); B of
 chunk c < last sends the gradient of chunk c+1's input back to chunk c and continues backward
 there (`backward_into`). Zero-bubble schedules split B into B and W, which whole backward passes

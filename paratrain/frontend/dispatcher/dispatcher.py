@@ -31,6 +31,7 @@ from paratrain.frontend.dispatcher.syncs import Syncs
 from paratrain.frontend.protocol import MalformedMessage, codec, messages
 
 TICK_S = 1.0  # pings, liveness and expiry, this often
+RECEIVE_SLICE_S = 0.2
 STRANGER_HEADER = 64 << 10  # bytes a peer may send before it has joined
 
 
@@ -126,7 +127,10 @@ class Dispatcher:
         try:
             while not self.stopping and not should_stop():
                 if self.sock.poll(250, zmq.POLLIN):
-                    while self.sock.poll(0, zmq.POLLIN) and not self.stopping:
+                    # At most a slice of time on messages before the ticks: a flood from one peer
+                    # must not stop the pings that keep the workers serving.
+                    until = time.monotonic() + RECEIVE_SLICE_S
+                    while self.sock.poll(0, zmq.POLLIN) and not self.stopping and time.monotonic() < until:
                         self._receive()
                 now = time.monotonic()
                 if now - last_tick >= TICK_S:
