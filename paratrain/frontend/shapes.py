@@ -25,7 +25,7 @@ class ShapeError(FrontendError, ValueError):
 def infer(name: str, args: list, targs: list, kwargs: dict) -> list[tuple[tuple, str]]:
     """[(shape, dtype name), ...] for each result of `name(*args, **kwargs)`."""
     op = OPS[name]
-    key = (name, _signature(args, op.elementwise), _hashable(kwargs))
+    key = (name, _signature(args, op.elementwise), _hashable(kwargs) if kwargs else ())
     try:
         cached = _CACHE.get(key)
     except TypeError:  # an argument we cannot hash: infer without the cache

@@ -85,7 +85,7 @@ def _compute_here(job, instruction: Instruction, placement: Placement) -> None:
     if not inplace:
         for handle, meta in zip(outs, out_metas):
             table.where[handle], table.meta[handle] = placement, meta
-    job.emit(placement.workers[0], instruction._replace(worker=None, signal=None))
+    job.emit(placement.workers[0], instruction)
     crossed = union_of(table.crossings.get(args[i]) for i in targs)
     if crossed:
         for handle in ([args[targs[0]]] if inplace else outs):

@@ -27,22 +27,21 @@ def create(job, instruction: Instruction) -> None:
     signal = router.signal_of(table, instruction)
     placement = _placement_for(job, instruction, signal, meta[0])
     note = router.note(placement.workers, signal, f"-> {placement.describe()}" if len(placement.workers) > 1 else "")
-    plain = instruction._replace(worker=None, signal=None)
     if placement.split is not None:
         if name == "arange":
             raise Refused("arange: a split signal cannot create it (create it replicated, then gt.signal.tensor)")
         for worker, local in zip(placement.workers, local_shapes(meta[0], placement)):
-            job.emit(worker, plain._replace(args=list(local)), note)
+            job.emit(worker, instruction._replace(args=list(local)), note)
     elif name in RANDOM_CREATION and len(placement.workers) > 1:
         # Drawn once and broadcast: replicas must hold the same values.
         ensure_group(job, placement.workers)
-        job.emit(placement.workers[0], plain._replace(requires_grad=False), note)
+        job.emit(placement.workers[0], instruction._replace(requires_grad=False), note)
         job.on_all(placement.workers, "tp_broadcast", [out], [], [],
                    {"g": list(placement.workers), "shape": list(meta[0]), "dtype": meta[1]},
                    "broadcast: replicas draw once", requires_grad=instruction.requires_grad)
     else:
         for worker in placement.workers:
-            job.emit(worker, plain, note)
+            job.emit(worker, instruction, note)
     table.where[out], table.meta[out] = placement, meta
 
 
@@ -62,9 +61,8 @@ def upload(job, instruction: Instruction) -> None:
         parts = np.array_split(array, len(placement.workers), axis=placement.split)
         pieces = [np.ascontiguousarray(part).tobytes() for part in parts]
         shapes = [part.shape for part in parts]
-    plain = instruction._replace(worker=None, signal=None)
     for worker, piece, local in zip(placement.workers, pieces, shapes):
-        job.emit(worker, plain._replace(kwargs={**kwargs, "shape": list(local)}), note, frame=piece)
+        job.emit(worker, instruction._replace(kwargs={**kwargs, "shape": list(local)}), note, frame=piece)
     table.where[out], table.meta[out] = placement, (shape, dtype)
 
 

@@ -15,6 +15,7 @@ fails at once; a client that falls silent is dropped, its tensors freed, and tol
 from __future__ import annotations
 
 import errno
+import gc
 import sys
 import time
 import traceback
@@ -124,6 +125,7 @@ class Dispatcher:
         """Serve until stopped; `should_stop()` is asked a few times a second, `on_tick()` is
         called once a second (serve.py watches its worker processes there)."""
         last_tick = 0.0
+        gc.freeze()  # what exists now lives as long as the process: no collection need rescan it
         try:
             while not self.stopping and not should_stop():
                 if self.sock.poll(250, zmq.POLLIN):

@@ -116,11 +116,13 @@ class Router:
             results = infer(name, metas, targs, kwargs)
         except ShapeError as error:
             raise Refused(str(error)) from None
-        for shape, dtype in results:
-            self.check_size(shape, dtype)
+        if self.max_tensor_bytes is not None:
+            for shape, dtype in results:
+                self.check_size(shape, dtype)
         return results
 
     def check_size(self, shape, dtype: str) -> None:
+        """Refuse a tensor over --max-tensor-mb."""
         if self.max_tensor_bytes is None:
             return
         count = 1

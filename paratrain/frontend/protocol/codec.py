@@ -57,6 +57,31 @@ def decoder(accepted) -> dict:
     return {cls.KIND: cls for cls in accepted}
 
 
+def peek(frames: list, count_of: str | None = None) -> tuple[str | None, int]:
+    """(type of a message, length of its list field `count_of`), read without decoding the
+    rest: a receiver's I/O thread routes on it and leaves the decoding to the thread that
+    handles the message. (None, 0) when there is nothing to read; decoding will say why."""
+    kind, count = None, 0
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(frames[0]) + 1)
+        unpacker.feed(frames[0])
+        entries = unpacker.read_map_header()
+        for _ in range(entries):
+            key = unpacker.unpack()
+            if key == "t":
+                kind = unpacker.unpack()
+            elif key == count_of:
+                count = unpacker.read_array_header()
+                break
+            else:
+                unpacker.skip()
+            if kind is not None and count_of is None:
+                break
+    except Exception:  # noqa: BLE001 - not a message we can route
+        return None, 0
+    return (kind if type(kind) is str else None), count
+
+
 def decode(frames: list, accepted: dict, max_header: int = MAX_HEADER):
     """A message from `frames` (bytes-like), of a kind in `accepted` ({kind: class}), with every
     field checked. MalformedMessage (naming the field) otherwise."""

@@ -37,8 +37,7 @@ def frames_field():
 # ---- checks of whole fields -----------------------------------------------------------------------
 
 def _instructions(value, name, from_client):
-    return [check_instruction(raw, f"{name}[{i}]", from_client)
-            for i, raw in enumerate(fields.items(value, name, MAX_BATCH))]
+    return [check_instruction(raw, name, i, from_client) for i, raw in enumerate(fields.items(value, name, MAX_BATCH))]
 
 
 def _config(value, name, depth: int = 4):
