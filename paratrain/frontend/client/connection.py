@@ -15,7 +15,7 @@ import threading
 
 import zmq
 
-from paratrain.frontend.errors import ConnectionLost, DispatcherUnreachable, FrontendError, ProtocolError
+from paratrain.frontend.errors import ConnectionLost, DispatcherUnreachable, ProtocolError
 from paratrain.frontend.protocol import VERSION, codec, messages
 from paratrain.frontend.protocol.addresses import endpoint
 from paratrain.frontend.protocol.fields import MalformedMessage
@@ -50,24 +50,15 @@ class Connection:
         self._heartbeat.start()
 
     def send(self, message) -> None:
+        """Send without waiting. (A refusal sent to us meanwhile is read at the next receive,
+        or by the heartbeat thread within seconds: polling here would cost every batch.)"""
         self.check()
         self.sock.send_multipart(codec.encode(message), copy=False)
 
     def check(self) -> None:
-        """ConnectionLost if the dispatcher has said it dropped us (on either socket)."""
-        if self.lost is None and self.sock.poll(0, zmq.POLLIN):
-            self._read_refusals()
+        """ConnectionLost if the dispatcher has said it dropped us."""
         if self.lost is not None:
             raise ConnectionLost(f"the dispatcher at {self.address} no longer serves this client: {self.lost}")
-
-    def _read_refusals(self) -> None:
-        """Take what arrived unasked off the main socket: a refusal (we were dropped), or an
-        error about a batch sent without waiting (its instructions were not run)."""
-        message = self._decode(self.sock.recv_multipart())
-        if isinstance(message, messages.Refused):
-            self.lost = message.reason
-        elif isinstance(message, messages.Error):
-            raise FrontendError(f"the dispatcher could not take an earlier message: {message.message}")
 
     def receive(self):
         """The dispatcher's next message; fails fast if its server has exited or dropped us."""

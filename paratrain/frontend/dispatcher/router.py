@@ -191,15 +191,18 @@ def free(job: Job, instruction: Instruction) -> None:
     handles = instruction.args
     if table.entered:
         forget_entered(job, set(handles))
-    by_worker = defaultdict(list)
+    by_worker = {}
     for handle in handles:
         table.refused.pop(handle, None)
         table.meta.pop(handle, None)
         table.direct.pop(handle, None)
         placement = table.where.pop(handle, None)
-        for worker in placement.workers if placement else ():
-            by_worker[worker].append(handle)
-        job.router.release(table.crossings.pop(handle, ()), job)
+        if placement is not None:
+            for worker in placement.workers:
+                by_worker.setdefault(worker, []).append(handle)
+        crossings = table.crossings.pop(handle, None)
+        if crossings:
+            job.router.release(crossings, job)
     for worker, owned in by_worker.items():
         if job.router.is_alive(worker):
             job.emit(worker, Instruction(job.seq, "free", [], owned, [], {}))

@@ -21,15 +21,16 @@ MAX_ARRAY = 1 << 20
 MAX_MAP = 1 << 12
 
 
-def _layout(cls) -> tuple[list, bool]:
-    """(header fields as (name, check, args), whether it carries frames) of a message class."""
+def _layout(cls) -> tuple[list, bool, frozenset]:
+    """(header fields as (name, check, args, the name errors give it), whether it carries
+    frames, the header's field names) of a message class."""
     header, carries_frames = [], False
     for spec in dataclass_fields(cls):
         if spec.metadata.get("frames"):
             carries_frames = True
         else:
-            header.append((spec.name, spec.metadata["check"], spec.metadata["args"]))
-    return header, carries_frames
+            header.append((spec.name, spec.metadata["check"], spec.metadata["args"], f"{cls.KIND}.{spec.name}"))
+    return header, carries_frames, frozenset(name for name, *_ in header)
 
 
 _LAYOUTS: dict = {}
@@ -44,9 +45,9 @@ def layout(cls):
 
 def encode(message) -> list:
     """The frames of `message`: its header, then its frames (tensor bytes), if it has any."""
-    header_fields, carries_frames = layout(type(message))
+    header_fields, carries_frames, _ = layout(type(message))
     header = {"t": message.KIND}
-    for name, _, _ in header_fields:
+    for name, *_ in header_fields:
         header[name] = getattr(message, name)
     packed = msgpack.packb(header, use_bin_type=True)
     return [packed, *message.frames] if carries_frames else [packed]
@@ -101,16 +102,16 @@ def decode(frames: list, accepted: dict, max_header: int = MAX_HEADER):
     cls = accepted.get(kind) if type(kind) is str else None
     if cls is None:
         raise MalformedMessage(f"unknown message type {str(kind)[:64]!r} (this side takes: {', '.join(accepted)})", "t")
-    header_fields, carries_frames = layout(cls)
-    if len(body) != len(header_fields) or any(name not in body for name, _, _ in header_fields):
-        missing = [name for name, _, _ in header_fields if name not in body]
-        extra = sorted(str(key)[:64] for key in body if key not in {name for name, _, _ in header_fields})
+    header_fields, carries_frames, names = layout(cls)
+    if body.keys() != names:
+        missing = sorted(names - body.keys())
+        extra = sorted(str(key)[:64] for key in body if key not in names)
         raise MalformedMessage(f"{kind} message: missing {missing or 'nothing'}, unexpected {extra or 'nothing'}")
-    values = {name: check(body[name], f"{kind}.{name}", *args) for name, check, args in header_fields}
+    values = [check(body[name], where, *args) for name, check, args, where in header_fields]
     if not carries_frames:
         if len(frames) > 1:
             raise MalformedMessage(f"a {kind} message carries no frames, got {len(frames) - 1}")
-        return cls(**values)
-    message = cls(**values, frames=list(frames[1:]))
+        return cls(*values)
+    message = cls(*values, list(frames[1:]))
     message.check_frames()
     return message
