@@ -216,19 +216,31 @@ class Dispatcher:
 
     def _run(self, client: ClientState, message: messages.Run) -> None:
         client.instructions += len(message.instructions)
+        slot = client.table.slot
         routed = self.router.route(client.table, message.instructions, message.frames)
-        self._forward(client.table.slot, routed)
         client.dirty.update(routed.streams)
         self.syncs.add_errors(client, routed.errors)
-        if message.sync is not None:
-            self.syncs.start(client, message.sync, message.fetch)
+        asks = self.syncs.start(client, message.sync, message.fetch) if message.sync is not None else {}
+        outgoing = self._tasks(slot, routed, message.sync, asks)
+        outgoing += [(self.peers.workers[rank].identity, messages.Collect(slot, message.sync, fetch))
+                     for rank, fetch in asks.items() if rank not in routed.streams]
+        # Everything is encoded before the first send: once a worker has its batch it competes
+        # for the cores, and a message encoded after it could wait a time slice to be sent.
+        for identity, frames in [(identity, codec.encode(message)) for identity, message in outgoing]:
+            self.send_frames(identity, frames)
 
-    def _forward(self, slot: int, routed) -> None:
+    def _tasks(self, slot: int, routed, sync: int | None = None, asks: dict | None = None) -> list:
+        """(identity, Tasks) for every live worker a routed batch gives work, each carrying the
+        sync's request to that worker, if any."""
+        tasks, asks = [], asks or {}
         for rank, instructions in routed.streams.items():
             worker = self.peers.workers.get(rank)
             if worker is not None and worker.alive:
-                self.send(worker.identity, messages.Tasks(slot, instructions, self.log is not None,
-                                                          routed.frames.get(rank, [])))
+                asked = rank in asks
+                tasks.append((worker.identity, messages.Tasks(slot, instructions, self.log is not None,
+                                                              sync if asked else None, asks.get(rank, []),
+                                                              routed.frames.get(rank, []))))
+        return tasks
 
     def _configure(self, client: ClientState, message: messages.Configure) -> None:
         """A client's signal configuration, checked against this dispatcher's workers."""
@@ -248,7 +260,8 @@ class Dispatcher:
             self.send(identity, messages.Refused(self.peers.dropped[message.secret]))
 
     def _drop_client(self, client: ClientState, why: str, tell: bool = True) -> None:
-        self._forward(client.table.slot, self.router.drop_client(client.table))
+        for identity, tasks in self._tasks(client.table.slot, self.router.drop_client(client.table)):
+            self.send(identity, tasks)
         for worker in self.peers.workers.values():
             if worker.alive:
                 self.send(worker.identity, messages.Forget(client.table.slot))
@@ -323,7 +336,10 @@ class Dispatcher:
     # ---- sending ------------------------------------------------------------------------------
 
     def send(self, identity: bytes, message) -> None:
+        self.send_frames(identity, codec.encode(message))
+
+    def send_frames(self, identity: bytes, frames: list) -> None:
         try:
-            self.sock.send_multipart([identity, *codec.encode(message)], copy=False)
+            self.sock.send_multipart([identity, *frames], copy=False)
         except zmq.ZMQError:
             pass  # the peer is gone; liveness checks deal with it

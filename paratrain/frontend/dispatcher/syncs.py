@@ -41,8 +41,10 @@ class Syncs:
     def __init__(self, peers, send, is_alive):
         self.peers, self.send, self.is_alive = peers, send, is_alive
 
-    def start(self, client, token: int, fetch: list[int]) -> None:
-        """Ask the workers for what this client's sync needs; answer now if none is needed."""
+    def start(self, client, token: int, fetch: list[int]) -> dict:
+        """What each worker must report for this client's sync: {rank: the handles it fetches},
+        for the caller to ask (in a Collect, or with the batch it sends that worker); answers
+        the client now if no worker is needed."""
         table, by_worker, entries = client.table, {}, []
         for handle in fetch:
             entry = self._entry(table, handle)
@@ -51,14 +53,16 @@ class Syncs:
                 by_worker.setdefault(worker, []).append(handle)
         sync = PendingSync(token, entries)
         client.sync = sync  # a sync still pending is abandoned: the client asked again
+        asks = {}
         for worker in sorted(client.dirty | set(by_worker)):
             if not self.is_alive(worker):
                 self._lost_in(client, worker, self.peers.lost_reason(worker))
                 continue
-            self.send(self.peers.workers[worker].identity, messages.Collect(table.slot, token, by_worker.get(worker, [])))
+            asks[worker] = by_worker.get(worker, [])
             sync.waiting.add(worker)
         client.dirty = set()
         self._finish_if_done(client)
+        return asks
 
     def _entry(self, table, handle: int) -> FetchEntry:
         if handle in table.refused:

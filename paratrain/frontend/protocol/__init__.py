@@ -26,7 +26,7 @@ plus monitors (`paratrain top`). Each message is a class in `messages.py`; `code
     Alive           client -> dispatcher      heartbeat (its own connection), with the secret
     StatsRequest    monitor -> dispatcher     what `paratrain top` shows ...
     Stats           dispatcher -> monitor     ... per worker and per client
-    Tasks           dispatcher -> worker      one client's instructions (+ upload frames), in order
+    Tasks           dispatcher -> worker      one client's instructions (+ upload frames); a sync after them
     Collect         dispatcher -> worker      report a client's errors and fetched values
     Collected       worker -> dispatcher      that report (+ tensor frames)
     Forget          dispatcher -> worker      a client left: free its tensors

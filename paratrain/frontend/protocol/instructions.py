@@ -41,9 +41,15 @@ class Instruction(NamedTuple):
 FIELD_COUNT = len(Instruction._fields)
 
 
-_INT64_MAX = fields.INT64[1]
-_HANDLE_LIMITS = {True: CLIENT_HANDLES - 1, False: _INT64_MAX}
-_NAMES = {True: CLIENT_OPS, False: frozenset(OPS)}
+_INT64_MIN, _INT64_MAX = fields.INT64
+_LIMITS = {True: CLIENT_HANDLES - 1, False: _INT64_MAX}
+# What the one-pass check needs of each operation: (results or None, fewest and most tensor
+# arguments, allowed keywords, whether its arguments are all handles). Uploads always take the
+# careful path (their frame is checked with the message's frames).
+_SHAPES = {name: (op.results, op.inputs[0], op.inputs[1], op.kwargs, name in ("free", "release"))
+           for name, op in OPS.items() if name != "upload"}
+_BY_SENDER = {True: {name: shape for name, shape in _SHAPES.items() if name in CLIENT_OPS}, False: _SHAPES}
+_new = tuple.__new__
 
 
 def check_instruction(raw, batch: str, index: int, from_client: bool) -> Instruction:
@@ -54,30 +60,30 @@ def check_instruction(raw, batch: str, index: int, from_client: bool) -> Instruc
     Batches hold hundreds of instructions, so the common case (plain values only) is checked in
     one pass without naming fields; anything else, and every refusal, takes the careful path
     that names the field at fault. Both accept exactly the same instructions."""
-    if type(raw) is list and len(raw) == FIELD_COUNT and _plainly_valid(raw, from_client):
-        return Instruction(*raw)
+    if type(raw) is list and len(raw) == FIELD_COUNT and _plainly_valid(raw, _BY_SENDER[from_client],
+                                                                       _LIMITS[from_client]):
+        return _new(Instruction, raw)
     return _check_carefully(raw, f"{batch}[{index}]", from_client)
 
 
-def _plainly_valid(raw: list, from_client: bool) -> bool:
+def _plainly_valid(raw: list, shapes: dict, limit: int) -> bool:
     """True only if `raw` is a valid instruction whose arguments are all scalars (no lists)."""
     seq, op, outs, args, targs, kwargs, no_grad, requires_grad, worker, signal, log = raw
-    if type(op) is not str or op not in _NAMES[from_client] or op == "upload":
+    shape = shapes.get(op) if type(op) is str else None
+    if shape is None or not (type(seq) is int and 0 <= seq <= _INT64_MAX and type(outs) is list
+                             and type(args) is list and type(targs) is list and type(kwargs) is dict
+                             and type(no_grad) is bool and type(requires_grad) is bool):
         return False
-    spec = OPS[op]
-    limit = _HANDLE_LIMITS[from_client]
-    if not (type(seq) is int and 0 <= seq <= _INT64_MAX and type(outs) is list and type(args) is list
-            and type(targs) is list and type(kwargs) is dict and type(no_grad) is bool
-            and type(requires_grad) is bool):
-        return False
-    if spec.results is not None and len(outs) != spec.results or spec.results is None and not 1 <= len(outs) <= 1024:
+    results, fewest, most, keywords, handles_only = shape
+    count = len(outs)
+    if count != results if results is not None else not 1 <= count <= 1024:
         return False
     for handle in outs:
         if type(handle) is not int or not 0 <= handle <= limit:
             return False
-    if len(outs) > 1 and len(set(outs)) != len(outs):
+    if count > 1 and len(set(outs)) != count:
         return False
-    if op in ("free", "release"):
+    if handles_only:
         if len(args) > MAX_FREE:
             return False
         for handle in args:
@@ -85,15 +91,17 @@ def _plainly_valid(raw: list, from_client: bool) -> bool:
                 return False
     elif len(args) > MAX_ARGS or not _scalars(args):
         return False
-    fewest, most = spec.inputs
     if not fewest <= len(targs) <= most:
         return False
     for i in targs:
-        if type(i) is not int or not 0 <= i < len(args) or type(args[i]) is not int or not 0 <= args[i] <= limit:
+        if type(i) is not int or not 0 <= i < len(args):
+            return False
+        handle = args[i]
+        if type(handle) is not int or not 0 <= handle <= limit:
             return False
     if len(targs) > 1 and len(set(targs)) != len(targs):
         return False
-    if kwargs and (not spec.kwargs.issuperset(kwargs) or not _scalars(kwargs.values())):
+    if kwargs and (not keywords.issuperset(kwargs) or not _scalars(kwargs.values())):
         return False
     return ((worker is None or type(worker) is int and 0 <= worker <= 1 << 20)
             and (signal is None or type(signal) is str and len(signal) <= 256)
@@ -105,7 +113,7 @@ def _scalars(values) -> bool:
     for value in values:
         kind = type(value)
         if kind is int:
-            if not fields.INT64[0] <= value <= _INT64_MAX:
+            if not _INT64_MIN <= value <= _INT64_MAX:
                 return False
         elif kind is str:
             if len(value) > fields.MAX_PLAIN_TEXT:

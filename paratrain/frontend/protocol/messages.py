@@ -242,11 +242,15 @@ class Stats:
 @dataclass(slots=True)
 class Tasks:
     """dispatcher -> worker: instructions of client `slot`, to run in order; `frames`: the
-    bytes of its uploads. `timed`: report when each ran (Timings), for the instruction log."""
+    bytes of its uploads. `timed`: report when each ran (Timings), for the instruction log.
+    With `sync` (a token), a Collect of `fetch` follows them at once, in the same message: the
+    answer goes out as soon as the batch has run, with no second message to wait for."""
     KIND = "tasks"
     slot: int = spec(fields.integer, *SLOT)
     instructions: list = spec(_instructions, False)
     timed: bool = spec(fields.flag)
+    sync: int | None = spec(fields.optional, fields.integer, 0)
+    fetch: list = spec(fields.integers, MAX_FETCH, *HANDLE)
     frames: list = frames_field()
 
     def check_frames(self) -> None:

@@ -71,12 +71,20 @@ class ClientRow(NamedTuple):
 
 
 def records(kind, value, name: str, max_len: int, *checks):
-    """A list of `kind` records, each a list whose items pass `checks` (one per field)."""
+    """A list of `kind` records, each a list whose items pass `checks` (one per field). A
+    record's fields are named in an error only once one fails (naming each costs more than
+    checking it)."""
     out = []
+    width = len(checks)
     for i, item in enumerate(fields.items(value, name, max_len)):
-        if type(item) is not list or len(item) != len(checks):
-            raise MalformedMessage(f"a record of {len(checks)} fields ({', '.join(kind._fields)})", f"{name}[{i}]")
-        out.append(kind(*(check(v, f"{name}[{i}].{f}") for check, v, f in zip(checks, item, kind._fields))))
+        if type(item) is not list or len(item) != width:
+            raise MalformedMessage(f"a record of {width} fields ({', '.join(kind._fields)})", f"{name}[{i}]")
+        try:
+            out.append(kind(*[check(v, name) for check, v in zip(checks, item)]))
+        except MalformedMessage:
+            for check, v, field in zip(checks, item, kind._fields):
+                check(v, f"{name}[{i}].{field}")
+            raise
     return out
 
 

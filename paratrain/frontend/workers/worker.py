@@ -150,7 +150,7 @@ class _WorkerLoop:
                 now = time.monotonic()
                 if self.sock in events:
                     heard = now
-                    if not self._receive():
+                    if not self._receive_all():
                         break
                 if wake in events:
                     while wake.poll(0):
@@ -171,17 +171,20 @@ class _WorkerLoop:
             self._send_replies()
             wake.close(linger=0)
 
-    def _receive(self) -> bool:
-        """Queue one message for the executor thread, which decodes it (this thread only reads
-        its type: decoding here would hold the interpreter lock the executor needs); False when
-        told to exit."""
-        frames = [frame.buffer for frame in self.sock.recv_multipart(copy=False)]
-        kind, count = codec.peek(frames, count_of="instructions")
-        if kind == messages.Exit.KIND:
-            return False
-        if kind != messages.Ping.KIND:
-            self.received += count
-            self.inbox.put(frames)
+    def _receive_all(self) -> bool:
+        """Queue every message waiting for the executor thread, which decodes it (this thread
+        only reads its type: decoding here would hold the interpreter lock the executor needs);
+        False when told to exit. All of them, not one: the dispatcher sends a batch and its sync
+        back to back, and once the executor runs the batch this thread waits for the lock to read
+        the sync."""
+        while self.sock.poll(0, zmq.POLLIN):
+            frames = [frame.buffer for frame in self.sock.recv_multipart(copy=False)]
+            kind, count = codec.peek(frames, count_of="instructions")
+            if kind == messages.Exit.KIND:
+                return False
+            if kind != messages.Ping.KIND:
+                self.received += count
+                self.inbox.put(frames)
         return True
 
     def _execute_forever(self, wake_address: str) -> None:
@@ -198,31 +201,39 @@ class _WorkerLoop:
                     print(f"paratrain worker {self.executor.rank}: dropped a malformed message from the dispatcher: "
                           f"{error}", file=sys.stderr, flush=True)
                     continue
-                reply = self._execute(message)
-                if reply is not None:
-                    self.outbox.put(reply)
+                replies = self._execute(message)
+                for reply in replies:
+                    self.outbox.put(codec.encode(reply))  # encoded here: the I/O thread only sends
+                if replies:
                     wake.send(b"")
         finally:
             wake.close(linger=0)
 
-    def _execute(self, message):
-        executor = self.executor
+    def _execute(self, message) -> list:
+        """Run one message; -> the replies."""
+        executor, replies = self.executor, []
         if isinstance(message, messages.Tasks):
             started = time.perf_counter()
             timings = [] if message.timed else None
             executor.run_batch(message.slot, message.instructions, message.frames, timings)
             self.busy_s += time.perf_counter() - started
-            return messages.Timings(timings) if timings else None
-        if isinstance(message, messages.Collect):
-            errors, fetched, frames = executor.collect(message.slot, message.fetch)
-            return messages.Collected(message.slot, message.token, errors, fetched, self.busy_s, executor.wait_s, frames)
-        if isinstance(message, messages.Forget):
+            if timings:
+                replies.append(messages.Timings(timings))
+            if message.sync is not None:
+                replies.append(self._collect(message.slot, message.sync, message.fetch))
+        elif isinstance(message, messages.Collect):
+            replies.append(self._collect(message.slot, message.token, message.fetch))
+        elif isinstance(message, messages.Forget):
             executor.forget(message.slot)
-        return None
+        return replies
+
+    def _collect(self, slot: int, token: int, fetch: list) -> messages.Collected:
+        errors, fetched, frames = self.executor.collect(slot, fetch)
+        return messages.Collected(slot, token, errors, fetched, self.busy_s, self.executor.wait_s, frames)
 
     def _send_replies(self) -> None:
         while not self.outbox.empty():
-            self.sock.send_multipart(codec.encode(self.outbox.get()), copy=False)
+            self.sock.send_multipart(self.outbox.get(), copy=False)
 
     def _send_heartbeat(self) -> None:
         executor = self.executor
