@@ -10,6 +10,7 @@ checks the kind against the messages this receiver accepts and every field again
 from __future__ import annotations
 
 from dataclasses import fields as dataclass_fields
+from typing import NamedTuple
 
 import msgpack
 
@@ -21,22 +22,29 @@ MAX_ARRAY = 1 << 20
 MAX_MAP = 1 << 12
 
 
-def _layout(cls) -> tuple[list, bool, frozenset]:
-    """(header fields as (name, check, args, the name errors give it), whether it carries
-    frames, the header's field names) of a message class."""
+class Layout(NamedTuple):
+    """How a message class travels, worked out once per class."""
+    fields: list  # the header's fields: (name, check, its arguments, the name errors give it)
+    names: tuple  # the header's field names, in order
+    name_set: frozenset
+    carries_frames: bool  # tensor bytes follow the header
+
+
+def _layout(cls) -> Layout:
     header, carries_frames = [], False
     for spec in dataclass_fields(cls):
         if spec.metadata.get("frames"):
             carries_frames = True
         else:
             header.append((spec.name, spec.metadata["check"], spec.metadata["args"], f"{cls.KIND}.{spec.name}"))
-    return header, carries_frames, frozenset(name for name, *_ in header)
+    names = tuple(name for name, *_ in header)
+    return Layout(header, names, frozenset(names), carries_frames)
 
 
 _LAYOUTS: dict = {}
 
 
-def layout(cls):
+def layout(cls) -> Layout:
     found = _LAYOUTS.get(cls)
     if found is None:
         found = _LAYOUTS[cls] = _layout(cls)
@@ -45,12 +53,12 @@ def layout(cls):
 
 def encode(message) -> list:
     """The frames of `message`: its header, then its frames (tensor bytes), if it has any."""
-    header_fields, carries_frames, _ = layout(type(message))
+    shape = layout(type(message))
     header = {"t": message.KIND}
-    for name, *_ in header_fields:
+    for name in shape.names:
         header[name] = getattr(message, name)
     packed = msgpack.packb(header, use_bin_type=True)
-    return [packed, *message.frames] if carries_frames else [packed]
+    return [packed, *message.frames] if shape.carries_frames else [packed]
 
 
 def decoder(accepted) -> dict:
@@ -102,13 +110,13 @@ def decode(frames: list, accepted: dict, max_header: int = MAX_HEADER):
     cls = accepted.get(kind) if type(kind) is str else None
     if cls is None:
         raise MalformedMessage(f"unknown message type {str(kind)[:64]!r} (this side takes: {', '.join(accepted)})", "t")
-    header_fields, carries_frames, names = layout(cls)
-    if body.keys() != names:
-        missing = sorted(names - body.keys())
-        extra = sorted(str(key)[:64] for key in body if key not in names)
+    shape = layout(cls)
+    if len(body) != len(shape.names) or not shape.name_set.issuperset(body):
+        missing = sorted(shape.name_set - body.keys())
+        extra = sorted(str(key)[:64] for key in body if key not in shape.name_set)
         raise MalformedMessage(f"{kind} message: missing {missing or 'nothing'}, unexpected {extra or 'nothing'}")
-    values = [check(body[name], where, *args) for name, check, args, where in header_fields]
-    if not carries_frames:
+    values = [check(body[name], where, *args) for name, check, args, where in shape.fields]
+    if not shape.carries_frames:
         if len(frames) > 1:
             raise MalformedMessage(f"a {kind} message carries no frames, got {len(frames) - 1}")
         return cls(*values)

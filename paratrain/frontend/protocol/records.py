@@ -74,6 +74,8 @@ def records(kind, value, name: str, max_len: int, *checks):
     """A list of `kind` records, each a list whose items pass `checks` (one per field). A
     record's fields are named in an error only once one fails (naming each costs more than
     checking it)."""
+    if value == [] and type(value) is list:
+        return []
     out = []
     width = len(checks)
     for i, item in enumerate(fields.items(value, name, max_len)):
