@@ -23,16 +23,23 @@ class ShapeError(FrontendError, ValueError):
 
 
 def infer(name: str, args: list, targs: list, kwargs: dict) -> list[tuple[tuple, str]]:
-    """[(shape, dtype name), ...] for each result of `name(*args, **kwargs)`."""
+    """[(shape, dtype name), ...] for each result of `name(*args, **kwargs)`; the tensors at
+    positions `targs` are anything with a shape and a dtype (name)."""
+    return infer_from(name, args, targs, [(args[i].shape, args[i].dtype) for i in targs], kwargs)
+
+
+def infer_from(name: str, args: list, targs: list, tensors: list, kwargs: dict) -> list[tuple[tuple, str]]:
+    """The same, each tensor argument given as (shape, dtype) in `tensors` (what is at its
+    position in `args` is not looked at)."""
     op = OPS[name]
-    key = (name, _signature(args, op.elementwise), _hashable(kwargs) if kwargs else ())
+    key = (name, tuple(tensors), _signature(args, targs, op.elementwise), _hashable(kwargs) if kwargs else ())
     try:
         cached = _CACHE.get(key)
     except TypeError:  # an argument we cannot hash: infer without the cache
         key, cached = None, None
     if cached is not None:
         return cached
-    results = _run_on_meta(name, op, args, targs, kwargs)
+    results = _run_on_meta(name, op, args, targs, tensors, kwargs)
     if key is not None:
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
@@ -47,17 +54,16 @@ def warm_up() -> None:
         torch.empty(1, device="meta") + torch.empty(1, device="meta")
 
 
-def _run_on_meta(name, op, args, targs, kwargs):
+def _run_on_meta(name, op, args, targs, tensors, kwargs):
     meta_args = list(args)
-    for i in targs:
-        tensor = args[i]
-        meta_args[i] = torch.empty(tensor.shape, dtype=TORCH_DTYPES[tensor.dtype], device="meta")
+    for i, (shape, dtype) in zip(targs, tensors):
+        meta_args[i] = torch.empty(shape, dtype=TORCH_DTYPES[dtype], device="meta")
     extra = {"device": "meta"} if op.kind == "create" else {}
     try:
         with torch.no_grad():
             result = op.fn(*meta_args, **kwargs, **extra)
     except Exception as error:  # noqa: BLE001 - re-raised with the operation and its inputs named
-        shapes = ", ".join(f"{args[i].dtype}{list(args[i].shape)}" for i in targs)
+        shapes = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in tensors)
         raise ShapeError(f"{name}({shapes}): {error}") from None
     if op.kind == "inplace":
         result = meta_args[0]
@@ -65,11 +71,12 @@ def _run_on_meta(name, op, args, targs, kwargs):
     return [(tuple(r.shape), DTYPE_NAMES[r.dtype]) for r in results]
 
 
-def _signature(args, elementwise: bool) -> tuple:
+def _signature(args, targs, elementwise: bool) -> tuple:
+    """The other arguments, as a cache key (tensors are keyed by their shapes and dtypes)."""
     key = []
-    for arg in args:
-        if hasattr(arg, "_handle"):
-            key.append((arg.shape, arg.dtype))
+    for i, arg in enumerate(args):
+        if i in targs:
+            key.append(None)
         elif elementwise and isinstance(arg, (bool, int, float)):
             key.append(type(arg))
         else:
@@ -82,6 +89,4 @@ def _hashable(value):
         return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
     if isinstance(value, list):
         return tuple(_hashable(v) for v in value)
-    if hasattr(value, "_handle"):
-        return (value.shape, value.dtype)
     return value

@@ -23,15 +23,15 @@ STAY = frozenset({"grad", "set_grad_none", "set_grad", "requires_grad_", "set_da
 
 def compute(job, instruction: Instruction) -> None:
     router, table = job.router, job.table
-    name, outs, targs = instruction.op, instruction.outs, instruction.targs
-    args = list(instruction.args)
+    name, outs, targs, where = instruction.op, instruction.outs, instruction.targs, table.where
     signal = router.signal_of(table, instruction)
-    first = table.where[args[targs[0]]]
+    first = where[instruction.args[targs[0]]]
     workers = first.workers if signal is None or name in STAY else signal.workers
     router.check_alive(workers)
-    if len(workers) == 1 and all(table.where[args[i]] == first for i in targs):
+    if len(workers) == 1 and _all_at(where, instruction.args, targs, first):
         _compute_here(job, instruction, first)  # the common case
         return
+    args = list(instruction.args)
     inplace = OPS[name].kind == "inplace"
     for i in targs:
         if table.where[args[i]].workers != workers:
@@ -86,10 +86,17 @@ def _compute_here(job, instruction: Instruction, placement: Placement) -> None:
         for handle, meta in zip(outs, out_metas):
             table.where[handle], table.meta[handle] = placement, meta
     job.emit(placement.workers[0], instruction)
-    crossed = union_of(table.crossings.get(args[i]) for i in targs)
+    crossed = table.crossings and union_of(table.crossings.get(args[i]) for i in targs)
     if crossed:
         for handle in ([args[targs[0]]] if inplace else outs):
             router.add_crossings(table, handle, crossed)
+
+
+def _all_at(where: dict, args: list, targs: list, placement: Placement) -> bool:
+    for i in targs:
+        if where[args[i]] != placement:
+            return False
+    return True
 
 
 def _post(job, post, current, final, inputs, workers, meta) -> None:

@@ -26,12 +26,12 @@ from collections import defaultdict
 from paratrain.frontend.dispatcher import compute, creation, moves
 from paratrain.frontend.dispatcher.conversions import forget_entered
 from paratrain.frontend.dispatcher.sharding import Placement
-from paratrain.frontend.dispatcher.table import ClientTable, Job, MetaTensor, Refused, Routed
+from paratrain.frontend.dispatcher.table import ClientTable, Job, Refused, Routed
 from paratrain.frontend.ops import OPS
 from paratrain.frontend.protocol import CLIENT_HANDLES, Instruction
 from paratrain.frontend.protocol.instructions import ITEM_SIZES
 from paratrain.frontend.protocol.records import ErrorReport
-from paratrain.frontend.shapes import ShapeError, infer
+from paratrain.frontend.shapes import ShapeError, infer_from
 
 __all__ = ["ClientTable", "Refused", "Router"]
 
@@ -104,16 +104,13 @@ class Router:
 
     def infer(self, table: ClientTable, name: str, args: list, targs: list, kwargs: dict) -> list:
         """[(shape, dtype), ...] of the results of `name` on these arguments."""
-        metas = list(args)
-        for i in targs:
-            meta = table.meta[args[i]]
-            if meta is None:
-                raise Refused(f"{name}: handle {args[i]} is an optimizer, not a tensor")
-            metas[i] = MetaTensor(*meta)
+        tensors = [table.meta[args[i]] for i in targs]
+        if None in tensors:
+            raise Refused(f"{name}: handle {args[targs[tensors.index(None)]]} is an optimizer, not a tensor")
         if name in AUTOGRAD_STATE:
-            return [table.meta[args[targs[0]]]] if name == "grad" else []
+            return [tensors[0]] if name == "grad" else []
         try:
-            results = infer(name, metas, targs, kwargs)
+            results = infer_from(name, args, targs, tensors, kwargs)
         except ShapeError as error:
             raise Refused(str(error)) from None
         if self.max_tensor_bytes is not None:

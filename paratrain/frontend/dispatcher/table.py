@@ -19,15 +19,6 @@ class Refused(Exception):
     """The dispatcher will not run this instruction; the text says why."""
 
 
-class MetaTensor:
-    """A tensor as shape inference sees it: a shape and a dtype."""
-
-    _handle = 0
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tuple(shape), dtype
-
-
 @dataclass
 class ClientTable:
     """What the dispatcher knows of one client's tensors."""
@@ -88,6 +79,8 @@ class Job:
 
     def free_temps(self) -> None:
         """One free per worker for all the temporaries this instruction made there."""
+        if not self.temps:
+            return
         by_worker = defaultdict(list)
         for handle in self.temps:
             placement = self.table.where.pop(handle)
