@@ -30,6 +30,7 @@ from paratrain.frontend.dispatcher.router import Router
 from paratrain.frontend.dispatcher.settings import DispatcherSettings
 from paratrain.frontend.dispatcher.syncs import Syncs
 from paratrain.frontend.protocol import MalformedMessage, codec, messages
+from paratrain.frontend.shapes import warm_up
 
 TICK_S = 1.0  # pings, liveness and expiry, this often
 RECEIVE_SLICE_S = 0.2
@@ -125,7 +126,8 @@ class Dispatcher:
         """Serve until stopped; `should_stop()` is asked a few times a second, `on_tick()` is
         called once a second (serve.py watches its worker processes there)."""
         last_tick = 0.0
-        gc.freeze()  # what exists now lives as long as the process: no collection need rescan it
+        warm_up()  # load PyTorch's meta kernels now: shape inference needs them, and ...
+        gc.freeze()  # ... what exists now lives as long as the process: no collection need rescan it
         try:
             while not self.stopping and not should_stop():
                 if self.sock.poll(250, zmq.POLLIN):

@@ -70,31 +70,25 @@ def _plainly_valid(raw: list, shapes: dict, limit: int) -> bool:
     """True only if `raw` is a valid instruction whose arguments are all scalars (no lists)."""
     seq, op, outs, args, targs, kwargs, no_grad, requires_grad, worker, signal, log = raw
     shape = shapes.get(op) if type(op) is str else None
-    if shape is None or not (type(seq) is int and 0 <= seq <= _INT64_MAX and type(outs) is list
-                             and type(args) is list and type(targs) is list and type(kwargs) is dict
-                             and type(no_grad) is bool and type(requires_grad) is bool):
+    if (shape is None or type(seq) is not int or not 0 <= seq <= _INT64_MAX or type(outs) is not list
+            or type(args) is not list or type(targs) is not list or type(kwargs) is not dict
+            or no_grad.__class__ is not bool or requires_grad.__class__ is not bool):
         return False
     results, fewest, most, keywords, handles_only = shape
-    count = len(outs)
-    if count != results if results is not None else not 1 <= count <= 1024:
+    if len(outs) != results if results is not None else not 1 <= len(outs) <= 1024:
         return False
-    for handle in outs:
-        if type(handle) is not int or not 0 <= handle <= limit:
-            return False
-    if count > 1 and len(set(outs)) != count:
+    if outs and not _handles(outs, limit):
         return False
     if handles_only:
-        if len(args) > MAX_FREE:
+        if len(args) > MAX_FREE or not _handles(args, limit):
             return False
-        for handle in args:
-            if type(handle) is not int or not 0 <= handle <= limit:
-                return False
     elif len(args) > MAX_ARGS or not _scalars(args):
         return False
     if not fewest <= len(targs) <= most:
         return False
+    size = len(args)
     for i in targs:
-        if type(i) is not int or not 0 <= i < len(args):
+        if type(i) is not int or not 0 <= i < size:
             return False
         handle = args[i]
         if type(handle) is not int or not 0 <= handle <= limit:
@@ -103,9 +97,19 @@ def _plainly_valid(raw: list, shapes: dict, limit: int) -> bool:
         return False
     if kwargs and (not keywords.issuperset(kwargs) or not _scalars(kwargs.values())):
         return False
+    if worker is None and signal is None and log is None:
+        return True
     return ((worker is None or type(worker) is int and 0 <= worker <= 1 << 20)
             and (signal is None or type(signal) is str and len(signal) <= 256)
             and (log is None or type(log) is int and 0 <= log <= _INT64_MAX))
+
+
+def _handles(values: list, limit: int) -> bool:
+    """Distinct handles: ints in [0, limit]."""
+    for handle in values:
+        if type(handle) is not int or not 0 <= handle <= limit:
+            return False
+    return len(values) == 1 or len(set(values)) == len(values)
 
 
 def _scalars(values) -> bool:
