@@ -190,7 +190,8 @@ class Dispatcher:
         if isinstance(message, messages.Alive):
             self._alive(identity, message)
             return
-        peer = {"client": self.peers.clients, "worker": self.peers.worker_ids}.get(role, {}).get(identity)
+        peer = (self.peers.clients.get(identity) if role == "client"
+                else self.peers.worker_ids.get(identity) if role == "worker" else None)
         handler = self.handlers.get((role, type(message)))
         if peer is not None:
             peer.last_seen = time.monotonic()
