@@ -22,7 +22,7 @@ def test_shape_errors_raise_at_the_line_that_made_them(client):
 
 def test_worker_errors_surface_at_the_next_sync_naming_op_inputs_worker_and_line(client):
     logits = gt.randn(4, 10, requires_grad=True)
-    targets = gt.tensor([1, 2, 30, 4])
+    targets = gt.tensor([1, 2, 30, 4], dtype="int64")
     loss = gt.cross_entropy(logits, targets); line = _line()  # noqa: E702 - the line to name
     loss.backward()  # skipped quietly on the worker: its input failed
     with pytest.raises(gt.RemoteError) as caught:

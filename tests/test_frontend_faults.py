@@ -176,7 +176,7 @@ def _resolver_error(host: str) -> str:
 
 def test_an_integer_tensor_cannot_require_grad_and_says_so_at_once(client):
     with pytest.raises(RuntimeError, match="only floating-point tensors can require gradients"):
-        gt.tensor([1, 2], requires_grad=True)
+        gt.tensor([1, 2], dtype="int64", requires_grad=True)
     with pytest.raises(RuntimeError, match="only floating-point tensors can require gradients"):
         gt.zeros(3, dtype="int64", requires_grad=True)
 
@@ -201,7 +201,7 @@ def test_what_a_program_queued_after_its_last_sync_runs_and_its_errors_fail_the_
         gt.connect({four_workers.address!r})
         x = gt.randn(4, 13, requires_grad=True)
         print(x.sum().item() is not None)
-        loss = gt.cross_entropy(x, gt.tensor([1, 2, 30, 4]))   # fails on the worker, after the last sync
+        loss = gt.cross_entropy(x, gt.tensor([1, 2, 30, 4], dtype="int64"))   # fails on the worker, after the last sync
         loss.backward()
     """, {})
     assert failing.returncode == 1, (failing.stdout, failing.stderr)

@@ -37,6 +37,7 @@ def client(server):
     gt.load_config(SIGNALS)
     yield session
     gt.disconnect()
+    gt.get_config().clear()  # the configuration is the program's: it outlives a session
 
 
 class Torch:
@@ -235,15 +236,18 @@ def test_the_instruction_log_names_signal_pattern_and_collective(client, server)
 
 @pytest.mark.parametrize("config, line", [
     ({"a": {"shard": {"axis": 0, "workers": [0, 7]}}}, "worker(s) [7] do not exist: there are 4 (0..3)"),
-    ({"a": {"workers": [0], "compile": True}}, "a: unknown key 'compile'"),
+    ({"a": {"workers": [0], "compiled": True}}, "a: unknown key 'compiled'"),
+    ({"a": {"workers": [0], "compile": "yes"}}, "a: compile must be true or false, got 'yes'"),
+    ({"a": {"shard": {"axis": 0, "replicated": 1}}}, "a: shard.replicated must be true or false, got 1"),
     ({"a": {"shard": {"axis": 9, "workers": [0]}}}, "a: shard.axis must be an integer in [-8, 8), got 9"),
-    ({"a": {"workers": [0], "backward": "nope"}}, "a: backward names 'nope', which is not a signal here"),
-    ({"a": {"shard": {"axis": 0}}}, "a: needs workers (or shard.workers)"),
+    ({"a": {"workers": [0], "backward": 3}}, "a: backward must name another signal, got 3"),
 ])
 def test_bad_configurations_are_refused_with_one_line_each(client, config, line):
+    before = gt.get_config().to_dict()
     with pytest.raises(gt.ConfigError) as refused:
         gt.load_config(config)
     assert any(line in problem for problem in refused.value.problems), refused.value.problems
+    assert gt.get_config().to_dict() == before  # a refused file changes nothing
 
 
 def test_an_axis_the_tensor_does_not_have_is_refused_where_it_is_created(client):

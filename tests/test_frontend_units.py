@@ -277,11 +277,24 @@ def test_every_problem_of_a_configuration_gets_its_own_line():
     with pytest.raises(ConfigError) as refused:
         parse(config, n_workers=4)
     problems = refused.value.problems
-    assert "typo: unknown key 'wokers' (valid: backward, shard, workers)" in problems
-    assert "typo: needs workers (or shard.workers)" in problems
+    assert "typo: unknown key 'wokers' (valid: backward, compile, shard, workers)" in problems
     assert "far: worker(s) [9] do not exist: there are 4 (0..3)" in problems
-    assert "dangling: backward names 'missing', which is not a signal here" in problems
-    assert len(problems) == 4
+    # a backward naming no signal is not a problem here: registration is order-free, and the
+    # name is looked up when a tensor first crosses into the region
+    assert len(problems) == 2
+
+
+def test_gt_keys_every_worker_replicated_and_compile():
+    from paratrain.frontend.signals import parse
+
+    parsed = parse({"all": {"shard": {"axis": 0, "workers": None}},
+                    "copies": {"shard": {"axis": 0, "workers": None, "replicated": True}},
+                    "compiled": {"compile": True},
+                    "default_axis": {"shard": {"workers": [1]}}}, n_workers=3)
+    assert parsed["all"].workers == (0, 1, 2) and parsed["all"].axis == 0
+    assert parsed["copies"].workers == (0, 1, 2) and parsed["copies"].axis is None
+    assert parsed["compiled"].workers == () and parsed["compiled"].compile  # places nothing
+    assert parsed["default_axis"].axis == 0 and parsed["default_axis"].workers == (1,)
 
 
 def test_the_seeds_schema_parses_with_replicated_and_split_signals():

@@ -26,7 +26,8 @@ from paratrain.frontend.client.functional import (
     cross_entropy, gelu, layer_norm, log_softmax, relu, sigmoid, softmax, tanh,
 )
 from paratrain.frontend.client.session import Session
-from paratrain.frontend.client.signal import ShardConfig, SignalConfig, load_config, register_config
+from paratrain.frontend.client.config import ShardConfig, SignalConfig
+from paratrain.frontend.client.signal import get_config, get_signal_config, load_config, register_config
 from paratrain.frontend.client.tensor import Tensor
 from paratrain.frontend.errors import (
     AuthenticationError, ConnectionLost, DispatcherUnreachable, FrontendError, ProtocolError, RemoteError,

@@ -103,12 +103,15 @@ def from_numpy(array: np.ndarray, requires_grad: bool = False) -> Tensor:
 
 
 def tensor(data, dtype: str | None = None, requires_grad: bool = False) -> Tensor:
-    """A tensor from a list or array; dtypes follow PyTorch (Python floats -> float32)."""
+    """A tensor from a list or an array. GT's rule: Python data becomes float32 unless `dtype`
+    says otherwise (`gt.tensor([1, 2])` is float32, where PyTorch would make int64); an array
+    keeps its dtype unless `dtype` is given."""
     if isinstance(data, Tensor):
         return data.clone()
-    array = np.asarray(data, dtype=dtype)
-    if dtype is None and array.dtype == np.float64:
-        array = array.astype(np.float32)
+    if isinstance(data, np.ndarray):
+        array = data if dtype is None else data.astype(dtype)
+    else:
+        array = np.asarray(data, dtype=dtype or "float32")
     return from_numpy(array, requires_grad)
 
 

@@ -18,6 +18,7 @@ import sys
 import threading
 
 from paratrain.frontend.client.autostart import LocalServer
+from paratrain.frontend.client.config import Config
 from paratrain.frontend.client.session import Session
 from paratrain.frontend.errors import FrontendError
 from paratrain.frontend.shapes import warm_up
@@ -30,6 +31,8 @@ class Defaults:
         self.session: Session | None = None
         self.server: LocalServer | None = None
         self.workers = 1
+        self.config = Config(on_change=self._configure)  # GT's gt.get_config(); sent to each session
+        self._config_from_environment = False
 
     def get(self) -> Session:
         """The default session, connecting (or starting a server) on first use. A session the
@@ -39,7 +42,8 @@ class Defaults:
             if address:
                 self.connect(address)
             else:
-                self.start(self.workers)
+                self._read_environment_config()  # it may name more workers than gpu_workers() asked for
+                self.start(max(self.workers, self.config.workers_named()))
         return self.session
 
     def connect(self, address: str | None, token: str | None = None) -> Session:
@@ -65,13 +69,26 @@ class Defaults:
             raise RuntimeError(f"already connected to {self.session.address}; call disconnect() first")
 
     def _use(self, session: Session) -> Session:
-        """A new default session: it takes the signal configuration GT_CONFIG / PARATRAIN_CONFIG
-        names, if one does."""
+        """A new default session: it takes the program's signal configuration (with the file
+        GT_CONFIG / PARATRAIN_CONFIG names, read once)."""
         self.session = session
-        path = os.environ.get("PARATRAIN_CONFIG") or os.environ.get("GT_CONFIG")
-        if path:
-            session.load_config(path)
+        if not self._read_environment_config() and self.config.to_dict():
+            self._configure(self.config.to_dict())
         return session
+
+    def _read_environment_config(self) -> bool:
+        """Load the configuration file the environment names, the first time; -> whether it did
+        (loading sends it to the session, if there is one)."""
+        if self._config_from_environment:
+            return False
+        self._config_from_environment = True
+        before = self.config.to_dict()
+        self.config.load_from_env(os.environ)
+        return self.config.to_dict() != before
+
+    def _configure(self, settings: dict) -> None:
+        if self.session is not None and not self.session.closed:
+            self.session.configure(settings)
 
     def close(self) -> None:
         """Close the session (running what is queued: its errors raise here) and stop the server

@@ -32,6 +32,12 @@ def binary_cross_entropy(predicted, target, eps: float = 1e-7):
     return -(target * (predicted + eps).log() + (1 - target) * (1 - predicted + eps).log()).mean()
 
 
+def cross_entropy_loss(logits, targets):
+    """GT's cross_entropy_loss: binary cross-entropy of sigmoid(logits) against 0/1 targets
+    (for classes over the last axis, use `cross_entropy`, PyTorch's)."""
+    return binary_cross_entropy(logits.sigmoid(), targets)
+
+
 def linear(x, weight, bias=None):
     """x @ weight + bias, with `weight` stored [in_features, out_features] (GT's layout)."""
     return _call("linear", [x, weight, bias])

@@ -15,9 +15,10 @@ import numpy as np
 from paratrain.frontend.client import api, functional
 from paratrain.frontend.client.autograd import no_grad
 from paratrain.frontend.client.functional import (  # noqa: F401 - GT exposes these on nn
-    binary_cross_entropy, cross_entropy, dropout, embedding, gelu, layer_norm, linear, log_softmax,
+    binary_cross_entropy, cross_entropy, cross_entropy_loss, dropout, embedding, gelu, layer_norm, linear, log_softmax,
     mse_loss, relu, scaled_dot_product_attention, sigmoid, silu, softmax, tanh,
 )
+from paratrain.frontend.client.optim import SGD, AdamW  # noqa: F401 - GT's `from gt.nn import SGD`
 from paratrain.frontend.client.tensor import Tensor
 
 

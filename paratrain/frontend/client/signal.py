@@ -14,9 +14,9 @@ their inputs live, as outside any region.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 from paratrain.frontend.client import defaults, regions
+from paratrain.frontend.client.config import Config, ShardConfig, SignalConfig  # noqa: F401 - GT's names here too
 from paratrain.frontend.client.tensor import Tensor
 
 current = regions.current
@@ -45,40 +45,29 @@ def tensor(x: Tensor, name: str) -> Tensor:
     return result
 
 
-# ---- configuration (GT's Python API, and YAML) ----------------------------------------------
-
-
-@dataclass
-class ShardConfig:
-    axis: int = 0
-    workers: list = field(default_factory=list)
-
-
-@dataclass
-class SignalConfig:
-    shard: ShardConfig | None = None
-    workers: list | None = None
-    backward_signal: str | None = None
-
-    def to_dict(self) -> dict:
-        settings = {}
-        if self.shard is not None:
-            settings["shard"] = {"axis": self.shard.axis, "workers": list(self.shard.workers)}
-        if self.workers is not None:
-            settings["workers"] = list(self.workers)
-        if self.backward_signal is not None:
-            settings["backward"] = self.backward_signal
-        return settings
+# ---- configuration (GT's Python API, and YAML): kept by the program, see config.py --------------
 
 
 def load_config(source, session=None) -> list[str]:
     """Use the signals of a YAML file (or a dict) from now on; -> their names. Every problem
     in it is reported at once, one line each (ConfigError)."""
-    return (session or defaults.session()).load_config(source)
+    if session is not None:
+        return session.load_config(source)
+    return defaults.DEFAULTS.config.load(source)
 
 
 def register_config(name: str, config, session=None) -> list[str]:
-    """Add or replace one signal (a SignalConfig or a settings dict)."""
-    session = session or defaults.session()
-    settings = config.to_dict() if isinstance(config, SignalConfig) else dict(config)
-    return session.configure({**session.signal_config, name: settings})
+    """Add or replace one signal (a SignalConfig or a settings dict), in any order."""
+    if session is not None:
+        settings = config.to_dict() if isinstance(config, SignalConfig) else dict(config)
+        return session.configure({**session.signal_config, name: settings})
+    return defaults.DEFAULTS.config.register_signal(name, config)
+
+
+def get_config() -> Config:
+    """The program's configuration object (GT's)."""
+    return defaults.DEFAULTS.config
+
+
+def get_signal_config(name: str) -> SignalConfig | None:
+    return defaults.DEFAULTS.config.get_signal(name)

@@ -13,7 +13,40 @@ from __future__ import annotations
 
 import numpy as np
 
+from paratrain.frontend.client.autograd import no_grad
 from paratrain.frontend.ops import encode_index
+
+
+class DType(str):
+    """A dtype's name ("float32") that also equals NumPy's dtype of that name (`np.float32`,
+    `np.dtype("float32")`), as GT's dtypes do; bfloat16, which NumPy lacks, equals its name only."""
+
+    __slots__ = ()
+
+    def __eq__(self, other):
+        if isinstance(other, str):
+            return str.__eq__(self, other)
+        try:
+            return np.dtype(other).name == self
+        except TypeError:
+            return NotImplemented
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = str.__hash__
+
+
+_DTYPE_OBJECTS: dict[str, DType] = {}
+
+
+def dtype_named(name: str) -> DType:
+    """The one DType object of each name (made once: tensors are created on every operation)."""
+    found = _DTYPE_OBJECTS.get(name)
+    if found is None:
+        found = _DTYPE_OBJECTS.setdefault(name, DType(name))
+    return found
 
 
 class Tensor:
@@ -22,7 +55,7 @@ class Tensor:
 
     def __init__(self, session, handle: int, shape: tuple, dtype: str, requires_grad: bool = False):
         self._session, self._handle = session, handle
-        self.shape, self.dtype = tuple(shape), dtype
+        self.shape, self.dtype = tuple(shape), dtype_named(dtype)
         self._requires_grad = requires_grad
         self._parents: tuple = ()
         self._has_grad = False
@@ -100,6 +133,15 @@ class Tensor:
         value = self.numpy()
         return value.astype(dtype) if dtype is not None else value
 
+    def __array_function__(self, func, types, args, kwargs):
+        """NumPy's functions (`np.mean(t)`, `np.concatenate([a, b])`) run on the values: a sync."""
+        return func(*_values(args), **_values(kwargs))
+
+    @property
+    def id(self) -> int:
+        """GT's tensor id: this tensor's handle in its session."""
+        return self._handle
+
     # ---- autograd ---------------------------------------------------------------------------
 
     @property
@@ -172,6 +214,12 @@ class Tensor:
         return result
 
     def _inplace(self, name, *args, **kwargs) -> Tensor:
+        if self._requires_grad and not self._parents:
+            # GT's rule, not PyTorch's: updating a leaf that requires grad (GT's manual SGD,
+            # `p -= lr * p.grad`) is an update of its values, outside autograd.
+            with no_grad():
+                self._session.call(name, [self, *args], kwargs)
+            return self
         self._session.call(name, [self, *args], kwargs)
         return self
 
@@ -277,13 +325,18 @@ class Tensor:
 
     view = reshape
 
-    def transpose(self, dim0: int = -2, dim1: int = -1):
-        """PyTorch's transpose(dim0, dim1); without arguments GT's: swap the last two axes."""
-        return self._call("transpose", dim0, dim1)
+    def transpose(self, dim0: int | None = None, dim1: int | None = None):
+        """PyTorch's transpose(dim0, dim1); without arguments GT's: swap the last two axes (a
+        tensor of fewer than two axes is returned unchanged)."""
+        if dim0 is None and dim1 is None:
+            return self.T
+        return self._call("transpose", -2 if dim0 is None else dim0, -1 if dim1 is None else dim1)
 
     @property
-    def T(self):  # noqa: N802 - PyTorch's name
-        return self._call("permute", *reversed(range(self.ndim)))
+    def T(self):  # noqa: N802
+        """GT's `.T`: the last two axes swapped (PyTorch's reverses them all; `permute` does that).
+        A tensor of fewer than two axes is returned as it is, as in GT."""
+        return self if self.ndim < 2 else self._call("transpose", -2, -1)
 
     @property
     def mT(self):  # noqa: N802
@@ -366,3 +419,14 @@ def _shape_args(shape) -> list:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = shape[0]
     return [int(s) for s in shape]
+
+
+def _values(value):
+    """`value` with every Tensor in it (in lists, tuples, dicts) replaced by its NumPy array."""
+    if isinstance(value, Tensor):
+        return value.numpy()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_values(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _values(item) for key, item in value.items()}
+    return value

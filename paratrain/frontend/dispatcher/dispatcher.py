@@ -248,11 +248,14 @@ class Dispatcher:
     def _configure(self, client: ClientState, message: messages.Configure) -> None:
         """A client's signal configuration, checked against this dispatcher's workers."""
         try:
-            client.table.signals = signals.parse(message.signals, self.settings.workers)
+            parsed = signals.parse(message.signals, self.settings.workers)
         except signals.ConfigError as error:
             self.send(client.identity, messages.Error(str(error)))
             return
-        self.send(client.identity, messages.Configured(sorted(client.table.signals)))
+        # Only signals with a layout place anything; the others (e.g. `compile: true` alone)
+        # are for the client and the workers.
+        client.table.signals = {name: signal for name, signal in parsed.items() if signal.workers}
+        self.send(client.identity, messages.Configured(sorted(parsed)))
 
     def _alive(self, identity: bytes, message: messages.Alive) -> None:
         """A client's heartbeat connection: the client lives (or is told it was dropped)."""

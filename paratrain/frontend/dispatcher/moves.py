@@ -148,7 +148,10 @@ def _backward_layout(table, target, source, shape) -> int | None:
     """The axis a moved tensor's gradient travels back split along (its `backward` signal)."""
     if target.backward is None:
         return None
-    layout = table.signals[target.backward]
+    layout = table.signals.get(target.backward)
+    if layout is None:  # registration is order-free, so a dangling name is found here, at first use
+        raise Refused(f"signal {target.name}: its backward signal {target.backward[:64]!r} is not in this "
+                      "client's configuration (or places nothing)")
     if layout.workers != source.workers:
         raise Refused(f"signal {target.name}: its backward signal {layout.name} is on workers "
                       f"{list(layout.workers)}, but the tensor comes from {list(source.workers)}")
