@@ -224,7 +224,7 @@ OPS: dict[str, Op] = {
     "free": _op(None, kind="special", inputs=(0, 0), results=0),
     "backward": _op(None, "retain_graph", "local", kind="special", inputs=(1, 2), results=0),
     "cross_backward": _op(None, kind="special", results=0),  # a pipeline stage's share of backward
-    "reshard": _op(None, "signal", kind="special"),  # gt.signal.tensor
+    "reshard": _op(None, "signal", "backward", kind="special"),  # gt.signal.tensor
     "grad": _op(None, kind="special"),
     "set_grad_none": _op(None, kind="special", results=0),
     "set_grad": _op(None, kind="special", inputs=(2, 2), results=0),

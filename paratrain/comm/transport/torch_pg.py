@@ -250,6 +250,16 @@ class TorchTransport:
         timeout = None if self.own_timeout is None else _delta(self.own_timeout)
         return TorchTransport(dist.new_group(members, timeout=timeout, use_local_synchronization=True))
 
+    def split_with_everyone(self, ranks: list[int]) -> TorchTransport | None:
+        """The subgroup of `ranks`, made by every rank of this group in the same order (None on
+        the ranks outside it). For groups made as they are needed, in an order no rank can
+        predict: in torch 2.13 a rank that made a different number of locally synchronised
+        groups than its peers hangs creating a gloo group with them (see test_frontend_gt)."""
+        members = [self._global[r] for r in ranks]
+        timeout = None if self.own_timeout is None else _delta(self.own_timeout)
+        made = dist.new_group(members, timeout=timeout, group_desc=f"frontend {members}"[:64])
+        return TorchTransport(made) if self.rank in ranks else None
+
     # The backend's own collectives. Parts may be uneven (see ops.part_sizes): torch's
     # tensor collectives want equal parts, so uneven ones are padded to the largest part.
 

@@ -20,29 +20,49 @@ from paratrain.frontend.client.config import Config, ShardConfig, SignalConfig  
 from paratrain.frontend.client.tensor import Tensor
 
 current = regions.current
-enter = regions.enter
 exit = regions.leave  # noqa: A001 - GT's name
+
+
+def enter(name: str, backward: str | None = None) -> None:
+    """Begin region `name` (end it with `exit(name)`). `backward` names the signal its
+    gradients travel back as: the same as a `backward:` key in the configuration."""
+    regions.enter(name)
+    if backward is not None:
+        _backward_is(name, backward)
 
 
 @contextlib.contextmanager
 def context(name: str, backward: str | None = None):
-    """Issue what runs inside as part of region `name`. (`backward` is accepted for GT's
-    programs; in paratrain a region's backward layout comes from its configuration.)"""
-    regions.enter(name)
+    """Issue what runs inside as part of region `name`; `backward` as for `enter`."""
+    enter(name, backward)
     try:
         yield
     finally:
         regions.leave(name)
 
 
-def tensor(x: Tensor, name: str) -> Tensor:
+def tensor(x: Tensor, name: str, backward_name: str | None = None) -> Tensor:
     """`x` laid out as signal `name` says: moved to its workers, split or gathered. The move
-    is differentiable; in backward its gradient travels back the same way."""
+    is differentiable; in backward its gradient travels back the same way, or laid out as
+    signal `backward_name` says (instead of the configuration's `backward` for `name`)."""
     session = x._session
     result = Tensor(session, session.new_handle(), x.shape, x.dtype, x.requires_grad)
     result._parents = (x,) if x.requires_grad else ()
-    session.issue("reshard", [result._handle], [x._handle], [0], {"signal": name}, tensors=(x,))
+    kwargs = {"signal": name} if backward_name is None else {"signal": name, "backward": backward_name}
+    session.issue("reshard", [result._handle], [x._handle], [0], kwargs, tensors=(x,))
     return result
+
+
+def _backward_is(name: str, backward: str) -> None:
+    """A region entered with `backward=`: record it in the configuration, once (a configured
+    signal only: a name the configuration does not know places nothing, forward or back)."""
+    if not isinstance(backward, str) or not backward:
+        raise ValueError(f"backward must name a signal, got {backward!r}")
+    config = defaults.DEFAULTS.config
+    known = config.get_signal(name)
+    if known is not None and known.backward_signal != backward:
+        known.backward_signal = backward
+        config.register_signal(name, known)
 
 
 # ---- configuration (GT's Python API, and YAML): kept by the program, see config.py --------------

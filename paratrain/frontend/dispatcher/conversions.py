@@ -8,11 +8,13 @@ from paratrain.frontend.dispatcher.sharding import Placement
 
 
 def ensure_group(job, workers) -> None:
-    """Collectives over `workers` need a process group of just them; make it once."""
+    """Collectives over `workers` need a process group of just them; make it once. Every worker
+    takes part in making it (torch's groups are made by all ranks in one order: groups made by
+    their members alone hang gloo once ranks have made different numbers of them)."""
     workers = tuple(workers)
     if len(workers) > 1 and workers not in job.router.groups and workers not in job.new_groups:
         job.new_groups.append(workers)
-        job.on_all(workers, "make_group", [], [], [], {"g": list(workers)})
+        job.on_all(range(job.router.n_workers), "make_group", [], [], [], {"g": list(workers)})
 
 
 def convert(job, handle: int, conversion: tuple, workers) -> int:

@@ -130,7 +130,9 @@ def reshard(job, instruction: Instruction) -> None:
     source = table.where[handle]
     current, crossing = handle, None
     if source.workers != placement.workers:
-        grad_split = _backward_layout(table, target, source, shape)
+        backward = instruction.kwargs.get("backward", target.backward)
+        grad_split = _backward_layout(table, target.name, backward if isinstance(backward, str) else None,
+                                      source, shape)
         current = move(job, current, placement.workers, grad_split)
         crossing = job.new_crossings[-1]
     elif source.split not in (None, placement.split):
@@ -144,15 +146,16 @@ def reshard(job, instruction: Instruction) -> None:
         table.direct[out] = crossing
 
 
-def _backward_layout(table, target, source, shape) -> int | None:
-    """The axis a moved tensor's gradient travels back split along (its `backward` signal)."""
-    if target.backward is None:
+def _backward_layout(table, name: str, backward: str | None, source, shape) -> int | None:
+    """The axis a tensor moved into signal `name` has its gradient travel back split along (as
+    its `backward` signal says)."""
+    if backward is None:
         return None
-    layout = table.signals.get(target.backward)
+    layout = table.signals.get(backward)
     if layout is None:  # registration is order-free, so a dangling name is found here, at first use
-        raise Refused(f"signal {target.name}: its backward signal {target.backward[:64]!r} is not in this "
+        raise Refused(f"signal {name}: its backward signal {backward[:64]!r} is not in this "
                       "client's configuration (or places nothing)")
     if layout.workers != source.workers:
-        raise Refused(f"signal {target.name}: its backward signal {layout.name} is on workers "
+        raise Refused(f"signal {name}: its backward signal {layout.name} is on workers "
                       f"{list(layout.workers)}, but the tensor comes from {list(source.workers)}")
     return signal_placement(layout, shape).split

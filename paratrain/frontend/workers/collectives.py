@@ -3,7 +3,7 @@ over a process group of the workers that share a tensor (made once, on the dispa
 
 Every op here is named by the dispatcher only (see sharding.py for when it asks for which):
 
-    make_group         a Group of exactly these workers (they all make it, in the same order)
+    make_group         a Group of exactly these workers (every worker takes part, in one order)
     tp_f / tp_g        Megatron's f (identity, all-reduce in backward) and g (all-reduce)
     tp_scatter         replicated -> my part of an axis (backward gathers)
     tp_gather          parts -> the whole tensor on every worker (backward keeps my part)
@@ -32,9 +32,12 @@ def _group(executor, step) -> Group:
 
 
 def make_group(executor, step) -> None:
+    """Every worker runs this, members or not, in the dispatcher's order (see ensure_group)."""
     members = list(step.instruction.kwargs["g"])
     group = executor.group
-    executor.groups[tuple(members)] = Group(group.transport.split(members), timeout=group.timeout)
+    made = group.transport.split_with_everyone(members)
+    if made is not None:
+        executor.groups[tuple(members)] = Group(made, timeout=group.timeout)
 
 
 def tp_f(executor, step) -> None:
