@@ -25,7 +25,7 @@ class Optimizer:
         self.session.issue("optim_zero_grad", [], [self.handle], [0], {"set_to_none": set_to_none})
         if set_to_none:
             for param in self.params:
-                param._has_grad, param._grad = False, None
+                param._has_grad, param._grad_tensor = False, None
 
     @property
     def lr(self) -> float:

@@ -51,7 +51,7 @@ def dtype_named(name: str) -> DType:
 
 class Tensor:
     __slots__ = ("_session", "_handle", "shape", "dtype", "_requires_grad", "_parents",
-                 "_has_grad", "_grad", "__weakref__")
+                 "_has_grad", "_grad_tensor", "__weakref__")
 
     def __init__(self, session, handle: int, shape: tuple, dtype: str, requires_grad: bool = False):
         self._session, self._handle = session, handle
@@ -59,7 +59,7 @@ class Tensor:
         self._requires_grad = requires_grad
         self._parents: tuple = ()
         self._has_grad = False
-        self._grad: Tensor | None = None
+        self._grad_tensor: Tensor | None = None
 
     def __del__(self):
         try:
@@ -172,24 +172,29 @@ class Tensor:
         _mark_reached_leaves(self, keep_graph=retain_graph)
 
     @property
+    def _grad(self) -> Tensor | None:
+        """GT's programs (and its tests) read `_grad`; it is `.grad`."""
+        return self.grad
+
+    @property
     def grad(self) -> Tensor | None:
         if not self._has_grad:
             return None
-        if self._grad is None:
-            self._grad = Tensor(self._session, self._session.new_handle(), self.shape, self.dtype)
-            self._session.issue("grad", [self._grad._handle], [self._handle], [0], tensors=(self,))
-        return self._grad
+        if self._grad_tensor is None:
+            self._grad_tensor = Tensor(self._session, self._session.new_handle(), self.shape, self.dtype)
+            self._session.issue("grad", [self._grad_tensor._handle], [self._handle], [0], tensors=(self,))
+        return self._grad_tensor
 
     @grad.setter
     def grad(self, value) -> None:
         if value is None:
             self._session.issue("set_grad_none", [], [self._handle], [0], tensors=(self,))
-            self._has_grad, self._grad = False, None
+            self._has_grad, self._grad_tensor = False, None
             return
         if not isinstance(value, Tensor) or value.shape != self.shape or value.dtype != self.dtype:
             raise RuntimeError(f"assigned grad must be a tensor of shape {list(self.shape)} and dtype {self.dtype}")
         self._session.issue("set_grad", [], [self._handle, value._handle], [0, 1], tensors=(self, value))
-        self._has_grad, self._grad = True, None
+        self._has_grad, self._grad_tensor = True, None
 
     def detach(self) -> Tensor:
         return self._call("detach")
@@ -404,7 +409,7 @@ def _mark_reached_leaves(root: Tensor, keep_graph: bool) -> None:
                 node._parents = SPENT
         elif node.requires_grad:
             node._has_grad = True
-            node._grad = None  # a new backward may have made a new tensor: ask again
+            node._grad_tensor = None  # a new backward may have made a new tensor: ask again
 
 
 def _axis(dim, axis):
