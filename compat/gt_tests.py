@@ -4,8 +4,10 @@
     python compat/gt_tests.py --gt /path/to/gt2 --files test_basic_ops.py test_nn.py
 
 A test file counts as public-API when it imports only GT's public modules (`gt`, `gt.client`,
-`gt.client.tensor`, `gt.client.nn`, `gt.nn`, `gt.config`, `gt.debug`); files that build GT's
-dispatcher, workers or client objects themselves test GT's internals and are listed as skipped.
+`gt.client.tensor`, `gt.client.nn`, `gt.nn`, `gt.config`, `gt.debug`) and touches no private
+module global (`gt._client`); files that build GT's dispatcher, workers or client objects, or
+reset GT's globals to reach its own test fixture's port, test GT's internals and are listed as
+skipped.
 Each file runs in its own pytest process on each side. On GT's side its own conftest starts
 its dispatcher and worker; on ours a small conftest (written to a temporary copy of the
 folder) gives the same fixture names over the program's default session, which starts
@@ -80,8 +82,15 @@ def imported_modules(path: Path) -> set[str]:
     return {name for name in names if name == "gt" or name.startswith("gt.")}
 
 
+def private_names(path: Path) -> set[str]:
+    """`gt._name`s a file reaches for (GT's module globals, e.g. `gt._client`)."""
+    tree = ast.parse(path.read_text())
+    return {f"gt.{node.attr}" for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "gt" and node.attr.startswith("_")}
+
+
 def is_public(path: Path) -> bool:
-    return imported_modules(path) <= PUBLIC
+    return imported_modules(path) <= PUBLIC and not private_names(path)
 
 
 def run_file(folder: Path, name: str, pythonpath: str, timeout: float) -> dict[str, str]:
@@ -128,6 +137,9 @@ def main() -> int:
             rows.append((name, theirs, mine))
             print(f"{name:40s} GT {_count(theirs):>7s}   paratrain {_count(mine):>7s}", flush=True)
     print(f"\nskipped (they use GT's internals): {', '.join(internal) or 'none'}")
+    for name in internal:
+        reasons = sorted((imported_modules(tests / name) - PUBLIC) | private_names(tests / name))
+        print(f"  {name}: {', '.join(reasons)}")
     total_gt = sum(_passed(theirs) for _, theirs, _ in rows)
     total_ours = sum(_passed(mine) for _, _, mine in rows)
     count = sum(max(len(theirs), len(mine)) for _, theirs, mine in rows)
