@@ -23,6 +23,19 @@ def hermetic_comm_environment(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def fresh_signal_configuration():
+    """A program's signal configuration outlives its sessions (GT's rule); tests are separate
+    programs, so each starts with none."""
+    yield
+    configuration = gt.get_config()
+    configuration.on_change, on_change = None, configuration.on_change  # no session to tell
+    try:
+        configuration.clear()
+    finally:
+        configuration.on_change = on_change
+
+
 @pytest.fixture(scope="session")
 def server():
     """One frontend dispatcher with one worker for the API and error tests (a client that stops
