@@ -236,7 +236,9 @@ class _WorkerLoop:
             self.sock.send_multipart(self.outbox.get(), copy=False)
 
     def _send_heartbeat(self) -> None:
+        # dict() copies the executor thread's Counter in one C call, under the interpreter lock:
+        # no update can interleave with it.
         executor = self.executor
         beat = messages.Heartbeat(executor.executed, self.busy_s, self.received - executor.executed,
-                                  executor.memory_bytes())
+                                  executor.memory_bytes(), dict(executor.by_op))
         self.sock.send_multipart(codec.encode(beat))
