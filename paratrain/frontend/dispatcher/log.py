@@ -38,8 +38,8 @@ HEADER = ("# paratrain frontend instruction log; GT's columns:\n"
 TAP_LINES = 1 << 16  # lines a live capture may fall behind by before it misses some
 # The messages of the instruction stream (heartbeats, pings and statistics are not).
 LOGGED = (messages.Run, messages.Configure, messages.Bye, messages.Synced, messages.Configured, messages.Error,
-          messages.Refused, messages.WorkerStats, messages.Tasks, messages.Collect, messages.Forget,
-          messages.Collected, messages.Timings, messages.Exit)
+          messages.Refused, messages.WorkerStatsRequest, messages.WorkerStats, messages.Tasks, messages.Collect,
+          messages.Forget, messages.Collected, messages.Timings, messages.Exit)
 
 
 class InstructionLog:
@@ -75,7 +75,7 @@ class InstructionLog:
         details = [f"op={name}", f"client={table.slot if table is not None else '-'}", f"instr={instruction.seq}"]
         size = sum(_bytes(known.get(h)) for h in outs)
         if name in ("send", "bw_send"):
-            targets = kwargs["to"] if name == "send" else [to for to, _ in kwargs["to"]]
+            targets = [kwargs["to"]] if name == "send" else [to for to, _ in kwargs["to"]]
             details.append(f"crossing=t{kwargs['crossing']} to={','.join(map(str, targets))}")
             size = sum(_bytes(known.get(h)) for h in inputs)
         elif name in ("recv", "bw_recv"):
@@ -145,7 +145,9 @@ def _counts(message) -> str:
     parts = []
     for field in dataclasses.fields(message):
         value = getattr(message, field.name)
-        if isinstance(value, (bool, int, float)):
+        if isinstance(value, float):
+            parts.append(f"{field.name}={value:.6g}")
+        elif isinstance(value, (bool, int)):
             parts.append(f"{field.name}={value}")
         elif isinstance(value, (list, dict)):
             parts.append(f"{field.name}={len(value)}")
