@@ -42,6 +42,8 @@ class Monitor:
     def _ask(self, request, kind):
         self.sock.send_multipart(codec.encode(request))
         reply = receive(self.sock, "monitor", self.timeout, self.address)
+        if isinstance(reply, messages.Error):
+            raise ProtocolError(f"{self.address} could not take our {request.KIND}: {reply.message}")
         if not isinstance(reply, kind):
             raise ProtocolError(f"{self.address} answered {reply.KIND!r} to {request.KIND!r}")
         return reply
