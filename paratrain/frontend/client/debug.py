@@ -28,7 +28,7 @@ def get_tape(session: Session | None = None) -> list[dict]:
     if session is None:
         return []
     tape = []
-    for entry in session.tape.entries:
+    for entry in session.tape.entries():
         first = entry.outputs[0] if entry.outputs else None
         tape.append({
             "output_id": first.handle if first else None,

@@ -21,7 +21,7 @@ from paratrain.comm.settings import timeout_from_env
 from paratrain.frontend import signals
 from paratrain.frontend.client import autograd, regions
 from paratrain.frontend.client.connection import Connection
-from paratrain.frontend.client.tape import Output, Tape
+from paratrain.frontend.client.tape import Tape
 from paratrain.frontend.client.tensor import Tensor, floating
 from paratrain.frontend.errors import ConnectionLost, FrontendError, RemoteError, WorkerLost
 from paratrain.frontend.ops import OPS
@@ -108,7 +108,7 @@ class Session:
                     out._parents = parents
         wire_args = [arg._handle if isinstance(arg, Tensor) else arg for arg in args]
         self._append(name, [out._handle for out in outs], wire_args, targs, kwargs, [args[i] for i in targs],
-                     requires_grad, worker, [Output(o._handle, o.shape, o.dtype, o.requires_grad) for o in outs])
+                     requires_grad, worker, [(o._handle, o.shape, o.dtype, o.requires_grad) for o in outs])
         if op.kind == "inplace" and parents:
             target = args[0]
             target._requires_grad = True
@@ -141,7 +141,7 @@ class Session:
         self._frames.append(memoryview(array).cast("B") if array.size else b"")
         self._check_open()
         self._append("upload", [tensor._handle], [], [], kwargs, (), requires_grad, worker,
-                     [Output(tensor._handle, tensor.shape, dtype, requires_grad)])
+                     [(tensor._handle, tensor.shape, dtype, requires_grad)])
         return tensor
 
     def _append(self, name, outs, args, targs, kwargs, inputs, requires_grad, worker, outputs=None) -> None:
@@ -149,7 +149,7 @@ class Session:
         their handles are known here)."""
         self._seq += 1
         self.tape.record(self._seq, name, [args[i] for i in targs],
-                         outputs if outputs is not None else [Output(h, None, None, requires_grad) for h in outs],
+                         outputs if outputs is not None else [(h, None, None, requires_grad) for h in outs],
                          worker if worker is not None else self.placement)
         self._issued[self._seq] = (name, [_describe(t) for t in inputs], _caller())
         self._batch.append(Instruction(self._seq, name, outs, args, targs, kwargs, not autograd.is_grad_enabled(),

@@ -30,11 +30,16 @@ class Entry(NamedTuple):
 
 
 class Tape:
+    """Plain tuples go in (this is on every instruction's path); `entries()` names them."""
+
     def __init__(self, length: int = LENGTH):
-        self.entries: deque = deque(maxlen=length)
+        self.kept: deque = deque(maxlen=length)
 
     def record(self, seq: int, op: str, inputs: list, outputs: list, worker: int | None) -> None:
-        self.entries.append(Entry(seq, op, inputs, outputs, worker))
+        """`outputs`: (handle, shape, dtype, requires_grad) tuples (never the tensors: the tape
+        must not keep them alive, their garbage is what frees them)."""
+        self.kept.append((seq, op, inputs, outputs, worker))
 
-    def clear(self) -> None:
-        self.entries.clear()
+    def entries(self) -> list[Entry]:
+        return [Entry(seq, op, inputs, [Output(*out) for out in outputs], worker)
+                for seq, op, inputs, outputs, worker in self.kept]
