@@ -208,8 +208,8 @@ def test_what_a_program_queued_after_its_last_sync_runs_and_its_errors_fail_the_
     assert "paratrain frontend: at exit: cross_entropy(float32[4, 13], int64[4]) failed on worker" in failing.stderr
     assert "out of bounds" in failing.stderr
     time.sleep(0.5)  # lines are written when the workers report their timings
-    logged = [line for line in four_workers.log.read_text().splitlines() if "float32[4, 13]" in line]
-    assert any("| cross_entropy |" in line for line in logged), logged
+    logged = [line for line in four_workers.log.read_text().splitlines() if "float32[4,13]" in line]
+    assert any("| OP " in line and " op=cross_entropy " in line for line in logged), logged
 
 
 def test_a_worker_lost_before_every_worker_served_stops_the_server_with_one_line(tmp_path):

@@ -103,14 +103,16 @@ def test_instruction_log_shows_transfers_between_workers_and_becomes_a_chrome_tr
         gt.disconnect()
     time.sleep(0.5)  # lines are written when the workers report their timings
     lines = two_workers.log.read_text().splitlines()
-    assert lines[0].startswith("# start_s | client | op")
-    fields = [line.split(" | ") for line in lines[1:]]
+    assert lines[1] == "# elapsed | #seq | event | source | command | size | details"
+    fields = [line.split(" | ") for line in lines if not line.startswith("#")]
     assert all(len(f) == 7 for f in fields)
-    ops = {f[2].split()[0] for f in fields}
+    ran = [f for f in fields if f[2].strip() == "OP"]
+    ops = {f[4].split()[0] for f in ran}
     assert {"send", "recv", "matmul", "backward", "bw_send", "bw_recv"} <= ops
-    matmul = next(f for f in fields if f[2].split()[0] == "matmul" and "float32[2, 3]" in f[3])
-    assert "float32[2, 4]" in matmul[4] and matmul[5] == "worker 0" and float(matmul[6]) >= 0
-    assert any(f[2].startswith("send") and f[5] == "worker 1" and "-> worker 0" in f[4] for f in fields)
+    matmul = next(f for f in ran if f[4].split()[0] == "matmul" and "float32[2,3]" in f[6])
+    assert "out=h" in matmul[6] and ":float32[2,4]" in matmul[6] and matmul[3].strip() == "WORKER 0"
+    assert float(matmul[6].split("dur_ms=")[1]) >= 0
+    assert any(f[4].startswith("send") and f[3].strip() == "WORKER 1" and " to=0" in f[6] for f in ran)
 
     trace = tmp_path / "trace.json"
     result = CliRunner().invoke(paratrain_cli, ["frontend", "trace", str(two_workers.log), "-o", str(trace)])

@@ -14,7 +14,7 @@ running instructions on tensors). They share only `protocol/` (every message a t
 configurations). The workers form one paratrain world and move tensors with its point-to-point.
 """
 
-from paratrain.frontend.client import functional, nn, optim, pipeline, signal
+from paratrain.frontend.client import debug, functional, nn, optim, pipeline, signal
 from paratrain.frontend.client.api import (
     arange, cat, connect, connected, disconnect, from_numpy, full, gpu_workers, manual_seed, matmul, maximum,
     minimum, ones, ones_like, rand, randint, randn, randn_like, stack, start, tensor, uniform, where,

@@ -14,16 +14,19 @@ PORT = click.IntRange(0, 65535)
 
 
 @click.command()
-@click.option("--host", default="127.0.0.1", show_default=True,
+@click.option("-H", "--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Anything but loopback needs --token.")
-@click.option("--port", default=29700, show_default=True, type=PORT, help="Port (0: any free port).")
+@click.option("-p", "--port", default=29700, show_default=True, type=PORT, help="Port (0: any free port).")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1), help="Workers in the world.")
 @click.option("--local-workers", is_flag=True,
               help="Start the workers here, one process each (else wait for `paratrain worker`s).")
+@click.option("--spawn-gpu-workers", "--spawn_gpu_workers", "spawn", type=click.IntRange(0), default=0,
+              help="GT's flag: start N workers here, one per GPU where there are GPUs (--workers N --local-workers).")
 @click.option("--token", **_TOKEN)
-@click.option("--instruction-log", envvar=["PARATRAIN_INSTRUCTION_LOG", "GT_INSTRUCTION_LOG"],
-              type=click.Path(dir_okay=False), default=None,
-              help="Write one line per instruction to this file [PARATRAIN_INSTRUCTION_LOG, GT_INSTRUCTION_LOG].")
+@click.option("--instruction-log", "--log-file", "instruction_log",
+              envvar=["PARATRAIN_INSTRUCTION_LOG", "GT_INSTRUCTION_LOG"], type=click.Path(dir_okay=False), default=None,
+              help="Write the instruction log (one line per instruction and message) to this file "
+                   "[PARATRAIN_INSTRUCTION_LOG, GT_INSTRUCTION_LOG].")
 @click.option("--threads", type=click.IntRange(1), default=None,
               help="Torch threads per local worker (default: cores / workers).")
 @click.option("--client-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
@@ -34,15 +37,23 @@ PORT = click.IntRange(0, 65535)
               help="Largest message (one uploaded tensor) accepted, in MiB.")
 @click.option("--max-tensor-mb", default=None, type=click.IntRange(1),
               help="Largest tensor a client may make, in MiB (default: no limit).")
-@click.option("--quiet", is_flag=True, help="Print only warnings (refusals, lost workers).")
+@click.option("--quiet", "--no-console-log", "quiet", is_flag=True, help="Print only warnings (refusals, lost workers).")
 @click.option("--exit-with-pid", type=int, default=None, hidden=True)
-def serve(host, port, workers, local_workers, token, instruction_log, threads, client_timeout,
+@click.pass_context
+def serve(ctx, host, port, workers, local_workers, spawn, token, instruction_log, threads, client_timeout,
           worker_timeout, max_message_mb, max_tensor_mb, quiet, exit_with_pid):
     """Run a frontend dispatcher: clients connect with `gt.connect("HOST:PORT")` (or
-    PARATRAIN_SERVER=HOST:PORT), workers with `paratrain worker --host HOST --port PORT`."""
+    PARATRAIN_SERVER=HOST:PORT), workers with `paratrain worker --host HOST --port PORT`.
+    GT's `python -m gt.server -p PORT --spawn_gpu_workers N` is `python -m paratrain.frontend.server`
+    with the same flags (but the host stays loopback unless given)."""
     from paratrain.frontend.dispatcher.dispatcher import CannotServe
     from paratrain.frontend.dispatcher.serve import serve as run
     from paratrain.frontend.dispatcher.settings import DispatcherSettings
+
+    if spawn:
+        if ctx.get_parameter_source("workers") is not click.core.ParameterSource.DEFAULT and workers != spawn:
+            raise click.UsageError(f"--spawn-gpu-workers {spawn} starts {spawn} workers, but --workers says {workers}")
+        workers, local_workers = spawn, True
 
     try:
         settings = DispatcherSettings(host, port, workers, token, instruction_log, client_timeout, worker_timeout,
@@ -58,15 +69,20 @@ def serve(host, port, workers, local_workers, token, instruction_log, threads, c
 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="The dispatcher's address.")
-@click.option("--port", default=29700, show_default=True, type=PORT, help="The dispatcher's port.")
+@click.option("-p", "--port", default=29700, show_default=True, type=PORT, help="The dispatcher's port.")
 @click.option("--token", **_TOKEN)
 @click.option("--threads", type=click.IntRange(1), default=None, help="Torch threads for this worker.")
 @click.option("--connect-timeout", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Seconds to wait for the dispatcher to answer before giving up.")
+@click.option("--backend", type=click.Choice(["pytorch", "cuda", "cpu", "numpy"]), default=None,
+              help="The device: cuda, or cpu (GT's 'numpy'); pytorch: a GPU if there is one "
+                   "[default: PARATRAIN_BACKEND / GT_BACKEND, else pytorch].")
+@click.option("--id", "name", default=None, help="This worker's name (GT's --id), in the dispatcher's line saying it joined.")
 @click.option("--exit-with-pid", type=int, default=None, hidden=True)
-def worker(host, port, token, threads, connect_timeout, exit_with_pid):
+def worker(host, port, token, threads, connect_timeout, backend, name, exit_with_pid):
     """Serve a dispatcher as one worker (one device). Start as many as `serve --workers` says;
-    under torchrun the workers' world is torchrun's, else the dispatcher forms it."""
+    under torchrun the workers' world is torchrun's, else the dispatcher forms it. GT's
+    `python -m gt.worker --host H -p PORT` is `python -m paratrain.frontend.worker` with the same flags."""
     from paratrain.frontend.errors import FrontendError
     from paratrain.frontend.protocol.addresses import AddressError
     from paratrain.frontend.workers.worker import DeviceUnavailable, run_worker
@@ -75,7 +91,8 @@ def worker(host, port, token, threads, connect_timeout, exit_with_pid):
     group = init_process_group_from_env() if in_torchrun() else None
     try:
         run_worker(f"{host}:{port}", token, group=group, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                   threads=threads, connect_timeout=connect_timeout, exit_with_pid=exit_with_pid)
+                   threads=threads, connect_timeout=connect_timeout, exit_with_pid=exit_with_pid, backend=backend,
+                   name=name)
     except (AddressError, FrontendError, DeviceUnavailable) as error:
         raise click.ClickException(str(error)) from None
 
@@ -105,15 +122,59 @@ def frontend():
 
 
 @frontend.command()
-@click.argument("log", type=click.Path(exists=True, dir_okay=False))
+@click.argument("log", required=False, type=click.Path(exists=True, dir_okay=False))
+@click.option("--live", type=click.FloatRange(0, 3600, min_open=True), default=None, metavar="SECONDS",
+              help="Instead of reading LOG, capture SECONDS of a running dispatcher's log (see --server).")
+@click.option("--server", envvar="PARATRAIN_SERVER", default="127.0.0.1:29700", show_default=True,
+              help="With --live: the dispatcher, HOST:PORT [PARATRAIN_SERVER].")
+@click.option("--token", **_TOKEN)
+@click.option("-n", "--max-events", type=click.IntRange(1), default=None,
+              help="With --live: stop after this many lines.")
+@click.option("--save", type=click.Path(dir_okay=False), default=None,
+              help="With --live: write the captured log here [default: trace_YYYYmmdd_HHMMSS.log].")
 @click.option("-o", "--output", default="frontend_trace.json", show_default=True, help="Chrome trace to write.")
-def trace(log, output):
+@click.option("--png", type=click.Path(dir_okay=False), default=None,
+              help="Also draw a timeline here: a lane per worker, a bar per instruction.")
+def trace(log, live, server, token, max_events, save, output, png):
     """Turn an instruction log into a Chrome trace (open it at ui.perfetto.dev): one track per
-    worker, one slice per instruction."""
-    from paratrain.frontend.trace import write_chrome_trace
+    worker, one slice per instruction; with --png, a timeline picture too."""
+    from paratrain.frontend.trace import read_events, read_log, write_chrome_trace
 
-    count = write_chrome_trace(log, output)
+    if (log is None) == (live is None):
+        raise click.UsageError("give either a LOG file or --live SECONDS")
+    if live is not None:
+        lines = _capture(server, token, live, max_events, save)
+        events = read_events(lines)
+    else:
+        events = read_log(log)
+    count = write_chrome_trace(events, output)
     click.echo(f"wrote {count} instructions to {output}")
+    if png:
+        from paratrain.frontend.timeline import draw_timeline
+
+        drawn = draw_timeline(events, png)
+        click.echo(f"drew {drawn} instructions in {png}")
+
+
+def _capture(server: str, token: str | None, seconds: float, max_events: int | None, save: str | None) -> list[str]:
+    """Capture a running dispatcher's log lines, and save them as a log file."""
+    import time
+
+    from paratrain.frontend.dispatcher.log import HEADER
+    from paratrain.frontend.errors import FrontendError
+    from paratrain.frontend.monitor import capture
+    from paratrain.frontend.protocol.addresses import AddressError
+
+    try:
+        lines, missed = capture(server, token, seconds, max_events)
+    except (AddressError, FrontendError) as error:
+        raise click.ClickException(str(error)) from None
+    save = save or time.strftime("trace_%Y%m%d_%H%M%S.log")
+    with open(save, "w") as out:
+        out.write(HEADER + f"# captured {seconds:g}s from {server}\n" + "".join(line + "\n" for line in lines))
+    click.echo(f"captured {len(lines)} lines from {server} into {save}"
+               + (f" ({missed} missed: the capture fell behind)" if missed else ""))
+    return lines
 
 
 @frontend.command()

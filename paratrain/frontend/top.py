@@ -2,43 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 
-import zmq
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from paratrain.frontend.errors import ProtocolError
-from paratrain.frontend.protocol import VERSION, codec, messages
-from paratrain.frontend.protocol.addresses import endpoint
-from paratrain.frontend.protocol.handshake import handshake, receive
-
-
-class Monitor:
-    """A connection that may only ask for statistics."""
-
-    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0):
-        self.address, self.timeout = address, timeout
-        self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint(address))
-        hello = messages.Hello("monitor", VERSION, os.getpid(), "paratrain top", socket.gethostname()[:256], "", None)
-        handshake(self.sock, hello, token, timeout, address)
-
-    def stats(self) -> messages.Stats:
-        self.sock.send_multipart(codec.encode(messages.StatsRequest()))
-        reply = receive(self.sock, "monitor", self.timeout, self.address)
-        if not isinstance(reply, messages.Stats):
-            raise ProtocolError(f"{self.address} answered {reply.KIND!r} to a request for statistics")
-        return reply
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.context.term()
+from paratrain.frontend.monitor import Monitor
+from paratrain.frontend.protocol import messages
 
 
 def render(stats: messages.Stats) -> Group:

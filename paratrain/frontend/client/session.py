@@ -21,6 +21,7 @@ from paratrain.comm.settings import timeout_from_env
 from paratrain.frontend import signals
 from paratrain.frontend.client import autograd, regions
 from paratrain.frontend.client.connection import Connection
+from paratrain.frontend.client.tape import Tape
 from paratrain.frontend.client.tensor import Tensor, floating
 from paratrain.frontend.errors import ConnectionLost, FrontendError, RemoteError, WorkerLost
 from paratrain.frontend.ops import OPS
@@ -47,6 +48,7 @@ class Session:
         self.placement: int | None = None  # the worker new tensors go to (None: home)
         self.signal_config: dict = {}  # what configure() last sent (signal name -> settings)
         self.worker_stats: dict = {}  # per worker, as of the last sync: busy_s, wait_s (cumulative)
+        self.tape = Tape()  # what this client issued (gt.debug)
         self._next_handle = 0
         self._seq = 0
         self._batch: list[Instruction] = []
@@ -106,7 +108,7 @@ class Session:
                     out._parents = parents
         wire_args = [arg._handle if isinstance(arg, Tensor) else arg for arg in args]
         self._append(name, [out._handle for out in outs], wire_args, targs, kwargs, [args[i] for i in targs],
-                     requires_grad, worker)
+                     requires_grad, worker, [(o._handle, o.shape, o.dtype, o.requires_grad) for o in outs])
         if op.kind == "inplace" and parents:
             target = args[0]
             target._requires_grad = True
@@ -137,11 +139,18 @@ class Session:
         tensor = Tensor(self, self.new_handle(), array.shape, dtype, requires_grad)
         kwargs = {"dtype": dtype, "shape": list(array.shape), "frame": len(self._frames)}
         self._frames.append(memoryview(array).cast("B") if array.size else b"")
-        self.issue("upload", [tensor._handle], [], [], kwargs, requires_grad=requires_grad, worker=worker)
+        self._check_open()
+        self._append("upload", [tensor._handle], [], [], kwargs, (), requires_grad, worker,
+                     [(tensor._handle, tensor.shape, dtype, requires_grad)])
         return tensor
 
-    def _append(self, name, outs, args, targs, kwargs, inputs, requires_grad, worker) -> None:
+    def _append(self, name, outs, args, targs, kwargs, inputs, requires_grad, worker, outputs=None) -> None:
+        """Queue one instruction; `outputs` describe its results for the tape (by default only
+        their handles are known here)."""
         self._seq += 1
+        self.tape.record(self._seq, name, [args[i] for i in targs],
+                         outputs if outputs is not None else [(h, None, None, requires_grad) for h in outs],
+                         worker if worker is not None else self.placement)
         self._issued[self._seq] = (name, [_describe(t) for t in inputs], _caller())
         self._batch.append(Instruction(self._seq, name, outs, args, targs, kwargs, not autograd.is_grad_enabled(),
                                        requires_grad, worker if worker is not None else self.placement,
@@ -196,6 +205,14 @@ class Session:
                 raise FrontendError(f"cannot read tensor h{entry.handle}: {entry.error}")
             values.append(_assemble(frames, entry))
         return values
+
+    def worker_reports(self) -> list:
+        """Each worker's statistics (WorkerReport), counting everything this client issued
+        before the call: it syncs first, and the dispatcher answers after a heartbeat from each
+        worker that left after the sync's reply."""
+        self.sync()
+        self.connection.send(messages.WorkerStatsRequest())
+        return self._await(messages.WorkerStats, lambda reply: True).workers
 
     def configure(self, config: dict) -> list[str]:
         """Send a signal configuration (checked by the dispatcher against its workers);

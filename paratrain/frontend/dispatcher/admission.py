@@ -83,7 +83,7 @@ class Admission:
             self.send(identity, messages.Refused("no free worker slot"))
             return
         self.peers.add_worker(WorkerState(identity, rank, hello, time.monotonic()))
-        self.say(f"worker {rank} joined ({hello.host}, pid {hello.pid}, {hello.device}); "
+        self.say(f"worker {rank} ({hello.name}) joined ({hello.host}, pid {hello.pid}, {hello.device}); "
                  f"{len(self.peers.workers)}/{self.settings.workers}")
         if len(self.peers.workers) < self.settings.workers:
             self.send(identity, messages.Waiting(len(self.peers.workers), self.settings.workers))

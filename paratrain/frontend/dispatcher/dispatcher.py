@@ -24,8 +24,9 @@ import zmq
 
 from paratrain.frontend import signals
 from paratrain.frontend.dispatcher.admission import Admission
-from paratrain.frontend.dispatcher.log import InstructionLog
+from paratrain.frontend.dispatcher.log import LOGGED, InstructionLog
 from paratrain.frontend.dispatcher.peers import ClientState, Peers, WorkerState
+from paratrain.frontend.dispatcher.reports import WorkerReports
 from paratrain.frontend.dispatcher.router import Router
 from paratrain.frontend.dispatcher.settings import DispatcherSettings
 from paratrain.frontend.dispatcher.syncs import Syncs
@@ -68,7 +69,9 @@ class Dispatcher:
         self.sock.setsockopt(zmq.SNDHWM, 0)  # clients bound their own backlog (see session.py)
         self.sock.setsockopt(zmq.MAXMSGSIZE, settings.max_message_mb << 20)
         self.port = self._bind(settings.host, settings.port)
-        self.log = InstructionLog(settings.log_path) if settings.log_path else None
+        self.started = time.time()
+        # The log exists while it has a file to write, or a live capture to feed (see _trace).
+        self.log = InstructionLog(settings.log_path, self.started) if settings.log_path else None
         self.peers = Peers()
         self.complain = Complaints(self.say)
         max_tensor = settings.max_tensor_mb << 20 if settings.max_tensor_mb else None
@@ -76,7 +79,7 @@ class Dispatcher:
                              warn=lambda text: self.complain("router", text))
         self.syncs = Syncs(self.peers, self.send, self.peers.is_alive)
         self.admission = Admission(settings, self.peers, self.send, self.say, self.complain, on_ready=self._all_serving)
-        self.started = time.time()
+        self.reports = WorkerReports(self.peers, self.send)
         self.stopping = False
         self.failure: str | None = None  # why it stopped serving, if it had to
         self.on_ready = None  # called once, when every worker serves
@@ -85,10 +88,12 @@ class Dispatcher:
             ("client", messages.Run): self._run,
             ("client", messages.Configure): self._configure,
             ("client", messages.Bye): lambda client, message: self._drop_client(client, "said bye", tell=False),
+            ("client", messages.WorkerStatsRequest): self._ask_worker_stats,
             ("worker", messages.Heartbeat): self._heartbeat,
             ("worker", messages.Collected): self.syncs.collected,
             ("worker", messages.Timings): self._timings,
             ("monitor", messages.StatsRequest): self._send_stats,
+            ("monitor", messages.TraceRequest): self._trace,
             ("pending", messages.Auth): self.admission.auth,
             ("pending", messages.Hello): self.admission.hello,
             (None, messages.Hello): self.admission.hello,
@@ -177,6 +182,9 @@ class Dispatcher:
             if joined:
                 self.send(identity, messages.Error(f"malformed message: {error}"))
             return
+        if self.log is not None and role in ("client", "worker") and isinstance(message, LOGGED):
+            self.log.message("RECV" if role == "client" else "WORKER_RECV", self._source(identity, role), message,
+                             sum(frame.nbytes for frame in body), time.time())
         try:
             self._dispatch(identity, role, message)
         except Exception as error:  # noqa: BLE001 - one message's failure is its sender's, never the loop's
@@ -208,6 +216,10 @@ class Dispatcher:
             reason = self.peers.dropped.get(identity) or "say hello (and authenticate) first"
             self.send(identity, messages.Refused(reason))
 
+    def _source(self, identity: bytes, role: str | None) -> str:
+        """A peer as the instruction log names it."""
+        return f"{role.upper()} {self._name(identity, role)}"
+
     def _name(self, identity: bytes, role: str | None) -> str:
         if role == "client":
             return str(self.peers.clients[identity].table.slot)
@@ -229,8 +241,10 @@ class Dispatcher:
                      for rank, fetch in asks.items() if rank not in routed.streams]
         # Everything is encoded before the first send: once a worker has its batch it competes
         # for the cores, and a message encoded after it could wait a time slice to be sent.
-        for identity, frames in [(identity, codec.encode(message)) for identity, message in outgoing]:
+        for identity, message, frames in [(identity, message, codec.encode(message)) for identity, message in outgoing]:
             self.send_frames(identity, frames)
+            if self.log is not None:
+                self._log_sent(identity, message, frames)
 
     def _tasks(self, slot: int, routed, sync: int | None = None, asks: dict | None = None) -> list:
         """(identity, Tasks) for every live worker a routed batch gives work, each carrying the
@@ -271,6 +285,9 @@ class Dispatcher:
         for worker in self.peers.workers.values():
             if worker.alive:
                 self.send(worker.identity, messages.Forget(client.table.slot))
+        if self.log is not None:
+            self.log.event("DISCONNECT", f"CLIENT {client.table.slot}", "left", 0, f"why={why.replace(' ', '_')}",
+                           time.time())
         self.peers.remove_client(client, f"dropped: {why}")
         if tell:
             self.send(client.identity, messages.Refused(f"dropped: {why}"))
@@ -279,7 +296,9 @@ class Dispatcher:
     # ---- workers -------------------------------------------------------------------------------
 
     def _heartbeat(self, worker: WorkerState, beat: messages.Heartbeat) -> None:
-        worker.heartbeat(beat, time.monotonic())
+        now = time.monotonic()
+        worker.heartbeat(beat, now)
+        self.reports.answer_ready(now)
         if not worker.serving:
             self.admission.worker_serving(worker)
 
@@ -328,6 +347,9 @@ class Dispatcher:
                                           f"{self.settings.client_timeout:g}s)")
         for identity in self.peers.expire(now):
             self.complain("expired", f"forgot a peer that did not authenticate in time ({identity.hex()})")
+        self.reports.answer_ready(now)
+        if self.log is not None and self.log.tap_expired(now):
+            self._set_log(None)
 
     # ---- monitoring -----------------------------------------------------------------------
 
@@ -339,10 +361,35 @@ class Dispatcher:
     def _send_stats(self, identity: bytes, message: messages.StatsRequest) -> None:
         self.send(identity, self.stats())
 
+    def _ask_worker_stats(self, client: ClientState, message: messages.WorkerStatsRequest) -> None:
+        self.reports.ask(client.identity, time.monotonic())
+
+    def _trace(self, identity: bytes, message: messages.TraceRequest) -> None:
+        """A live capture: log (to memory, if there is no log file) while it keeps asking."""
+        if self.log is None:
+            self._set_log(InstructionLog(None, self.started))
+        self.log.listen(message.keep_s, time.monotonic())
+        self.send(identity, self.log.lines_from(message.first))
+
+    def _set_log(self, log: InstructionLog | None) -> None:
+        self.log = self.router.log = log
+
+    def _log_sent(self, identity: bytes, message, frames: list) -> None:
+        role = self.peers.role_of(identity)
+        if role not in ("client", "worker") or not isinstance(message, (*LOGGED, messages.ClientWelcome)):
+            return
+        event = ("CONNECT" if isinstance(message, messages.ClientWelcome) else
+                 "SEND" if role == "client" else "WORKER_SEND")
+        size = sum(frame.nbytes if isinstance(frame, memoryview) else len(frame) for frame in frames)
+        self.log.message(event, self._source(identity, role), message, size, time.time())
+
     # ---- sending ------------------------------------------------------------------------------
 
     def send(self, identity: bytes, message) -> None:
-        self.send_frames(identity, codec.encode(message))
+        frames = codec.encode(message)
+        self.send_frames(identity, frames)
+        if self.log is not None:
+            self._log_sent(identity, message, frames)
 
     def send_frames(self, identity: bytes, frames: list) -> None:
         try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from paratrain.frontend.dispatcher.table import ClientTable
 from paratrain.frontend.protocol.messages import Heartbeat, Hello
-from paratrain.frontend.protocol.records import ClientRow, WorkerRow
+from paratrain.frontend.protocol.records import ClientRow, WorkerReport, WorkerRow
 
 PENDING_S = 10.0  # seconds a peer has to authenticate
 MAX_PENDING = 256  # unauthenticated peers at a time; the oldest goes first
@@ -45,9 +45,14 @@ class WorkerState:
         self.beat, self.beat_at = beat, now
 
     def row(self) -> WorkerRow:
-        beat = self.beat or Heartbeat(0, 0.0, 0, 0)
+        beat = self.beat or Heartbeat(0, 0.0, 0, 0, {})
         return WorkerRow(self.rank, self.hello.host, self.hello.pid, self.hello.device, self.alive, beat.ops,
                          beat.queue, beat.memory, *self.rates)
+
+    def report(self) -> WorkerReport:
+        beat = self.beat or Heartbeat(0, 0.0, 0, 0, {})
+        return WorkerReport(self.rank, self.hello.host, self.hello.pid, self.hello.device, self.alive, beat.ops,
+                            beat.busy_s, beat.queue, beat.memory, beat.by_op)
 
 
 @dataclass

@@ -24,15 +24,20 @@ plus monitors (`paratrain top`). Each message is a class in `messages.py`; `code
     Error           dispatcher -> peer        a message it could not take, naming the field
     Bye             client -> dispatcher      leaving: free my tensors
     Alive           client -> dispatcher      heartbeat (its own connection), with the secret
+    WorkerStatsRequest client -> dispatcher   each worker's statistics (gt.debug) ...
+    WorkerStats     dispatcher -> client      ... as of a heartbeat sent after the request
     StatsRequest    monitor -> dispatcher     what `paratrain top` shows ...
     Stats           dispatcher -> monitor     ... per worker and per client
+    TraceRequest    monitor -> dispatcher     instruction-log lines from a number on; keep recording
+    TraceEvents     dispatcher -> monitor     those lines (`paratrain frontend trace --live`)
     Tasks           dispatcher -> worker      one client's instructions (+ upload frames); a sync after them
     Collect         dispatcher -> worker      report a client's errors and fetched values
     Collected       worker -> dispatcher      that report (+ tensor frames)
     Forget          dispatcher -> worker      a client left: free its tensors
     Ping            dispatcher -> worker      the dispatcher is alive
     Exit            dispatcher -> worker      stop serving
-    Heartbeat       worker -> dispatcher      alive; operations run, busy time, queue, memory
+    Heartbeat       worker -> dispatcher      alive; operations run (in all, per operation), busy
+                                              time, queue, memory
     Timings         worker -> dispatcher      when each logged instruction ran
 
 An instruction (`instructions.py`) is one operation of the table in `ops.py`, on handles: the

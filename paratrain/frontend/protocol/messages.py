@@ -14,13 +14,16 @@ from paratrain.frontend.protocol import fields
 from paratrain.frontend.protocol.fields import MalformedMessage
 from paratrain.frontend.protocol.instructions import check_instruction, upload_bytes
 from paratrain.frontend.protocol.records import (
-    HANDLE, MAX_FETCH, MAX_WORKERS, RANK, ClientRow, Timing, WorkerRow, error_reports, fetched_list, records,
-    worker_times,
+    HANDLE, MAX_FETCH, MAX_WORKERS, RANK, ClientRow, Timing, WorkerRow, error_reports, fetched_list, op_counts,
+    records, worker_reports, worker_times,
 )
 
-VERSION = 2  # bumped when a message changes; a hello with another version is refused
+VERSION = 3  # bumped when a message changes; a hello with another version is refused
 ROLES = ("client", "worker", "monitor")
 MAX_BATCH = 1 << 14  # instructions in one message (a client sends at most 256)
+MAX_TRACE_LINES = 4096  # log lines in one TraceEvents; a capture asks again for the rest
+MAX_TRACE_LINE = 4096  # characters of one line (longer ones are cut)
+MAX_KEEP_S = 10.0  # how long one TraceRequest keeps the dispatcher recording: a gone monitor stops it soon
 SLOT = (1, (1 << 31) - 1)  # a client's number at the dispatcher
 
 
@@ -50,6 +53,13 @@ def _config(value, name, depth: int = 4):
             _config(item, f"{name}.{fields.text(key, name, 256)}", depth - 1)
         return value
     return fields.plain(value, name)
+
+
+def _keep_seconds(value, name):
+    seconds = fields.number(value, name)
+    if not 0 < seconds <= MAX_KEEP_S:
+        raise MalformedMessage(f"must be more than 0 and at most {MAX_KEEP_S:g} seconds, got {seconds}", name)
+    return seconds
 
 
 def _check_upload_frames(instructions, frames, name: str) -> None:
@@ -216,6 +226,19 @@ class Alive:
     secret: bytes = spec(fields.raw, 16)
 
 
+@dataclass(slots=True)
+class WorkerStatsRequest:
+    """client -> dispatcher: each worker's statistics (`gt.debug.get_worker_stats`)."""
+    KIND = "worker_stats_request"
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """dispatcher -> client: each worker, as of a heartbeat it sent after the request came."""
+    KIND = "worker_stats"
+    workers: list = spec(worker_reports)
+
+
 # ---- monitor and dispatcher -------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -235,6 +258,26 @@ class Stats:
         fields.flag, fields.integer, fields.integer, fields.integer, fields.number, fields.number))
     clients: list = spec(lambda v, n: records(
         ClientRow, v, n, 1 << 16, fields.integer, fields.text, fields.integer, fields.integer, fields.integer))
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """monitor -> dispatcher: the instruction log's lines from number `first` on (0: from the
+    next one written), and go on keeping them for `keep_s` more seconds (the dispatcher logs
+    only while asked, unless it writes a log file anyway)."""
+    KIND = "trace_request"
+    first: int = spec(fields.integer, 0)
+    keep_s: float = spec(_keep_seconds)
+
+
+@dataclass(slots=True)
+class TraceEvents:
+    """dispatcher -> monitor: log lines `first`, `first + 1`, ...; `missed`: lines asked for that
+    had already left the dispatcher's buffer."""
+    KIND = "trace_events"
+    first: int = spec(fields.integer, 0)
+    lines: list = spec(fields.texts, MAX_TRACE_LINES, MAX_TRACE_LINE)
+    missed: int = spec(fields.integer, 0)
 
 
 # ---- dispatcher and worker ---------------------------------------------------------------------
@@ -305,12 +348,14 @@ class Exit:
 
 @dataclass(slots=True)
 class Heartbeat:
-    """worker -> dispatcher, twice a second: alive, and its running totals for `paratrain top`."""
+    """worker -> dispatcher, twice a second: alive, and its running totals for `paratrain top`
+    and `gt.debug.get_worker_stats` (`by_op`: instructions run, per operation)."""
     KIND = "heartbeat"
     ops: int = spec(fields.integer, 0)
     busy_s: float = spec(fields.number)
     queue: int = spec(fields.integer, 0)
     memory: int = spec(fields.integer, 0)
+    by_op: dict = spec(op_counts)
 
 
 @dataclass(slots=True)
@@ -322,7 +367,8 @@ class Timings:
 
 
 # Who accepts what: the decoder of each receiver knows only the messages sent to it.
-TO_DISPATCHER = (Hello, Auth, Run, Configure, Bye, Alive, StatsRequest, Heartbeat, Collected, Timings)
-TO_CLIENT = (Challenge, Refused, ClientWelcome, Synced, Configured, Error)
+TO_DISPATCHER = (Hello, Auth, Run, Configure, Bye, Alive, WorkerStatsRequest, StatsRequest, TraceRequest, Heartbeat,
+                 Collected, Timings)
+TO_CLIENT = (Challenge, Refused, ClientWelcome, Synced, Configured, WorkerStats, Error)
 TO_WORKER = (Challenge, Refused, Waiting, WorkerWelcome, Tasks, Collect, Forget, Ping, Exit, Error)
-TO_MONITOR = (Challenge, Refused, MonitorWelcome, Stats, Error)
+TO_MONITOR = (Challenge, Refused, MonitorWelcome, Stats, TraceEvents, Error)

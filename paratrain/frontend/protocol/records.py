@@ -62,6 +62,21 @@ class WorkerRow(NamedTuple):
     busy: float
 
 
+class WorkerReport(NamedTuple):
+    """One worker as `gt.debug.get_worker_stats` shows it: its last heartbeat, taken after the
+    request arrived, so everything the client synced before asking is counted."""
+    rank: int
+    host: str
+    pid: int
+    device: str
+    alive: bool
+    ops: int  # instructions run, all clients
+    busy_s: float  # running instructions, since the worker started
+    queue: int
+    memory: int
+    by_op: dict  # operation name -> instructions of it run
+
+
 class ClientRow(NamedTuple):
     client: int
     name: str
@@ -104,6 +119,19 @@ def fetched_list(value, name):
                     lambda v, n: fields.integers(v, n, 64, 0), lambda v, n: fields.integer(v, n, 0, MAX_WORKERS),
                     lambda v, n: fields.optional(v, n, fields.integer, 0, 63),
                     lambda v, n: fields.optional(v, n, fields.text, fields.MAX_TEXT))
+
+
+def op_counts(value, name):
+    """Operation name -> how many ran (at most one entry per operation of the table)."""
+    for key, count in fields.mapping(value, name, 1024).items():
+        fields.integer(count, f"{name}.{fields.text(key, name, 64)}", 0)
+    return value
+
+
+def worker_reports(value, name):
+    return records(WorkerReport, value, name, MAX_WORKERS, lambda v, n: fields.integer(v, n, *RANK), fields.text,
+                   fields.integer, fields.text, fields.flag, lambda v, n: fields.integer(v, n, 0), fields.number,
+                   lambda v, n: fields.integer(v, n, 0), lambda v, n: fields.integer(v, n, 0), op_counts)
 
 
 def worker_times(value, name):

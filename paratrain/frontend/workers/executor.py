@@ -14,7 +14,7 @@ first one at its next sync.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import NamedTuple
 
 import torch
@@ -50,6 +50,7 @@ class Executor:
         self.errors: dict[int, list] = defaultdict(list)
         self.links = Links(group, device, self.rank)
         self.executed = 0
+        self.by_op: Counter = Counter()  # operation name -> instructions of it run (gt.debug)
 
     @property
     def wait_s(self) -> float:
@@ -68,6 +69,7 @@ class Executor:
             else:
                 self._run(slot, base, instruction, frames)
         self.executed += len(instructions)
+        self.by_op.update([instruction.op for instruction in instructions])
 
     def _run(self, slot: int, base: int, instruction: Instruction, frames: list) -> None:
         args = list(instruction.args)

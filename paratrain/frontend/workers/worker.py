@@ -36,10 +36,10 @@ class DeviceUnavailable(RuntimeError):
     """The device this worker was asked to use is not there."""
 
 
-def worker_device(local_rank: int) -> torch.device:
-    """One GPU per worker where there are GPUs, unless GT_BACKEND / PARATRAIN_BACKEND asks
-    for the CPU ('numpy' is GT's name for its CPU backend)."""
-    backend = (os.environ.get("PARATRAIN_BACKEND") or os.environ.get("GT_BACKEND") or "").lower()
+def worker_device(local_rank: int, backend: str | None = None) -> torch.device:
+    """One GPU per worker where there are GPUs, unless `backend` (or GT_BACKEND /
+    PARATRAIN_BACKEND) asks for the CPU ('numpy' is GT's name for its CPU backend)."""
+    backend = (backend or os.environ.get("PARATRAIN_BACKEND") or os.environ.get("GT_BACKEND") or "").lower()
     if backend in ("numpy", "cpu"):
         return torch.device("cpu")
     if hasattr(torch, "cuda") and torch.cuda.is_available():
@@ -50,23 +50,25 @@ def worker_device(local_rank: int) -> torch.device:
 
 
 def run_worker(address: str, token: str | None = None, *, group=None, local_rank: int = 0,
-               threads: int | None = None, connect_timeout: float = 120.0, exit_with_pid: int | None = None) -> None:
+               threads: int | None = None, connect_timeout: float = 120.0, exit_with_pid: int | None = None,
+               backend: str | None = None, name: str | None = None) -> None:
     """Serve the dispatcher at `address` until it says exit (or goes silent).
 
     `group` is this worker's paratrain Group when a launcher already formed the world
     (torchrun); without one the dispatcher numbers the workers as they arrive and hands out a
     store to meet at. Waits at most `connect_timeout` seconds for the dispatcher to answer,
-    saying so every few seconds.
+    saying so every few seconds. `backend`: see worker_device; `name`: what `paratrain top`
+    calls this worker (default: the program's name).
     """
     if threads:
         torch.set_num_threads(threads)
-    device = worker_device(local_rank)
+    device = worker_device(local_rank, backend)
     target = endpoint(address)  # resolves the host now: an unknown host is an error, not a silent wait
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(target)
-    hello = messages.Hello("worker", VERSION, os.getpid(), os.path.basename(sys.argv[0] or "python")[:256],
+    hello = messages.Hello("worker", VERSION, os.getpid(), (name or os.path.basename(sys.argv[0] or "python"))[:256],
                            socket.gethostname()[:256], str(device), group.rank if group is not None else None)
     own_group = group is None
     try:
@@ -236,7 +238,9 @@ class _WorkerLoop:
             self.sock.send_multipart(self.outbox.get(), copy=False)
 
     def _send_heartbeat(self) -> None:
+        # dict() copies the executor thread's Counter in one C call, under the interpreter lock:
+        # no update can interleave with it.
         executor = self.executor
         beat = messages.Heartbeat(executor.executed, self.busy_s, self.received - executor.executed,
-                                  executor.memory_bytes())
+                                  executor.memory_bytes(), dict(executor.by_op))
         self.sock.send_multipart(codec.encode(beat))
