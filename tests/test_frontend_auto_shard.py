@@ -193,3 +193,22 @@ def test_gt_start_honours_the_programs_environment(monkeypatch, tmp_path):
         gt.disconnect()
     assert multiplied
     assert "upload auto-shard -> split 0 over [0,1]" in log.read_text()
+
+
+@pytest.mark.parametrize("shape, dtype, workers, split", [
+    ((64, 8), "float32", (0, 1, 2, 3), 0),  # the batch axis first
+    ((6, 64), "float32", (0, 1, 2, 3), 1),  # 6 rows do not divide by 4: the next axis that does
+    ((6, 7, 11), "float32", (0, 1, 2, 3), None),  # no axis divides: stays whole
+    ((2, 256), "float32", (0, 1, 2, 3), 1),  # fewer rows than workers
+    ((16, 8), "float32", (0, 1), None),  # 512 bytes: under the threshold
+    ((16, 8), "float64", (0, 1), 0),  # the same shape in 1 KiB
+    ((1024,), "float32", (0,), None),  # one worker: nothing to split over
+    ((), "float32", (0, 1), None),
+])
+def test_auto_placement_splits_large_tensors_batch_axis_first(shape, dtype, workers, split):
+    from paratrain.frontend.dispatcher.auto_shard import AutoShard
+
+    placement = AutoShard(MIN_BYTES).placement(shape, dtype, workers)
+    assert (placement.split if placement is not None else None) == split
+    if placement is not None:
+        assert placement.workers == workers
