@@ -2,7 +2,7 @@
 parameter's gradient and a few SGD steps are the same on 2 and 4 workers as on 1, and the
 instruction log shows that every worker did part of the work.
 
-Each server auto-shards tensors of at least 1 KiB (the default, 1 MiB, would leave these small
+Each server auto-shards tensors of at least 1 KiB (the default, 4 MiB, would leave these small
 tensors whole): the (64, 8) inputs and targets split by rows, the narrow MLP's parameters
 (<= 512 bytes) stay whole on worker 0, the wide MLP's weights (1-2 KiB) are split too.
 Tolerance: the same float32 math, summed in another order (each worker sums its rows, then an

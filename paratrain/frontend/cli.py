@@ -38,7 +38,7 @@ PORT = click.IntRange(0, 65535)
               help="Split large new tensors over every worker, batch axis first (see the frontend README) "
                    "[PARATRAIN_AUTO_SHARD, GT_AUTO_SHARD].")
 @click.option("--auto-shard-min-bytes", envvar="PARATRAIN_AUTO_SHARD_MIN_BYTES", default=None, type=click.IntRange(0),
-              help="With --auto-shard: smaller tensors stay whole on one worker (default: 1 MiB) "
+              help="With --auto-shard: smaller tensors stay whole on one worker (default: 4 MiB) "
                    "[PARATRAIN_AUTO_SHARD_MIN_BYTES].")
 @click.option("--quiet", is_flag=True, help="Print only warnings (refusals, lost workers).")
 @click.option("--exit-with-pid", type=int, default=None, hidden=True)
