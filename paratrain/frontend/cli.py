@@ -37,11 +37,17 @@ PORT = click.IntRange(0, 65535)
               help="Largest message (one uploaded tensor) accepted, in MiB.")
 @click.option("--max-tensor-mb", default=None, type=click.IntRange(1),
               help="Largest tensor a client may make, in MiB (default: no limit).")
+@click.option("--auto-shard/--no-auto-shard", envvar=["PARATRAIN_AUTO_SHARD", "GT_AUTO_SHARD"], default=False,
+              help="Split large new tensors over every worker, batch axis first (see the frontend README) "
+                   "[PARATRAIN_AUTO_SHARD, GT_AUTO_SHARD].")
+@click.option("--auto-shard-min-bytes", envvar="PARATRAIN_AUTO_SHARD_MIN_BYTES", default=None, type=click.IntRange(0),
+              help="With --auto-shard: smaller tensors stay whole on one worker (default: 4 MiB) "
+                   "[PARATRAIN_AUTO_SHARD_MIN_BYTES].")
 @click.option("--quiet", "--no-console-log", "quiet", is_flag=True, help="Print only warnings (refusals, lost workers).")
 @click.option("--exit-with-pid", type=int, default=None, hidden=True)
 @click.pass_context
 def serve(ctx, host, port, workers, local_workers, spawn, token, instruction_log, threads, client_timeout,
-          worker_timeout, max_message_mb, max_tensor_mb, quiet, exit_with_pid):
+          worker_timeout, max_message_mb, max_tensor_mb, auto_shard, auto_shard_min_bytes, quiet, exit_with_pid):
     """Run a frontend dispatcher: clients connect with `gt.connect("HOST:PORT")` (or
     PARATRAIN_SERVER=HOST:PORT), workers with `paratrain worker --host HOST --port PORT`.
     GT's `python -m gt.server -p PORT --spawn_gpu_workers N` is `python -m paratrain.frontend.server`
@@ -57,7 +63,8 @@ def serve(ctx, host, port, workers, local_workers, spawn, token, instruction_log
 
     try:
         settings = DispatcherSettings(host, port, workers, token, instruction_log, client_timeout, worker_timeout,
-                                      max_message_mb, max_tensor_mb, quiet)
+                                      max_message_mb, max_tensor_mb, quiet, auto_shard,
+                                      **({} if auto_shard_min_bytes is None else {"auto_shard_min_bytes": auto_shard_min_bytes}))
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     try:

@@ -27,6 +27,8 @@ def compute(job, instruction: Instruction) -> None:
     signal = router.signal_of(table, instruction)
     first = where[instruction.args[targs[0]]]
     workers = first.workers if signal is None or name in STAY else signal.workers
+    if signal is None and router.auto_shard is not None and name not in STAY:
+        workers = _split_input_workers(where, instruction.args, targs, workers)
     router.check_alive(workers)
     if len(workers) == 1 and _all_at(where, instruction.args, targs, first):
         _compute_here(job, instruction, first)  # the common case
@@ -48,8 +50,9 @@ def compute(job, instruction: Instruction) -> None:
     except Unsupported as error:
         raise Refused(f"{name}: {error}") from None
     inputs = list(args)  # the handles as they were, for steps after the operation
-    for i, conversion in steps.convert.items():
-        args[i] = convert(job, args[i], conversion, workers)
+    for i, conversions in steps.convert.items():
+        for conversion in conversions if isinstance(conversions, list) else [conversions]:
+            args[i] = convert(job, args[i], conversion, workers)
     op_args = args + [None] * max(0, max(steps.args, default=-1) + 1 - len(args))
     for position, value in steps.args.items():
         op_args[position] = value
@@ -90,6 +93,17 @@ def _compute_here(job, instruction: Instruction, placement: Placement) -> None:
     if crossed:
         for handle in ([args[targs[0]]] if inplace else outs):
             router.add_crossings(table, handle, crossed)
+
+
+def _split_input_workers(where: dict, args: list, targs: list, default: tuple) -> tuple:
+    """Auto-sharding: an operation runs where its first split input lives, so that a small
+    operand (a weight, a bias, a target) is copied to the parts instead of the parts gathered
+    to it, whichever side of the operator the program wrote it on."""
+    for i in targs:
+        placement = where[args[i]]
+        if placement.split is not None:
+            return placement.workers
+    return default
 
 
 def _all_at(where: dict, args: list, targs: list, placement: Placement) -> bool:

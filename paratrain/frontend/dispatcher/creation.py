@@ -1,7 +1,8 @@
 """Where new tensors go: created by an operation (randn, zeros...) or uploaded by the client.
 
 A tensor created in a signal's region is split or replicated over its workers as the signal
-says; outside any region it goes to `gt.worker(k)`'s worker or the client's home worker. Split
+says; outside any region it goes to `gt.worker(k)`'s worker, or is split over every worker if
+it is large and the dispatcher auto-shards (`auto_shard.py`), or to the client's home worker. Split
 tensors are created part by part on their workers (uploads are cut by the dispatcher); a random
 tensor replicated over several workers is drawn once and broadcast, so its copies agree.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from paratrain.frontend.dispatcher.auto_shard import NOT_SPLIT_AT_CREATION
 from paratrain.frontend.dispatcher.conversions import ensure_group
 from paratrain.frontend.dispatcher.sharding import Placement, local_shapes
 from paratrain.frontend.dispatcher.table import Refused
@@ -25,8 +27,8 @@ def create(job, instruction: Instruction) -> None:
     name, out = instruction.op, instruction.outs[0]
     (meta,) = router.infer(table, name, instruction.args, [], instruction.kwargs)
     signal = router.signal_of(table, instruction)
-    placement = _placement_for(job, instruction, signal, meta[0])
-    note = router.note(placement.workers, signal, f"-> {placement.describe()}" if len(placement.workers) > 1 else "")
+    placement = _placement_for(job, instruction, signal, meta)
+    note = _note(router, placement, signal)
     if placement.split is not None:
         if name == "arange":
             raise Refused("arange: a split signal cannot create it (create it replicated, then gt.signal.tensor)")
@@ -52,8 +54,8 @@ def upload(job, instruction: Instruction) -> None:
     shape, dtype = tuple(kwargs["shape"]), kwargs["dtype"]
     router.check_size(shape, dtype)
     signal = router.signal_of(table, instruction)
-    placement = _placement_for(job, instruction, signal, shape)
-    note = router.note(placement.workers, signal, f"-> {placement.describe()}" if len(placement.workers) > 1 else "")
+    placement = _placement_for(job, instruction, signal, (shape, dtype))
+    note = _note(router, placement, signal)
     frame = job.frames[kwargs["frame"]]
     pieces, shapes = [frame] * len(placement.workers), [shape] * len(placement.workers)
     if placement.split is not None:
@@ -66,18 +68,32 @@ def upload(job, instruction: Instruction) -> None:
     table.where[out], table.meta[out] = placement, (shape, dtype)
 
 
-def _placement_for(job, instruction: Instruction, signal, shape) -> Placement:
+def _note(router, placement: Placement, signal) -> str:
+    """For the instruction log: the layout, and that auto-sharding chose it."""
+    if len(placement.workers) == 1:
+        return router.note(placement.workers, signal, "")
+    chosen_by = "auto-shard " if signal is None and placement.split is not None else ""
+    return router.note(placement.workers, signal, f"{chosen_by}-> {placement.describe()}")
+
+
+def _placement_for(job, instruction: Instruction, signal, meta) -> Placement:
     router = job.router
     if signal is not None:
-        placement = signal_placement(signal, shape)
+        placement = signal_placement(signal, meta[0])
     elif instruction.worker is not None:
         if instruction.worker >= router.n_workers:
             raise Refused(f"worker {instruction.worker} does not exist (there are {router.n_workers})")
         placement = Placement((instruction.worker,))
     else:
-        placement = Placement((job.table.home,))
+        placement = _auto_placement(router, instruction.op, meta) or Placement((job.table.home,))
     router.check_alive(placement.workers)
     return placement
+
+
+def _auto_placement(router, name: str, meta) -> Placement | None:
+    if router.auto_shard is None or name in NOT_SPLIT_AT_CREATION:
+        return None
+    return router.auto_shard.placement(meta[0], meta[1], router.live_workers())
 
 
 def signal_placement(signal, shape) -> Placement:

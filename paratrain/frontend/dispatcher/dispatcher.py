@@ -24,6 +24,7 @@ import zmq
 
 from paratrain.frontend import signals
 from paratrain.frontend.dispatcher.admission import Admission
+from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.log import LOGGED, InstructionLog
 from paratrain.frontend.dispatcher.peers import ClientState, Peers, WorkerState
 from paratrain.frontend.dispatcher.reports import WorkerReports
@@ -75,8 +76,9 @@ class Dispatcher:
         self.peers = Peers()
         self.complain = Complaints(self.say)
         max_tensor = settings.max_tensor_mb << 20 if settings.max_tensor_mb else None
+        auto_shard = AutoShard(settings.auto_shard_min_bytes) if settings.auto_shard else None
         self.router = Router(settings.workers, self.peers.is_alive, self.log, max_tensor,
-                             warn=lambda text: self.complain("router", text))
+                             warn=lambda text: self.complain("router", text), auto_shard=auto_shard)
         self.syncs = Syncs(self.peers, self.send, self.peers.is_alive)
         self.admission = Admission(settings, self.peers, self.send, self.say, self.complain, on_ready=self._all_serving)
         self.reports = WorkerReports(self.peers, self.send)

@@ -6,9 +6,10 @@ inference the client runs: nothing a client claims about shapes is trusted), and
 its handler, found in one table (`HANDLERS`), which decides where it runs:
 
 - created tensors (`creation.py`) go where the client's signal says, or to `gt.worker(k)`, or
-  to the client's home worker;
+  (auto-sharding, `auto_shard.py`) split over every worker when large, or to the client's home
+  worker;
 - an operation on tensors (`compute.py`) runs on its signal's workers or where its first input
-  lives, moving and re-laying out inputs as needed (`moves.py`, `conversions.py`);
+  (auto-sharding: its first split input) lives, moving and re-laying out inputs as needed (`moves.py`, `conversions.py`);
 - `backward` of a loss whose graph crossed workers is the local backward followed by every
   crossing's gradient exchange, newest first (`moves.py`);
 - frees, optimizers and seeds are bookkeeping, below.
@@ -24,6 +25,7 @@ import traceback
 from collections import defaultdict
 
 from paratrain.frontend.dispatcher import compute, creation, moves
+from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.conversions import forget_entered
 from paratrain.frontend.dispatcher.sharding import Placement
 from paratrain.frontend.dispatcher.table import ClientTable, Job, Refused, Routed
@@ -46,8 +48,10 @@ class Skipped(Refused):
 
 
 class Router:
-    def __init__(self, n_workers: int, is_alive, log=None, max_tensor_bytes: int | None = None, warn=None):
+    def __init__(self, n_workers: int, is_alive, log=None, max_tensor_bytes: int | None = None, warn=None,
+                 auto_shard: AutoShard | None = None):
         self.n_workers = n_workers
+        self.auto_shard = auto_shard  # None: tensors no one placed go to the client's home worker
         self.is_alive = is_alive  # worker -> bool
         self.log = log  # InstructionLog or None
         self.max_tensor_bytes = max_tensor_bytes
@@ -128,6 +132,9 @@ class Router:
         if count * ITEM_SIZES[dtype] > self.max_tensor_bytes:
             raise Refused(f"a {dtype}{list(shape)} tensor is over this server's limit of "
                           f"{self.max_tensor_bytes >> 20} MiB per tensor (paratrain serve --max-tensor-mb)")
+
+    def live_workers(self) -> tuple[int, ...]:
+        return tuple(w for w in range(self.n_workers) if self.is_alive(w))
 
     def check_alive(self, workers) -> None:
         for worker in workers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paratrain.frontend.dispatcher.auto_shard import DEFAULT_MIN_BYTES
 from paratrain.frontend.protocol.addresses import AddressError, check_port, is_loopback
 
 
@@ -19,6 +20,8 @@ class DispatcherSettings:
     max_message_mb: int = 1024  # the largest message (one uploaded tensor)
     max_tensor_mb: int | None = None  # the largest tensor a client may make (None: any)
     quiet: bool = False  # print only warnings
+    auto_shard: bool = False  # split large new tensors over every worker (GT_AUTO_SHARD; see auto_shard.py)
+    auto_shard_min_bytes: int = DEFAULT_MIN_BYTES  # "large": at least this many bytes
 
     def __post_init__(self):
         if self.workers < 1:
@@ -30,6 +33,8 @@ class DispatcherSettings:
         if not is_loopback(self.host) and not self.token:
             raise ValueError(f"binding {self.host} exposes the dispatcher beyond this machine: give a token "
                              "(--token or PARATRAIN_TOKEN)")
+        if self.auto_shard_min_bytes < 0:
+            raise ValueError(f"auto-shard-min-bytes must be at least 0, got {self.auto_shard_min_bytes}")
         for name in ("client_timeout", "worker_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

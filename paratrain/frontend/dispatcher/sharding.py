@@ -14,7 +14,9 @@ axis; and partial sums (a row-parallel matmul, a reduction over the split axis) 
 `g` (all-reduce forward, identity backward). An operation without a rule gathers its split
 inputs first and runs replicated: slower, never wrong.
 
-Conversions: ("f",), ("scatter", axis), ("gather", axis). Post steps: ("g",) all-reduce,
+Conversions: ("f",), ("scatter", axis), ("gather", axis), or a list of them applied in order (a
+split weight met by split rows is gathered, then enters through f). Random operations on a split
+tensor draw each part on its own worker. Post steps: ("g",) all-reduce,
 ("scale", factor), ("add", position) add an input after the sum (a row-parallel bias).
 """
 
@@ -56,7 +58,7 @@ def local_shapes(shape: tuple, placement: Placement) -> list[tuple]:
 
 @dataclass
 class Plan:
-    convert: dict = field(default_factory=dict)  # arg position -> conversion
+    convert: dict = field(default_factory=dict)  # arg position -> conversion (or a list of them)
     op: str | None = None  # None: the instruction's own operation
     args: dict = field(default_factory=dict)  # arg position -> replacement plain value
     kwargs: dict = field(default_factory=dict)  # keyword arguments added or replaced
@@ -81,7 +83,7 @@ def plan(name: str, args: list, targs: list, kwargs: dict, shapes: dict, splits:
                               "values on each: make the tensor split, or run it on one worker")
         return Plan(outs=[None] * results)
     rule = _RULES.get(name)
-    if rule is None and name in LOCAL_UNARY:
+    if rule is None and (name in LOCAL_UNARY or name in RANDOM):
         return Plan(outs=[splits[targs[0]]] * results)
     if rule is not None:
         found = rule(args, targs, kwargs, shapes, splits, out_shapes, n)
@@ -152,8 +154,8 @@ def _matmul(args, targs, kwargs, shapes, splits, out_shapes, n):
             return Plan(post=[("g",)], outs=[None], note="row-parallel: partial sums all-reduced")
         if a is None and b == 1:
             return Plan(convert={0: ("f",)}, outs=[len(out) - 1], note="column-parallel: no communication")
-        if a is not None and a < last and b is None:
-            return Plan(convert={1: ("f",)}, outs=[a + len(out) - len(sa)], note="split rows: weight replicated")
+        if a is not None and a < last:
+            return Plan(convert={1: _whole(b)}, outs=[a + len(out) - len(sa)], note="split rows: weight replicated")
         return None
     if a is not None and b is not None and len(sa) == len(sb) and a == b and a < len(sa) - 2:
         return Plan(outs=[a], note="batched on parts")
@@ -171,12 +173,18 @@ def _linear(args, targs, kwargs, shapes, splits, out_shapes, n):
     if x == last and w == 0 and b is None:
         post = [("g",)] + ([("add", 2)] if 2 in splits else [])
         return Plan(args={2: None}, post=post, outs=[None], note="row-parallel: partial sums all-reduced")
-    if x is not None and x < last and w is None and b is None:
-        convert = {1: ("f",)}
+    if x is not None and x < last:
+        convert = {1: _whole(w)}
         if 2 in splits:
-            convert[2] = ("f",)
+            convert[2] = _whole(b)
         return Plan(convert=convert, outs=[x], note="split rows: weight replicated")
     return None
+
+
+def _whole(split):
+    """A weight used whole by every part of a split input: gathered first if it is split itself
+    (its gradient is then summed by f and split again by the gather's backward)."""
+    return ("f",) if split is None else [("gather", split), ("f",)]
 
 
 def _reduce(args, targs, kwargs, shapes, splits, out_shapes, n, name):
