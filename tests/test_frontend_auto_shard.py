@@ -9,6 +9,8 @@ Tolerance: the same float32 math, summed in another order (each worker sums its 
 all-reduce sums the parts): rtol 1e-5, atol 1e-6 on values of order 1.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -117,32 +119,45 @@ def test_mlp_forward_gradients_and_sgd_steps_match_one_process(client, width):
         np.testing.assert_allclose(got["params"][name], value, rtol=RTOL, atol=ATOL, err_msg=f"{name} after SGD")
 
 
-def _logged(server, op: str) -> list[str]:
-    """Log lines of `op` (the log is written as workers report their timings)."""
-    lines = [line.split(" | ") for line in server.log.read_text().splitlines() if not line.startswith("#")]
-    return [line for line in lines if len(line) == 7 and line[2].split(" ")[0] == op]
+class Ran(NamedTuple):
+    command: str  # the operation, then what the dispatcher noted (signal, pattern)
+    worker: int
+    out: str  # the first result's dtype and whole shape, e.g. "float32[64,32]"
+
+
+def _logged(log, op: str) -> list[Ran]:
+    """The OP lines of `op` (written as workers report their timings), in GT's columns:
+    elapsed | #seq | OP | WORKER w | command | size | details (op= ... out=hN:dtype[shape])."""
+    found = []
+    for line in log.read_text().splitlines():
+        fields = [field.strip() for field in line.split(" | ")]
+        if line.startswith("#") or len(fields) != 7 or fields[2] != "OP" or fields[4].split(" ")[0] != op:
+            continue
+        out = next((item.split(":", 1)[1].split(",h")[0] for item in fields[6].split() if item.startswith("out=")), "")
+        found.append(Ran(fields[4], int(fields[3].split()[-1]), out))
+    return found
 
 
 @pytest.mark.parametrize("width", HIDDEN)
 def test_the_log_shows_every_worker_computing_and_small_parameters_whole(client, server, width):
-    before = len(_logged(server, "linear"))
+    before = len(_logged(server.log, "linear"))
     _frontend_run(HIDDEN[width], steps=1)
     # two layers, forward twice (before and in the step), on every worker
-    linear = wait_until(lambda: _logged(server, "linear")[before:] if len(_logged(server, "linear")) >= before + 4
+    linear = wait_until(lambda: _logged(server.log, "linear")[before:] if len(_logged(server.log, "linear")) >= before + 4
                         * server.workers else None, 30, "the linear layers' log lines")
-    assert {int(line[5].split()[-1]) for line in linear} == set(range(server.workers))
+    assert {ran.worker for ran in linear} == set(range(server.workers))
     if server.workers == 1:
-        assert not any("auto-shard" in line[2] for line in _logged(server, "upload"))
+        assert not any("auto-shard" in ran.command for ran in _logged(server.log, "upload"))
         return
-    assert all("split rows: weight replicated" in line[2] for line in linear)
+    assert all("split rows: weight replicated" in ran.command for ran in linear)
     # The log names tensors by their whole shape; each split upload is logged once per worker.
-    split = [line[4].split(":")[1] for line in _logged(server, "upload") if "auto-shard -> split 0" in line[2]]
-    assert split.count(f"float32[{BATCH}, {IN}]") % server.workers == 0 < split.count(f"float32[{BATCH}, {IN}]")
-    assert f"float32[{BATCH}, {OUT}]" in split
-    weights = {f"float32[{IN}, {HIDDEN[width]}]", f"float32[{HIDDEN[width]}, {OUT}]"}
+    split = [ran.out for ran in _logged(server.log, "upload") if "auto-shard -> split 0" in ran.command]
+    assert split.count(f"float32[{BATCH},{IN}]") % server.workers == 0 < split.count(f"float32[{BATCH},{IN}]")
+    assert f"float32[{BATCH},{OUT}]" in split
+    weights = {f"float32[{IN},{HIDDEN[width]}]", f"float32[{HIDDEN[width]},{OUT}]"}
     assert weights <= set(split) if width == "wide" else not weights & set(split)
-    entered = [line for line in _logged(server, "tp_f")]
-    assert {int(line[5].split()[-1]) for line in entered} == set(range(server.workers))
+    entered = [line for line in _logged(server.log, "tp_f")]
+    assert {ran.worker for ran in entered} == set(range(server.workers))
 
 
 def test_gt_programs_run_unchanged_on_split_tensors(client):
@@ -187,12 +202,12 @@ def test_gt_start_honours_the_programs_environment(monkeypatch, tmp_path):
     try:
         array = np.arange(BATCH * IN, dtype=np.float32).reshape(BATCH, IN)
         np.testing.assert_array_equal((gt.from_numpy(array) * 2.0).numpy(), array * 2.0)
-        multiplied = wait_until(lambda: {line.split(" | ")[-2] for line in log.read_text().splitlines()
-                                         if " | mul " in line} == {"worker 0", "worker 1"}, 30, "mul on both workers")
+        multiplied = wait_until(lambda: {ran.worker for ran in _logged(log, "mul")} == {0, 1}, 30,
+                                "mul on both workers")
     finally:
         gt.disconnect()
     assert multiplied
-    assert "upload auto-shard -> split 0 over [0,1]" in log.read_text()
+    assert any("auto-shard -> split 0 over [0,1]" in ran.command for ran in _logged(log, "upload"))
 
 
 @pytest.mark.parametrize("shape, dtype, workers, split", [
