@@ -7,8 +7,11 @@ The schema is the GT seed's (`sharding_config.yaml`):
         axis: 1                # tensors created in the region are split along this axis ...
         workers: [0, 1]        # ... over these workers (part r on the r-th of them)
       backward: grads0         # optional: how gradients crossing back into the region travel
+      compile: true            # optional: each worker runs its part of the region compiled
     pp_stage0:
       workers: [0, 1]          # no shard: tensors created here are replicated on these workers
+    fused:
+      compile: true            # compile only: places nothing, runs where the inputs live
 
 What a signal means (see the frontend README for the whole story): tensors *created* in its
 region are laid out as it says, and operations issued in it run on its workers (inputs that
@@ -19,6 +22,10 @@ communication. `gt.signal.tensor(x, name)` moves or re-splits a tensor explicitl
 `backward: T` names a signal with the same workers as a region's *sources*: the gradient of a
 tensor moved into the region travels back split as T says, and is gathered there (Megatron's
 scatter-gather of pipeline messages: each link carries a part instead of the whole).
+
+`compile: true` (GT's key) makes each execution of the region, from its second on, run as
+torch.compile'd functions on the workers (see workers/compiled.py); values and gradients are
+those of eager execution. A signal with only `compile` places nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_RANK = 8  # axes are checked against [-8, 8) when loaded, against the tensor when used
-_SIGNAL_KEYS = {"shard", "workers", "backward"}
+_SIGNAL_KEYS = {"shard", "workers", "backward", "compile"}
 _SHARD_KEYS = {"axis", "workers"}
 
 
@@ -41,13 +48,22 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Signal:
     name: str
-    workers: tuple[int, ...]
+    workers: tuple[int, ...]  # empty: the signal places nothing (it only compiles)
     axis: int | None  # None: replicated on every worker
     backward: str | None = None
+    compile: bool = False  # run the region compiled on its workers (GT's `compile: true`)
+
+    @property
+    def places(self) -> bool:
+        """Whether the region's tensors and operations go to the signal's workers."""
+        return bool(self.workers)
 
     def describe(self) -> str:
         where = ",".join(map(str, self.workers))
-        return f"split {self.axis} over [{where}]" if self.axis is not None else f"replicated on [{where}]"
+        if not self.workers:
+            return "compiled where its inputs live"
+        layout = f"split {self.axis} over [{where}]" if self.axis is not None else f"replicated on [{where}]"
+        return layout + (", compiled" if self.compile else "")
 
 
 def parse(config, n_workers: int | None = None) -> dict[str, Signal]:
@@ -63,6 +79,8 @@ def parse(config, n_workers: int | None = None) -> dict[str, Signal]:
     for signal in signals.values():
         if signal.backward is not None and signal.backward not in config:
             problems.append(f"{signal.name}: backward names {signal.backward!r}, which is not a signal here")
+        elif signal.backward in signals and not signals[signal.backward].places:
+            problems.append(f"{signal.name}: backward names {signal.backward!r}, which places nothing (no workers)")
     if problems:
         raise ConfigError(problems)
     return signals
@@ -70,10 +88,14 @@ def parse(config, n_workers: int | None = None) -> dict[str, Signal]:
 
 def _parse_one(name: str, settings, n_workers, problems: list[str]) -> Signal | None:
     if not isinstance(settings, dict):
-        problems.append(f"{name}: settings must be a mapping (shard / workers / backward), got {settings!r}")
+        problems.append(f"{name}: settings must be a mapping (shard / workers / backward / compile), got {settings!r}")
         return None
     for key in sorted(set(settings) - _SIGNAL_KEYS):
         problems.append(f"{name}: unknown key {key!r} (valid: {', '.join(sorted(_SIGNAL_KEYS))})")
+    compile_ = settings.get("compile", False)
+    if type(compile_) is not bool:
+        problems.append(f"{name}: compile must be true or false, got {compile_!r}")
+        compile_ = False
     shard = settings.get("shard")
     axis, workers = None, settings.get("workers")
     if shard is not None:
@@ -89,6 +111,8 @@ def _parse_one(name: str, settings, n_workers, problems: list[str]) -> Signal | 
             problems.append(f"{name}: workers and shard.workers disagree ({workers} vs {shard.get('workers')})")
         workers = shard.get("workers", workers)
     if workers is None:
+        if compile_ and shard is None and settings.get("backward") is None:
+            return Signal(name, (), None, None, True)
         problems.append(f"{name}: needs workers (or shard.workers)")
         return None
     if not isinstance(workers, list) or not workers or not all(isinstance(w, int) and not isinstance(w, bool) for w in workers):
@@ -104,7 +128,7 @@ def _parse_one(name: str, settings, n_workers, problems: list[str]) -> Signal | 
     if backward is not None and not isinstance(backward, str):
         problems.append(f"{name}: backward must name another signal, got {backward!r}")
         backward = None
-    return Signal(name, tuple(workers), axis if isinstance(axis, int) else None, backward)
+    return Signal(name, tuple(workers), axis if isinstance(axis, int) else None, backward, compile_)
 
 
 def load(source) -> dict:

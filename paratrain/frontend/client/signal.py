@@ -8,7 +8,9 @@
 The configuration comes from GT_CONFIG or PARATRAIN_CONFIG (a YAML file) when the program
 connects, or from `gt.load_config(path_or_dict)` and `gt.register_config(name, settings)`.
 A name the configuration does not know places nothing: the region's operations run where
-their inputs live, as outside any region.
+their inputs live, as outside any region. A region whose signal says `compile: true` runs
+compiled on the workers from its second execution on (the session marks where it begins and
+ends in the instruction stream).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class SignalConfig:
     shard: ShardConfig | None = None
     workers: list | None = None
     backward_signal: str | None = None
+    compile: bool = False
 
     def to_dict(self) -> dict:
         settings = {}
@@ -68,6 +71,8 @@ class SignalConfig:
             settings["workers"] = list(self.workers)
         if self.backward_signal is not None:
             settings["backward"] = self.backward_signal
+        if self.compile:
+            settings["compile"] = True
         return settings
 
 

@@ -125,6 +125,8 @@ def reshard(job, instruction: Instruction) -> None:
     target = table.signals.get(name) if isinstance(name, str) else None
     if target is None:
         raise Refused(f"signal {str(name)[:64]!r} is not in this client's configuration")
+    if not target.places:
+        raise Refused(f"signal {name!r} places nothing (it has no workers): there is nowhere to move the tensor")
     shape, dtype = table.meta[handle]
     placement = signal_placement(target, shape)
     source = table.where[handle]

@@ -14,11 +14,11 @@ from paratrain.frontend.protocol import fields
 from paratrain.frontend.protocol.fields import MalformedMessage
 from paratrain.frontend.protocol.instructions import check_instruction, upload_bytes
 from paratrain.frontend.protocol.records import (
-    HANDLE, MAX_FETCH, MAX_WORKERS, RANK, ClientRow, Timing, WorkerRow, error_reports, fetched_list, records,
-    worker_times,
+    HANDLE, MAX_FETCH, MAX_WORKERS, RANK, ClientRow, Timing, WorkerRow, compile_counts, error_reports, fetched_list,
+    records, worker_times,
 )
 
-VERSION = 2  # bumped when a message changes; a hello with another version is refused
+VERSION = 3  # bumped when a message changes; a hello with another version is refused
 ROLES = ("client", "worker", "monitor")
 MAX_BATCH = 1 << 14  # instructions in one message (a client sends at most 256)
 SLOT = (1, (1 << 31) - 1)  # a client's number at the dispatcher
@@ -269,7 +269,8 @@ class Collect:
 
 @dataclass(slots=True)
 class Collected:
-    """worker -> dispatcher: the answer to Collect; the fetched tensors' bytes in `frames`."""
+    """worker -> dispatcher: the answer to Collect; the fetched tensors' bytes in `frames`.
+    `busy_s`, `wait_s` and `compiled` are the worker's running totals (for the client's stats)."""
     KIND = "collected"
     slot: int = spec(fields.integer, *SLOT)
     token: int = spec(fields.integer, 0)
@@ -277,6 +278,7 @@ class Collected:
     fetched: list = spec(fetched_list)
     busy_s: float = spec(fields.number)
     wait_s: float = spec(fields.number)
+    compiled: list = spec(compile_counts)
     frames: list = frames_field()
 
     def check_frames(self) -> None:
