@@ -235,7 +235,7 @@ def test_the_instruction_log_names_signal_pattern_and_collective(client, server)
 
 @pytest.mark.parametrize("config, line", [
     ({"a": {"shard": {"axis": 0, "workers": [0, 7]}}}, "worker(s) [7] do not exist: there are 4 (0..3)"),
-    ({"a": {"workers": [0], "compile": True}}, "a: unknown key 'compile'"),
+    ({"a": {"workers": [0], "compiled": True}}, "a: unknown key 'compiled'"),
     ({"a": {"shard": {"axis": 9, "workers": [0]}}}, "a: shard.axis must be an integer in [-8, 8), got 9"),
     ({"a": {"workers": [0], "backward": "nope"}}, "a: backward names 'nope', which is not a signal here"),
     ({"a": {"shard": {"axis": 0}}}, "a: needs workers (or shard.workers)"),

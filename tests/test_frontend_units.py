@@ -277,7 +277,7 @@ def test_every_problem_of_a_configuration_gets_its_own_line():
     with pytest.raises(ConfigError) as refused:
         parse(config, n_workers=4)
     problems = refused.value.problems
-    assert "typo: unknown key 'wokers' (valid: backward, shard, workers)" in problems
+    assert "typo: unknown key 'wokers' (valid: backward, compile, shard, workers)" in problems
     assert "typo: needs workers (or shard.workers)" in problems
     assert "far: worker(s) [9] do not exist: there are 4 (0..3)" in problems
     assert "dangling: backward names 'missing', which is not a signal here" in problems

@@ -8,7 +8,8 @@ else ends the run: the region's end, a collective, a send, backward, an optimize
 switch of grad mode, a sync. The run executes, then that instruction runs as usual. So a
 region of tensor operations runs as one function per worker, and a sharded region as one
 function between each two of its collectives. Frees that arrive while a run is held wait for
-its end (a result the run makes and frees is then never materialised).
+its end (a result the run makes and frees is then never materialised). A run of one operation
+(of fewer than GT_HOTPATH_MIN_SEQ, for a hot path) executes eagerly: there is nothing to fuse.
 
 A run executes by its signature (`codegen.plan`): the first time a signature is seen, one
 instruction at a time, exactly as without compilation; the second time, as a generated
@@ -38,12 +39,15 @@ HANDLE_BITS = 32  # as the executor keys tensors: slot << 32 | handle
 MAX_FUNCTIONS = 256  # compiled functions kept; a program that makes more runs the rest eagerly
 MAX_SEEN = 1 << 14  # signatures remembered after one sighting
 FAILED = "failed"  # in place of a function: this signature runs eagerly from now on
+# A single operation has nothing to fuse, and a compiled call costs more than its own dispatch;
+# hot-path runs shorter than GT_HOTPATH_MIN_SEQ are not worth compiling either.
+SHORTEST_MARKED_RUN = 2
 
 
 class _Stream:
     """One client's stream while it is in a compiled region (or watched for hot paths)."""
 
-    __slots__ = ("slot", "base", "region", "run", "frees", "hot")
+    __slots__ = ("slot", "base", "region", "run", "frees", "hot", "complete")
 
     def __init__(self, slot: int, hot: HotPaths | None):
         self.slot, self.base = slot, slot << HANDLE_BITS
@@ -51,6 +55,7 @@ class _Stream:
         self.run: list = []  # compilable instructions held back
         self.frees: list = []  # free instructions that arrived while a run was held
         self.hot = hot
+        self.complete = False  # the held run is a whole hot segment
 
     def label(self) -> str:
         return f"region {self.region!r}" if self.region is not None else "hot path"
@@ -88,6 +93,12 @@ class Regions:
 
     def _take(self, stream: _Stream, instruction, frames: list, timings: list | None) -> None:
         op = instruction.op
+        if op == "free" and stream.run:
+            stream.frees.append(instruction)
+            return
+        if stream.complete:  # a hot segment ended at the last operation, and its frees are in
+            stream.complete = False
+            self._flush(stream, timings)
         if op in codegen.COMPILABLE:
             if stream.region is not None:
                 self._hold(stream, instruction, timings)
@@ -98,12 +109,8 @@ class Regions:
                     self._flush(stream, timings)
                 if inside:
                     self._hold(stream, instruction, timings)
-                    if ends_after:
-                        self._flush(stream, timings)
+                    stream.complete = ends_after  # executes at the next instruction but a free
                     return
-        elif op == "free" and stream.run:
-            stream.frees.append(instruction)
-            return
         self._flush(stream, timings)
         if op == "region_begin":
             stream.region = str(instruction.kwargs.get("name"))[:256]
@@ -138,22 +145,17 @@ class Regions:
     # ---- executing a run ------------------------------------------------------------------------
 
     def _execute(self, stream: _Stream, run: list, freed: set, timings: list | None) -> None:
-        executor, base = self.executor, stream.base
-
-        def lookup(handle: int):
-            return None if base + handle in executor.poisoned else executor.tensors.get(base + handle)
-
-        plan = codegen.plan(run, freed, lookup)
-        if plan is None:
-            self._eagerly(stream, run, timings)
-            return
-        function = self.functions.get(plan.key)
-        fresh = function is None
-        if fresh:
-            function = self._new_function(stream, run, plan)
+        try:
+            plan, function, fresh = self._choose(stream, run, freed)
+        except Exception as error:  # noqa: BLE001 - a fault in compiling costs the compilation, never the worker
+            self.failures += 1
+            self._warn(f"preparing {stream.label()} ({len(run)} operations) failed, running it eagerly: "
+                       f"{type(error).__name__}: {str(error)[:300]}")
+            plan, function, fresh = None, FAILED, False
         if function is FAILED or function is None:
             self._eagerly(stream, run, timings)
             return
+        executor, base = self.executor, stream.base
         started, clock = time.time(), time.perf_counter()
         try:
             with torch.set_grad_enabled(not run[0].no_grad):
@@ -175,6 +177,23 @@ class Regions:
         if fresh:
             self._say(f"{stream.label()}: compiled {len(run)} operations ({len(plan.inputs)} inputs, "
                       f"{len(plan.outputs)} results) in {seconds:.2f} s [{codegen.digest(plan.key)}]")
+
+    def _choose(self, stream: _Stream, run: list, freed: set) -> tuple:
+        """(the run's plan, its function (None or FAILED: run it eagerly), whether the
+        function is new)."""
+        executor, base = self.executor, stream.base
+
+        def lookup(handle: int):
+            return None if base + handle in executor.poisoned else executor.tensors.get(base + handle)
+
+        shortest = SHORTEST_MARKED_RUN if stream.region is not None else self.settings.min_ops
+        plan = codegen.plan(run, freed, lookup) if len(run) >= shortest else None
+        if plan is None:
+            return None, None, False
+        function = self.functions.get(plan.key)
+        if function is not None:
+            return plan, function, False
+        return plan, self._new_function(stream, run, plan), True
 
     def _eagerly(self, stream: _Stream, run: list, timings: list | None) -> None:
         self.eager_runs += 1
@@ -206,7 +225,7 @@ class Regions:
             inductor.compile_threads = 1  # compile in this process: no pool of children to outlive it
         name = f"region_{codegen.digest(plan.key)}"
         text = codegen.source(run, plan, name)
-        self._save(name, text, stream, plan)
+        self._save(name, text, stream, len(run), plan)
         try:
             return torch.compile(codegen.function(text, name, run), dynamic=False, fullgraph=True)
         except Exception as error:  # noqa: BLE001 - e.g. no compiler backend: eager execution instead
@@ -228,7 +247,7 @@ class Regions:
 
     # ---- telling ----------------------------------------------------------------------------------
 
-    def _save(self, name: str, text: str, stream: _Stream, plan: codegen.Plan) -> None:
+    def _save(self, name: str, text: str, stream: _Stream, operations: int, plan: codegen.Plan) -> None:
         directory = self.settings.save_dir
         if directory is None:
             return
@@ -238,7 +257,7 @@ class Regions:
             os.makedirs(directory, exist_ok=True)
             with open(path, "w") as out:
                 out.write(f"# paratrain worker {self.executor.rank}, client {stream.slot}, {stream.label()}: "
-                          f"{len(run)} operations\n# inputs: {shapes}\n{text}")
+                          f"{operations} operations\n# inputs: {shapes}\n{text}")
         except OSError as error:
             self._warn(f"cannot save generated code to {path}: {error.strerror}")
             return

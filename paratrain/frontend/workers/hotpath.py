@@ -1,12 +1,15 @@
 """Hot-path detection (GT_AUTO_COMPILE): compiled regions found in a stream without markers.
 
 The detector watches one client's compilable operations on this worker, by name, and counts
-every sequence of `min_ops` to `window` operations that ends at the newest one. When one has
-been seen `threshold` times (the shortest such, which is the loop body rather than several
-turns of it), it is hot: from the next operation that starts it, the stream is cut into
-segments of up to `expand` repetitions of it, and each segment is handed to the compiler as a
-region (compiled.py compiles it from its second sighting on, like a marked region). A segment
-ends early where the stream stops following the sequence; detection then starts over.
+every sequence of `min_ops` to `window` operations that ends at the newest one. The candidate
+is the stream's current period: the shortest sequence whose last two repetitions are the
+newest operations (a loop body, not a piece of one: in a five-operation body every
+three-operation piece repeats as often as the body does), lengthened to whole repetitions of
+at least `min_ops`. Once it has been seen `threshold` times it is hot: from the next operation
+that starts it, the stream is cut into segments of up to `expand` repetitions of it, and each
+segment is handed to the compiler as a region (compiled.py compiles it from its second
+sighting on, like a marked region). A segment ends early where the stream stops following the
+sequence; detection then starts over.
 
 Operations that cannot be compiled (backward, optimizer steps, frees, collectives) are not
 counted: a training loop's forward pass is then the repeated sequence, and the compiler cuts
@@ -25,7 +28,8 @@ MAX_COUNTED = 1 << 16  # distinct sequences remembered; a stream that never repe
 class HotPaths:
     def __init__(self, settings: CompileSettings, on_hot=None):
         self.threshold, self.min_ops, self.expand = settings.threshold, settings.min_ops, settings.expand
-        self.recent: deque = deque(maxlen=settings.window)
+        self.window = settings.window
+        self.recent: deque = deque(maxlen=2 * settings.window)  # two repetitions of the longest body
         self.counts: dict[tuple, int] = {}
         self.pattern: tuple | None = None  # the hot sequence being followed
         self.inside = False  # within a segment (else waiting for the pattern's first operation)
@@ -67,14 +71,15 @@ class HotPaths:
         size = len(recent)
         if len(self.counts) > MAX_COUNTED:
             self.counts.clear()
-        hot = None
-        for length in range(self.min_ops, size + 1):
+        for length in range(self.min_ops, min(size, self.window) + 1):
             sequence = recent[size - length:]
-            count = self.counts.get(sequence, 0) + 1
-            self.counts[sequence] = count
-            if hot is None and count >= self.threshold:
-                hot = sequence
-        if hot is not None:
+            self.counts[sequence] = self.counts.get(sequence, 0) + 1
+        period = next((p for p in range(1, size // 2 + 1) if recent[size - p:] == recent[size - 2 * p:size - p]), None)
+        if period is None:
+            return
+        length = period * -(-self.min_ops // period)  # whole repetitions, at least min_ops
+        hot = recent[size - length:] if length <= min(size, self.window) else None
+        if hot is not None and self.counts.get(hot, 0) >= self.threshold:
             self.pattern, self.inside = hot, False
             if hot not in self.announced and self.on_hot is not None:
                 self.announced.add(hot)
