@@ -149,13 +149,14 @@ class Session:
         return tensor
 
     def _append(self, name, outs, args, targs, kwargs, inputs, requires_grad, worker) -> None:
-        if regions.stack() is not self._regions:
+        stack = regions.stack()
+        if stack is not self._regions:
             self._follow_regions()
         self._seq += 1
         self._issued[self._seq] = (name, [_describe(t) for t in inputs], _caller())
         self._batch.append(Instruction(self._seq, name, outs, args, targs, kwargs, not autograd.is_grad_enabled(),
                                        requires_grad, worker if worker is not None else self.placement,
-                                       regions.current()))
+                                       stack[-1].name if stack else None))
         if len(self._batch) >= BATCH_SIZE:
             self.flush()
 
