@@ -10,10 +10,14 @@ as many torch threads as this process does.
 Beside the step it measures the frontend's two costs: one streamed instruction (many tiny
 operations, then one sync) and one round trip (an empty sync). The overhead per instruction is
 (frontend step - PyTorch step) / instructions per step.
+
+With `--compile`, the step is measured eager and compiled through the frontend, beside plain
+PyTorch (frontend_compile.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -25,13 +29,15 @@ SIZES = ((32, 128), (256, 1024), (1024, 2048))
 ROUND_SECONDS = 0.4  # steps per round are chosen so that a round of PyTorch takes about this
 
 
-def _frontend_step(gt, batch, hidden):
+def _frontend_step(gt, batch, hidden, region=None, name: str = ""):
+    """The step; with `region` (gt.signal.context), its forward pass in the region `name`."""
     x, y = gt.randn(batch, hidden), gt.randint(0, 10, (batch,))
     first, second = gt.nn.Linear(hidden, hidden), gt.nn.Linear(hidden, 10)
     optimizer = gt.optim.SGD(first.parameters() + second.parameters(), lr=0.01)
 
     def step():
-        loss = gt.cross_entropy(second(first(x).relu()), y)
+        with region(name) if region is not None else contextlib.nullcontext():
+            loss = gt.cross_entropy(second(first(x).relu()), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -109,38 +115,51 @@ def _parse_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
+def _report(gt, session, sizes, repeats: int, steps: int | None) -> list[dict]:
+    costs = measure_costs(gt, session, repeats)
+    click.echo(f"one streamed instruction: {costs['streamed_instruction_us']:.1f} us; "
+               f"one round trip (sync): {costs['round_trip_ms']:.3f} ms")
+    click.echo(f"{'batch':>6} {'hidden':>7} {'instr/step':>10} {'frontend ms':>12} {'torch ms':>9} "
+               f"{'ratio':>7} {'overhead/instr':>15}")
+    records = []
+    for batch, hidden in sizes:
+        record = {**measure_size(gt, session, batch, hidden, repeats, steps), **costs}
+        records.append(record)
+        click.echo(f"{batch:>6} {hidden:>7} {record['instructions_per_step']:>10} "
+                   f"{record['frontend_ms']:>12.2f} {record['torch_ms']:>9.2f} {record['ratio']:>6.2f}x "
+                   f"{record['overhead_us_per_instruction']:>12.1f} us")
+    return records
+
+
 @click.command()
-@click.option("--sizes", default=",".join(f"{b}x{h}" for b, h in SIZES), show_default=True,
-              help="Comma-separated BATCHxHIDDEN pairs.")
+@click.option("--sizes", default=None,
+              help=f"Comma-separated BATCHxHIDDEN pairs [default: {','.join(f'{b}x{h}' for b, h in SIZES)}; "
+                   "with --compile 256x1024,1024x2048].")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1),
               help="Workers to start (ignored with --server).")
 @click.option("--server", default=None, help="Use a running dispatcher HOST:PORT instead of starting one.")
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1), help="Alternating rounds per size.")
 @click.option("--steps", type=click.IntRange(1), default=None,
               help="Steps per round (default: about 0.4 s of PyTorch per round).")
+@click.option("--compile", "compiled", is_flag=True,
+              help="Also run the step with its forward in a compiled region (compile: true), side by side.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write one record per size: batch, hidden, workers, frontend_ms, torch_ms, ratio, ...")
-def frontend(sizes, workers, server, repeats, steps, json_path):
+def frontend(sizes, workers, server, repeats, steps, compiled, json_path):
     """A two-layer MLP training step through the frontend vs plain PyTorch in one process."""
     import paratrain.frontend as gt
+    from paratrain.bench import frontend_compile
 
-    sizes = _parse_sizes(sizes)
+    default = frontend_compile.SIZES if compiled else SIZES
+    sizes = _parse_sizes(sizes or ",".join(f"{b}x{h}" for b, h in default))
     session = gt.connect(server) if server else gt.start(workers)
     try:
         click.echo(f"paratrain bench frontend: {session.n_workers} worker(s) at {session.address}; "
                    f"torch threads here: {torch.get_num_threads()}; median of {repeats} alternating rounds")
-        costs = measure_costs(gt, session, repeats)
-        click.echo(f"one streamed instruction: {costs['streamed_instruction_us']:.1f} us; "
-                   f"one round trip (sync): {costs['round_trip_ms']:.3f} ms")
-        click.echo(f"{'batch':>6} {'hidden':>7} {'instr/step':>10} {'frontend ms':>12} {'torch ms':>9} "
-                   f"{'ratio':>7} {'overhead/instr':>15}")
-        records = []
-        for batch, hidden in sizes:
-            record = {**measure_size(gt, session, batch, hidden, repeats, steps), **costs}
-            records.append(record)
-            click.echo(f"{batch:>6} {hidden:>7} {record['instructions_per_step']:>10} "
-                       f"{record['frontend_ms']:>12.2f} {record['torch_ms']:>9.2f} {record['ratio']:>6.2f}x "
-                       f"{record['overhead_us_per_instruction']:>12.1f} us")
+        if compiled:
+            records = frontend_compile.report(gt, session, sizes, repeats, steps)
+        else:
+            records = _report(gt, session, sizes, repeats, steps)
     finally:
         gt.disconnect()
     if json_path:

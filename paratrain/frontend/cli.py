@@ -89,17 +89,25 @@ def serve(ctx, host, port, workers, local_workers, spawn, token, instruction_log
 def worker(host, port, token, threads, connect_timeout, backend, name, exit_with_pid):
     """Serve a dispatcher as one worker (one device). Start as many as `serve --workers` says;
     under torchrun the workers' world is torchrun's, else the dispatcher forms it. GT's
-    `python -m gt.worker --host H -p PORT` is `python -m paratrain.frontend.worker` with the same flags."""
+    `python -m gt.worker --host H -p PORT` is `python -m paratrain.frontend.worker` with the same flags.
+
+    Compilation follows GT's variables (GT_AUTO_COMPILE, GT_HOTPATH_*, GT_DEBUG_COMPILE,
+    GT_SAVE_COMPILED_CODE, or their PARATRAIN_ names), read once here."""
     from paratrain.frontend.errors import FrontendError
     from paratrain.frontend.protocol.addresses import AddressError
+    from paratrain.frontend.workers.settings import CompileSettings, SettingsError
     from paratrain.frontend.workers.worker import DeviceUnavailable, run_worker
     from paratrain.launch import in_torchrun, init_process_group_from_env
 
+    try:
+        compile_settings = CompileSettings.from_env()
+    except SettingsError as error:
+        raise click.UsageError(str(error)) from None
     group = init_process_group_from_env() if in_torchrun() else None
     try:
         run_worker(f"{host}:{port}", token, group=group, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                    threads=threads, connect_timeout=connect_timeout, exit_with_pid=exit_with_pid, backend=backend,
-                   name=name)
+                   name=name, compile_settings=compile_settings)
     except (AddressError, FrontendError, DeviceUnavailable) as error:
         raise click.ClickException(str(error)) from None
 

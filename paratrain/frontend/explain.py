@@ -17,18 +17,22 @@ def describe(signals: dict[str, Signal]) -> list[str]:
     lines = [f"{'signal':<{width}}  {'workers':<24}  layout", f"{'-' * width}  {'-' * 24}  {'-' * 30}"]
     for name, signal in signals.items():
         workers = ", ".join(map(str, signal.workers))
-        if signal.axis is None or len(signal.workers) == 1:
+        if not signal.places:
+            layout = "places nothing (runs where its inputs live)"
+        elif signal.axis is None or len(signal.workers) == 1:
             layout = "replicated" if len(signal.workers) > 1 else "on one worker"
         else:
             layout = f"split along axis {signal.axis}, {len(signal.workers)} parts"
         if signal.backward:
             layout += f"; gradients back as {signal.backward}"
+        if signal.compile:
+            layout += "; compiled"
         lines.append(f"{name:<{width}}  [{workers}]{'':<{22 - len(workers)}}  {layout}")
     return lines
 
 
 def draw(signals: dict[str, Signal]) -> list[str]:
-    stages = _stages(signals)
+    stages = _stages({name: signal for name, signal in signals.items() if signal.places})
     if not stages:
         return []
     tp = max(len(workers) for _, workers in stages)

@@ -236,6 +236,10 @@ OPS: dict[str, Op] = {
     "optim_zero_grad": _op(None, "set_to_none", kind="special", results=0),
     "optim_set_lr": _op(None, "lr", kind="special", results=0),
     "manual_seed": _op(None, kind="special", inputs=(0, 0), results=0),
+    # where a compiled region (a signal with compile: true) begins and ends; the client marks
+    # them, the dispatcher tells each worker that runs part of the region (workers/compiled.py)
+    "region_begin": _op(None, "name", kind="special", inputs=(0, 0), results=0),
+    "region_end": _op(None, "name", kind="special", inputs=(0, 0), results=0),
     # only the dispatcher asks for these (see workers/crossings.py and workers/collectives.py)
     "send": _op(None, "to", "crossing", kind="internal", results=0),
     "recv": _op(None, "src", "crossing", kind="internal", inputs=(0, 0)),

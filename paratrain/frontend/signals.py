@@ -7,6 +7,7 @@ The schema is the GT seed's (`sharding_config.yaml`):
         axis: 1                # tensors created in the region are split along this axis ...
         workers: [0, 1]        # ... over these workers (part r on the r-th of them)
       backward: grads0         # optional: how gradients crossing back into the region travel
+      compile: true            # optional: each worker runs its part of the region compiled
     pp_stage0:
       workers: [0, 1]          # no shard: tensors created here are replicated on these workers
 
@@ -48,7 +49,12 @@ class Signal:
     workers: tuple[int, ...]  # () : the signal places nothing (its region runs where its inputs live)
     axis: int | None  # None: replicated on every worker
     backward: str | None = None
-    compile: bool = False
+    compile: bool = False  # run the region compiled on its workers (GT's `compile: true`)
+
+    @property
+    def places(self) -> bool:
+        """Whether the region's tensors and operations go to the signal's workers."""
+        return bool(self.workers)
 
     def describe(self) -> str:
         where = ",".join(map(str, self.workers))

@@ -8,6 +8,11 @@ worker and the line of the program that issued it.
 
 The client chooses the handles of its tensors itself, so creating a result costs no round
 trip. Closing the session syncs what is still queued, so that no error goes unreported.
+
+Where the program enters and leaves a region whose signal says `compile: true`, the session
+puts a `region_begin` / `region_end` marker in the stream (the workers compile what lies
+between). Which region an instruction belongs to is checked with one identity test of the
+region stack, so programs without compiled regions pay nothing for them.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class Session:
         self.max_message_bytes = welcome.max_message_mb << 20
         self.placement: int | None = None  # the worker new tensors go to (None: home)
         self.signal_config: dict = {}  # what configure() last sent (signal name -> settings)
-        self.worker_stats: dict = {}  # per worker, as of the last sync: busy_s, wait_s (cumulative)
+        self.worker_stats: dict = {}  # per worker, as of the last sync: busy_s, wait_s, compile (cumulative)
         self.tape = Tape()  # what this client issued (gt.debug)
         self._next_handle = 0
         self._seq = 0
@@ -56,6 +61,9 @@ class Session:
         self._issued: dict[int, tuple] = {}  # seq -> (op, input shapes, (file, line)) until a sync
         self._unsynced = 0
         self._closed = False
+        self._compiled_signals: frozenset = frozenset()  # names whose configuration says compile: true
+        self._regions: tuple = ()  # the region stack as of the last instruction
+        self._compiling = None  # the regions.Entry whose compiled region is open in the stream
 
     @property
     def closed(self) -> bool:
@@ -147,6 +155,9 @@ class Session:
     def _append(self, name, outs, args, targs, kwargs, inputs, requires_grad, worker, outputs=None) -> None:
         """Queue one instruction; `outputs` describe its results for the tape (by default only
         their handles are known here)."""
+        stack = regions.stack()
+        if stack is not self._regions:
+            self._follow_regions()
         self._seq += 1
         self.tape.record(self._seq, name, [args[i] for i in targs],
                          outputs if outputs is not None else [(h, None, None, requires_grad) for h in outs],
@@ -154,9 +165,28 @@ class Session:
         self._issued[self._seq] = (name, [_describe(t) for t in inputs], _caller())
         self._batch.append(Instruction(self._seq, name, outs, args, targs, kwargs, not autograd.is_grad_enabled(),
                                        requires_grad, worker if worker is not None else self.placement,
-                                       regions.current()))
+                                       stack[-1].name if stack else None))
         if len(self._batch) >= BATCH_SIZE:
             self.flush()
+
+    def _follow_regions(self) -> None:
+        """The program entered or left a region: mark where a compiled region ends or begins.
+        The outermost compiled region is the one marked (it runs as one; those inside it are
+        part of it)."""
+        self._regions = stack = regions.stack()
+        entry = next((e for e in stack if e.name in self._compiled_signals), None)
+        if entry is self._compiling:
+            return
+        if self._compiling is not None:
+            self._mark("region_end", self._compiling.name)
+        if entry is not None:
+            self._mark("region_begin", entry.name)
+        self._compiling = entry
+
+    def _mark(self, op: str, name: str) -> None:
+        self._seq += 1
+        self._issued[self._seq] = (op, [], _caller())
+        self._batch.append(Instruction(self._seq, op, [], [], [], {"name": name}, signal=name))
 
     def _check_inplace(self, name, target, parents) -> None:
         if autograd.is_grad_enabled() and target.requires_grad and not target._parents:
@@ -190,6 +220,8 @@ class Session:
     def sync(self, fetch: list[int] = ()) -> list[np.ndarray]:
         """Wait until the workers ran everything issued so far; -> the fetched tensors' values."""
         self._check_open()
+        if regions.stack() is not self._regions:
+            self._follow_regions()  # a region left just before the sync ends before it
         self._seq += 1
         token = self._seq
         self._send(token, list(fetch))
@@ -198,7 +230,8 @@ class Session:
         issued, self._issued = self._issued, {}
         if reply.errors:
             raise self._remote_error(reply.errors, issued)
-        self.worker_stats = {times.worker: {"busy_s": times.busy_s, "wait_s": times.wait_s} for times in reply.stats}
+        self.worker_stats = {times.worker: {"busy_s": times.busy_s, "wait_s": times.wait_s,
+                                            "compile": times.compiled._asdict()} for times in reply.stats}
         values, frames = [], iter(reply.frames)
         for entry in reply.fetched:
             if entry.dtype is None:
@@ -223,6 +256,9 @@ class Session:
         if isinstance(reply, messages.Error):
             raise signals.ConfigError(reply.message.splitlines())
         self.signal_config = config
+        self._compiled_signals = frozenset(name for name, settings in config.items()
+                                           if isinstance(settings, dict) and settings.get("compile") is True)
+        self._regions = None  # look at the region stack again at the next instruction
         return reply.signals
 
     def load_config(self, source) -> list[str]:

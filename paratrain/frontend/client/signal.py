@@ -8,7 +8,9 @@
 The configuration comes from GT_CONFIG or PARATRAIN_CONFIG (a YAML file) when the program
 connects, or from `gt.load_config(path_or_dict)` and `gt.register_config(name, settings)`.
 A name the configuration does not know places nothing: the region's operations run where
-their inputs live, as outside any region.
+their inputs live, as outside any region. A region whose signal says `compile: true` runs
+compiled on the workers from its second execution on (the session marks where it begins and
+ends in the instruction stream).
 """
 
 from __future__ import annotations

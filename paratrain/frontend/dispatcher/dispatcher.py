@@ -268,9 +268,7 @@ class Dispatcher:
         except signals.ConfigError as error:
             self.send(client.identity, messages.Error(str(error)))
             return
-        # Only signals with a layout place anything; the others (e.g. `compile: true` alone)
-        # are for the client and the workers.
-        client.table.signals = {name: signal for name, signal in parsed.items() if signal.workers}
+        client.table.signals = parsed  # those without workers place nothing (Signal.places)
         self.send(client.identity, messages.Configured(sorted(parsed)))
 
     def _alive(self, identity: bytes, message: messages.Alive) -> None:

@@ -125,6 +125,8 @@ def reshard(job, instruction: Instruction) -> None:
     target = table.signals.get(name) if isinstance(name, str) else None
     if target is None:
         raise Refused(f"signal {str(name)[:64]!r} is not in this client's configuration")
+    if not target.places:
+        raise Refused(f"signal {name!r} places nothing (it has no workers): there is nowhere to move the tensor")
     shape, dtype = table.meta[handle]
     placement = signal_placement(target, shape)
     source = table.where[handle]
@@ -152,7 +154,7 @@ def _backward_layout(table, name: str, backward: str | None, source, shape) -> i
     if backward is None:
         return None
     layout = table.signals.get(backward)
-    if layout is None:  # registration is order-free, so a dangling name is found here, at first use
+    if layout is None or not layout.places:  # registration is order-free, so a dangling name is found here, at first use
         raise Refused(f"signal {name}: its backward signal {backward[:64]!r} is not in this "
                       "client's configuration (or places nothing)")
     if layout.workers != source.workers:

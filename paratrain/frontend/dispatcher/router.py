@@ -24,7 +24,7 @@ from __future__ import annotations
 import traceback
 from collections import defaultdict
 
-from paratrain.frontend.dispatcher import compute, creation, moves
+from paratrain.frontend.dispatcher import compute, creation, moves, regions
 from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.conversions import forget_entered
 from paratrain.frontend.dispatcher.sharding import Placement
@@ -103,8 +103,12 @@ class Router:
     # ---- what handlers ask of the router --------------------------------------------------
 
     def signal_of(self, table: ClientTable, instruction: Instruction):
-        """The signal an instruction was issued under, if this client's configuration has it."""
-        return table.signals.get(instruction.signal) if instruction.signal is not None else None
+        """The signal an instruction was issued under, if this client's configuration has it
+        and it places anything (a signal that only compiles does not)."""
+        if instruction.signal is None:
+            return None
+        signal = table.signals.get(instruction.signal)
+        return signal if signal is not None and signal.places else None
 
     def infer(self, table: ClientTable, name: str, args: list, targs: list, kwargs: dict) -> list:
         """[(shape, dtype), ...] of the results of `name` on these arguments."""
@@ -257,7 +261,7 @@ _SPECIAL = {
     "optim_step": _forget_graphs_then(on_optimizer), "optim_zero_grad": _forget_graphs_then(on_optimizer),
     "optim_set_lr": _forget_graphs_then(on_optimizer), "upload": creation.upload,
     "backward": _forget_graphs_then(moves.backward), "cross_backward": _forget_graphs_then(moves.cross_backward),
-    "reshard": moves.reshard,
+    "reshard": moves.reshard, "region_begin": regions.begin, "region_end": regions.end,
 }
 HANDLERS = {name: _SPECIAL.get(name) or (creation.create if op.kind == "create" else compute.compute)
             for name, op in OPS.items() if op.kind != "internal"}

@@ -81,7 +81,7 @@ class Syncs:
         if sync is None or sync.token != message.token or worker.rank not in sync.waiting:
             return  # the client left, or asked again meanwhile
         self.add_errors(client, message.errors)
-        sync.stats[worker.rank] = WorkerTimes(worker.rank, message.busy_s, message.wait_s)
+        sync.stats[worker.rank] = WorkerTimes(worker.rank, message.busy_s, message.wait_s, message.compiled)
         frames = iter(message.frames)
         answers = {fetched.handle: (fetched, next(frames) if fetched.dtype is not None else None)
                    for fetched in message.fetched}

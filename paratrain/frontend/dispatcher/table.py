@@ -20,6 +20,22 @@ class Refused(Exception):
 
 
 @dataclass
+class OpenRegion:
+    """A compiled region the client is in (see regions.py)."""
+
+    name: str
+    began: set = field(default_factory=set)  # workers told that it began
+
+    def opening(self, worker: int, seq: int) -> Instruction | None:
+        """The begin marker a worker needs before its first instruction of the region (None
+        once it has had it)."""
+        if worker in self.began:
+            return None
+        self.began.add(worker)
+        return Instruction(seq, "region_begin", [], [], [], {"name": self.name}, signal=self.name)
+
+
+@dataclass
 class ClientTable:
     """What the dispatcher knows of one client's tensors."""
 
@@ -32,6 +48,7 @@ class ClientTable:
     refused: dict = field(default_factory=dict)  # handle -> why its instruction was refused
     signals: dict = field(default_factory=dict)  # name -> Signal
     entered: dict = field(default_factory=dict)  # (handle, workers) -> its f(handle), until a backward
+    region: OpenRegion | None = None  # the compiled region open in this client's stream (regions.py)
     next_temp: int = CLIENT_HANDLES
 
 
@@ -96,7 +113,14 @@ class Job:
     def commit(self, routed: Routed, log) -> None:
         """Hand what this instruction emitted over to the batch (numbering log lines and frames)."""
         self.router.groups.update(self.new_groups)
+        region = self.table.region
         for worker, instruction, note, frame in self.emitted:
+            if region is not None and instruction.op != "region_end":
+                marker = region.opening(worker, self.seq)
+                if marker is not None:
+                    if log is not None:
+                        marker = marker._replace(log=log.describe(worker, marker, self.table, region.name))
+                    routed.streams[worker].append(marker)
             if frame is not None:
                 instruction = instruction._replace(kwargs={**instruction.kwargs, "frame": len(routed.frames[worker])})
                 routed.frames[worker].append(frame)

@@ -14,8 +14,8 @@ from paratrain.frontend.protocol import fields
 from paratrain.frontend.protocol.fields import MalformedMessage
 from paratrain.frontend.protocol.instructions import check_instruction, upload_bytes
 from paratrain.frontend.protocol.records import (
-    HANDLE, MAX_FETCH, MAX_WORKERS, RANK, ClientRow, Timing, WorkerRow, error_reports, fetched_list, op_counts,
-    records, worker_reports, worker_times,
+    HANDLE, MAX_FETCH, MAX_WORKERS, RANK, ClientRow, Timing, WorkerRow, compile_counts, error_reports, fetched_list,
+    op_counts, records, worker_reports, worker_times,
 )
 
 VERSION = 3  # bumped when a message changes; a hello with another version is refused
@@ -312,7 +312,8 @@ class Collect:
 
 @dataclass(slots=True)
 class Collected:
-    """worker -> dispatcher: the answer to Collect; the fetched tensors' bytes in `frames`."""
+    """worker -> dispatcher: the answer to Collect; the fetched tensors' bytes in `frames`.
+    `busy_s`, `wait_s` and `compiled` are the worker's running totals (for the client's stats)."""
     KIND = "collected"
     slot: int = spec(fields.integer, *SLOT)
     token: int = spec(fields.integer, 0)
@@ -320,6 +321,7 @@ class Collected:
     fetched: list = spec(fetched_list)
     busy_s: float = spec(fields.number)
     wait_s: float = spec(fields.number)
+    compiled: list = spec(compile_counts)
     frames: list = frames_field()
 
     def check_frames(self) -> None:

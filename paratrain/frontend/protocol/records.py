@@ -36,10 +36,22 @@ class Fetched(NamedTuple):
     error: str | None
 
 
+class CompileCounts(NamedTuple):
+    """What a worker's compiler has done since it started (see workers/compiled.py)."""
+    functions: int  # compiled functions it holds, one per run signature
+    compiled_runs: int  # runs executed by a compiled function (the run that compiled it included)
+    eager_runs: int  # runs of compiled regions executed one instruction at a time (first sightings, fallbacks)
+    failures: int  # compiles given up on (their runs execute eagerly)
+
+
+NO_COMPILES = CompileCounts(0, 0, 0, 0)
+
+
 class WorkerTimes(NamedTuple):
     worker: int
     busy_s: float  # running instructions, since the worker started
     wait_s: float  # waiting for another worker's tensor (a pipeline's bubble)
+    compiled: CompileCounts = NO_COMPILES
 
 
 class Timing(NamedTuple):
@@ -134,6 +146,13 @@ def worker_reports(value, name):
                    lambda v, n: fields.integer(v, n, 0), lambda v, n: fields.integer(v, n, 0), op_counts)
 
 
+def compile_counts(value, name) -> CompileCounts:
+    width = len(CompileCounts._fields)
+    if type(value) is not list or len(value) != width:
+        raise MalformedMessage(f"a record of {width} counts ({', '.join(CompileCounts._fields)})", name)
+    return CompileCounts(*fields.integers(value, name, width, 0))
+
+
 def worker_times(value, name):
     return records(WorkerTimes, value, name, MAX_WORKERS, lambda v, n: fields.integer(v, n, *RANK),
-                    fields.number, fields.number)
+                    fields.number, fields.number, compile_counts)

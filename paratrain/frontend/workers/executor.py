@@ -9,6 +9,10 @@ collectives of sharded execution (`collectives.py`).
 An instruction that fails records an error for its client and *poisons* its results: later
 instructions that use them are skipped without a second error, and the client hears of the
 first one at its next sync.
+
+A client's stream from a `region_begin` on (every stream, with auto-compile) goes through
+`Regions` (compiled.py), which runs parts of it as compiled functions; the rest of the time
+instructions run here one by one, as if compilation did not exist.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from paratrain.frontend.ops import DTYPE_NAMES, OPS
 from paratrain.frontend.protocol import Instruction
 from paratrain.frontend.protocol.records import ErrorReport, Fetched, Timing
 from paratrain.frontend.workers import collectives, crossings, handlers
+from paratrain.frontend.workers.compiled import Regions
 from paratrain.frontend.workers.crossings import Links
+from paratrain.frontend.workers.settings import CompileSettings
 
 HANDLE_BITS = 32
 MAX_ERRORS_KEPT = 64  # per client between two syncs: the first ones explain the rest
@@ -40,7 +46,7 @@ class Step(NamedTuple):
 
 
 class Executor:
-    def __init__(self, group, device: torch.device):
+    def __init__(self, group, device: torch.device, compile_settings: CompileSettings = CompileSettings()):
         self.group = group  # None for a world of one worker
         self.groups = {}  # worker tuple -> Group, for collectives over some workers
         self.device = device
@@ -49,6 +55,7 @@ class Executor:
         self.poisoned: dict[int, str] = {}
         self.errors: dict[int, list] = defaultdict(list)
         self.links = Links(group, device, self.rank)
+        self.regions = Regions(self, compile_settings)
         self.executed = 0
         self.by_op: Counter = Counter()  # operation name -> instructions of it run (gt.debug)
 
@@ -61,15 +68,30 @@ class Executor:
 
     def run_batch(self, slot: int, instructions: list[Instruction], frames: list, timings: list | None) -> None:
         base = slot << HANDLE_BITS
-        for instruction in instructions:
-            if timings is not None and instruction.log is not None:
-                started, clock = time.time(), time.perf_counter()
-                self._run(slot, base, instruction, frames)
-                timings.append(Timing(instruction.log, started, time.perf_counter() - clock))
-            else:
-                self._run(slot, base, instruction, frames)
+        if self.regions.watching(slot):
+            self.regions.run_batch(slot, instructions, frames, timings)
+        else:
+            for index, instruction in enumerate(instructions):  # run_one, inlined: the common path
+                if instruction.op == "region_begin":  # the rest of the batch may be compiled
+                    self.regions.run_batch(slot, instructions[index:], frames, timings)
+                    break
+                if timings is not None and instruction.log is not None:
+                    started, clock = time.time(), time.perf_counter()
+                    self._run(slot, base, instruction, frames)
+                    timings.append(Timing(instruction.log, started, time.perf_counter() - clock))
+                else:
+                    self._run(slot, base, instruction, frames)
         self.executed += len(instructions)
         self.by_op.update([instruction.op for instruction in instructions])
+
+    def run_one(self, slot: int, base: int, instruction: Instruction, frames: list, timings: list | None) -> None:
+        """Run one instruction now (timed when the dispatcher logs it)."""
+        if timings is not None and instruction.log is not None:
+            started, clock = time.time(), time.perf_counter()
+            self._run(slot, base, instruction, frames)
+            timings.append(Timing(instruction.log, started, time.perf_counter() - clock))
+        else:
+            self._run(slot, base, instruction, frames)
 
     def _run(self, slot: int, base: int, instruction: Instruction, frames: list) -> None:
         args = list(instruction.args)
@@ -133,7 +155,8 @@ class Executor:
     # ---- what the dispatcher asks outside the stream --------------------------------------
 
     def collect(self, slot: int, fetch: list[int]) -> tuple[list, list, list]:
-        """(errors since the last sync, the fetched tensors described, their bytes)."""
+        """(errors since the last sync, the fetched tensors described, their bytes); run what
+        `regions` holds back for the client first (`regions.flush`)."""
         base = slot << HANDLE_BITS
         self.links.wait_sends()
         errors = self.errors.pop(slot, [])
@@ -154,6 +177,7 @@ class Executor:
 
     def forget(self, slot: int) -> None:
         """Forget everything of a client that left."""
+        self.regions.forget(slot)
         for table in (self.tensors, self.poisoned):
             for key in [k for k in table if k >> HANDLE_BITS == slot]:
                 del table[key]

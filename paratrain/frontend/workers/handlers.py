@@ -86,6 +86,10 @@ def optim_set_lr(executor, step) -> None:
         group["lr"] = step.instruction.kwargs["lr"]
 
 
+def region_marker(executor, step) -> None:
+    """Where a compiled region begins or ends: compiled.py acts on it before it gets here."""
+
+
 def _not_on_workers(executor, step) -> None:
     raise RuntimeError(f"{step.instruction.op} is the dispatcher's to route, not a worker's to run")
 
@@ -95,4 +99,5 @@ HANDLERS = {
     "set_grad": set_grad, "set_data": set_data, "requires_grad_": requires_grad_, "manual_seed": manual_seed,
     "optim_create": optim_create, "optim_step": optim_step, "optim_zero_grad": optim_zero_grad,
     "optim_set_lr": optim_set_lr, "cross_backward": _not_on_workers, "reshard": _not_on_workers,
+    "region_begin": region_marker, "region_end": region_marker,
 }

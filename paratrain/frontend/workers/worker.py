@@ -26,6 +26,7 @@ from paratrain.frontend.protocol.addresses import endpoint, resolve, split_addre
 from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
 from paratrain.frontend.processes import pid_alive
 from paratrain.frontend.workers.executor import Executor
+from paratrain.frontend.workers.settings import CompileSettings
 
 HEARTBEAT_S = 0.5
 DISPATCHER_SILENCE_S = 10.0
@@ -51,7 +52,8 @@ def worker_device(local_rank: int, backend: str | None = None) -> torch.device:
 
 def run_worker(address: str, token: str | None = None, *, group=None, local_rank: int = 0,
                threads: int | None = None, connect_timeout: float = 120.0, exit_with_pid: int | None = None,
-               backend: str | None = None, name: str | None = None) -> None:
+               backend: str | None = None, name: str | None = None,
+               compile_settings: CompileSettings = CompileSettings()) -> None:
     """Serve the dispatcher at `address` until it says exit (or goes silent).
 
     `group` is this worker's paratrain Group when a launcher already formed the world
@@ -75,7 +77,7 @@ def run_worker(address: str, token: str | None = None, *, group=None, local_rank
         welcome = handshake(sock, hello, token, connect_timeout, address, on_wait=_waiting_notice(address))
         if own_group:
             group = _join_world(welcome, device, resolve(split_address(address)[0]))
-        _WorkerLoop(sock, context, Executor(group, device), exit_with_pid).run()
+        _WorkerLoop(sock, context, Executor(group, device, compile_settings), exit_with_pid).run()
     finally:
         sock.close(linger=0)
         context.term()
@@ -222,16 +224,25 @@ class _WorkerLoop:
             if timings:
                 replies.append(messages.Timings(timings))
             if message.sync is not None:
-                replies.append(self._collect(message.slot, message.sync, message.fetch))
+                replies += self._collect(message.slot, message.sync, message.fetch)
         elif isinstance(message, messages.Collect):
-            replies.append(self._collect(message.slot, message.token, message.fetch))
+            replies += self._collect(message.slot, message.token, message.fetch)
         elif isinstance(message, messages.Forget):
             executor.forget(message.slot)
         return replies
 
-    def _collect(self, slot: int, token: int, fetch: list) -> messages.Collected:
-        errors, fetched, frames = self.executor.collect(slot, fetch)
-        return messages.Collected(slot, token, errors, fetched, self.busy_s, self.executor.wait_s, frames)
+    def _collect(self, slot: int, token: int, fetch: list) -> list:
+        """The answer to a sync: what a compiled region held back runs first (with its log
+        lines, if any), then the errors and values go out."""
+        executor, timings = self.executor, []
+        started = time.perf_counter()
+        executor.regions.flush(slot, timings)
+        self.busy_s += time.perf_counter() - started
+        errors, fetched, frames = executor.collect(slot, fetch)
+        replies = [messages.Timings(timings)] if timings else []
+        replies.append(messages.Collected(slot, token, errors, fetched, self.busy_s, executor.wait_s,
+                                          list(executor.regions.counts), frames))
+        return replies
 
     def _send_replies(self) -> None:
         while not self.outbox.empty():
