@@ -12,7 +12,8 @@ its handler, found in one table (`HANDLERS`), which decides where it runs:
   (auto-sharding: its first split input) lives, moving and re-laying out inputs as needed (`moves.py`, `conversions.py`);
 - `backward` of a loss whose graph crossed workers is the local backward followed by every
   crossing's gradient exchange, newest first (`moves.py`);
-- frees, optimizers and seeds are bookkeeping, below.
+- frees, optimizers and seeds are bookkeeping, below;
+- the markers of a compiled region go to the workers its instructions reach (`regions.py`).
 
 Streams are built in one global order and each worker runs its own in order, so every send
 meets its receive and every collective its partners. An instruction that cannot be routed is
