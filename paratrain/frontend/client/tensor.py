@@ -168,8 +168,10 @@ class Tensor:
             raise RuntimeError(f"grad can be implicitly created only for scalar outputs (shape {list(self.shape)})")
         args = [self._handle] if gradient is None else [self._handle, gradient._handle]
         kwargs = {"retain_graph": True} if retain_graph else {}
-        self._session.issue("backward", [], args, list(range(len(args))), kwargs, tensors=(self,))
-        _mark_reached_leaves(self, keep_graph=retain_graph)
+        run_backward(self, args, kwargs, keep_graph=retain_graph)
+
+    def retain_grad(self) -> None:
+        """PyTorch's name; every result keeps its gradient here already (GT's rule)."""
 
     @property
     def _grad(self) -> Tensor | None:
@@ -250,10 +252,28 @@ class Tensor:
     def __ge__(self, other): return self._call("ge", other)
     def __eq__(self, other): return self._call("eq", other)
     def __ne__(self, other): return self._call("ne", other)
-    def __iadd__(self, other): return self._inplace("add_", other)
-    def __isub__(self, other): return self._inplace("sub_", other)
-    def __imul__(self, other): return self._inplace("mul_", other)
-    def __itruediv__(self, other): return self._inplace("div_", other)
+    def __iadd__(self, other): return self._augmented("add", other)
+    def __isub__(self, other): return self._augmented("sub", other)
+    def __imul__(self, other): return self._augmented("mul", other)
+    def __itruediv__(self, other): return self._augmented("truediv", other)
+
+    def _augmented(self, name, other) -> Tensor:
+        """`a -= b` as GT runs it: `a` takes the result's values and its id (GT's ids change on
+        every update). A leaf that requires grad (a parameter: `p -= lr * p.grad`) is updated in
+        place instead, keeping its id, its gradient and its place in the optimizer."""
+        inplace = _INPLACE_OF[name]
+        if self._requires_grad and not self._parents:
+            return self._inplace(inplace, other)
+        result = self._call(name, other)
+        if result.shape != self.shape or result.dtype != self.dtype:
+            return self._inplace(inplace, other)  # PyTorch's in-place rules say what happens
+        for slot in _STATE:  # `self` becomes the result; `result` keeps what `self` was
+            mine, theirs = getattr(self, slot), getattr(result, slot)
+            setattr(self, slot, theirs)
+            setattr(result, slot, mine)
+        # the result came from `self`'s old values, which now live in the object `result`
+        self._parents = tuple(result if parent is self else parent for parent in self._parents)
+        return self
 
     def __getitem__(self, index):
         return self._call("getitem", *encode_index(index))
@@ -392,24 +412,42 @@ def floating(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
 
 
+_INPLACE_OF = {"add": "add_", "sub": "sub_", "mul": "mul_", "truediv": "div_"}
+_STATE = ("_handle", "_requires_grad", "_parents", "_has_grad", "_grad_tensor")
 SPENT = (None,)  # the parents of a result whose graph backward has consumed (still not a leaf)
 
 
-def _mark_reached_leaves(root: Tensor, keep_graph: bool) -> None:
-    """After backward: the leaves the graph reaches have a gradient now; the graph is spent."""
-    stack, seen = [root], set()
+def run_backward(root: Tensor, args: list, kwargs: dict, keep_graph: bool) -> None:
+    """Issue `root`'s backward; afterwards every tensor its graph reaches has a gradient."""
+    leaves, results = _graph_of(root)
+    if results:
+        root._session.issue("keep_grads", [], [node._handle for node in results], [], tensors=tuple(results))
+    root._session.issue("backward", [], args, list(range(len(args))), kwargs, tensors=(root,))
+    for node in leaves + results:
+        node._has_grad = True
+        node._grad_tensor = None  # a new backward may have made a new tensor: ask again
+    if not keep_graph:
+        for node in results:
+            node._parents = SPENT
+
+
+def _graph_of(root: Tensor) -> tuple[list, list]:
+    """The leaves that require grad and the results (non-leaves, `root` first) that `root`'s
+    autograd graph reaches: after backward, all of them have a gradient. The results keep
+    theirs because GT's do (PyTorch keeps only those marked with `retain_grad()`)."""
+    leaves, results, stack, seen = [], [], [root], set()
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
         if node._parents:
-            stack.extend(parent for parent in node._parents if parent is not None)
-            if not keep_graph:
-                node._parents = SPENT
+            if node._parents is not SPENT:
+                results.append(node)
+                stack.extend(parent for parent in node._parents if parent is not None)
         elif node.requires_grad:
-            node._has_grad = True
-            node._grad_tensor = None  # a new backward may have made a new tensor: ask again
+            leaves.append(node)
+    return leaves, results
 
 
 def _axis(dim, axis):
