@@ -16,12 +16,12 @@ from paratrain.comm.flight import read_dumps, run_directory
 _CONSEQUENCES = ("PeerLostError:", "FabricAborted:")  # errors caused by another rank's failure
 
 
-def describe_failed_run(failures: dict, nproc: int, run_id: str) -> str:
+def describe_failed_run(failures: dict, nproc: int, run_id: str, trace_dir: str | None = None) -> str:
     """One line per failed rank, root cause first, each followed by its traceback if it has
-    one; then where the flight records are. `failures` maps global ranks to torch's
-    ProcessFailure."""
+    one; then where the flight records are (`trace_dir`, the settings', else the run's folder).
+    `failures` maps global ranks to torch's ProcessFailure."""
     reports = [_from_process(rank, failure) for rank, failure in failures.items()]
-    directory = run_directory(run_id)
+    directory = run_directory(run_id, trace_dir)
     dumps = _dumps_of_run(directory, run_id)
     reported = {report["rank"] for report in reports}
     reports += [

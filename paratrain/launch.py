@@ -7,6 +7,12 @@
   same script works unchanged on many machines.
 
 `run` returns {rank: fn's return value} for the ranks this process launched.
+
+Settings are resolved here, once (paratrain/settings.py: defaults, the environment, then the
+arguments given), and handed to every rank: spawned processes receive them with their
+arguments. The transport is chosen here too, and said by `expected_transport` before a world
+starts: the fabric for threads; for processes a torch.distributed group, whose ranks on one host
+talk through shared memory ("shm") unless PARATRAIN_SHM=0.
 """
 
 from __future__ import annotations
@@ -22,47 +28,78 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from paratrain.comm import Fabric, Group, TorchTransport
+from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import FabricAborted, PeerLostError
-from paratrain.comm.settings import timeout_from_env
+from paratrain.comm.flight import FlightRecords
+from paratrain.comm.transport import over_process_group, shm_setup
 from paratrain.failure_report import describe_failed_run
+from paratrain.settings import Settings, launch_environment
 
 LAUNCHERS = ("threads", "processes")
 PEER_DEATH_GRACE_S = 3.0  # the elastic agent checks its ranks every 0.1 s
 
 
 def in_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(
-        name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    )
+    """Whether this process is a rank torchrun started (its environment says so)."""
+    return launch_environment().in_torchrun
+
+
+def transport_kind(launcher: str, nproc: int) -> str:
+    """The backend a world started by `launcher` will have, known without starting it
+    (NCCL only where every rank has a GPU of its own, as `gpus_for` decides)."""
+    if launcher == "threads":
+        return "fabric"
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
+
+
+def expected_transport(launcher: str, nproc: int, settings: Settings) -> str:
+    """The transport kind a world started by `launcher` will have (the algorithm table's key),
+    known without starting it: "shm" for gloo processes that all share this host."""
+    kind = transport_kind(launcher, nproc)
+    if kind != "gloo" or not shm_setup.enabled(settings):
+        return kind
+    if settings.launch.in_torchrun:
+        if settings.launch.local_world_size != settings.launch.world_size:
+            return "gloo"  # some ranks run on other hosts
+        nproc = settings.launch.world_size or nproc
+    return "shm" if nproc > 1 else "gloo"
 
 
 def run(fn, nproc: int, *, launcher: str = "threads", args: tuple = (), devices=None,
-        timeout: float | None = None, debug: bool | None = None, max_restarts: int = 0) -> dict[int, object]:
+        timeout: float | None = None, debug: bool | None = None, max_restarts: int = 0,
+        settings: Settings | None = None) -> dict[int, object]:
     """`max_restarts` (processes only): after a rank fails, the elastic agent stops the others
-    and starts every rank again, up to this many times; `fn` sees TORCHELASTIC_RESTART_COUNT."""
+    and starts every rank again, up to this many times; `fn` sees TORCHELASTIC_RESTART_COUNT.
+    `settings`: this process's (default: resolved now); `timeout` and `debug` override them."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
     if max_restarts and launcher != "processes":
         raise ValueError("max_restarts needs launcher='processes' (a thread that dies cannot be restarted alone)")
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
-    options = {"timeout": timeout, "debug": debug}
-    if in_torchrun():
-        return _run_here(fn, args, options)
+    settings = (settings or Settings.resolve()).with_flags(timeout=timeout, debug=debug)
+    if settings.launch.in_torchrun:
+        return _run_here(fn, args, settings)
+    table = algorithm_table(settings, nproc)
     if launcher == "threads":
-        return _run_threads(fn, nproc, args, devices, options)
-    return _run_processes(fn, nproc, args, options, max_restarts)
+        return _run_threads(fn, nproc, args, devices, settings, table)
+    return _run_processes(fn, nproc, args, settings, table, max_restarts)
 
 
-def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
-    fabric = Fabric(nproc, devices)
+def algorithm_table(settings: Settings, world_size: int) -> AlgorithmTable:
+    """The table `algo="auto"` consults in this world (choice.AlgorithmTable.in_use)."""
+    return AlgorithmTable.in_use(settings.table_path, bool(settings.algo_table), world_size)
+
+
+def _run_threads(fn, nproc, args, devices, settings: Settings, table: AlgorithmTable) -> dict[int, object]:
+    fabric = Fabric(nproc, devices, settings.trace_dir)
     results: dict[int, object] = {}
     errors: dict[int, BaseException] = {}
 
     def rank_main(rank: int) -> None:
         group = None
         try:
-            group = Group(fabric.endpoint(rank), **options)
+            group = Group(fabric.endpoint(rank), timeout=settings.timeout, debug=settings.debug, table=table)
             results[rank] = fn(group, *args)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller below
             errors[rank] = error
@@ -86,11 +123,12 @@ def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
     return dict(sorted(results.items()))
 
 
-def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object]:
+def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, max_restarts=0) -> dict[int, object]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default; also silences its warning
+    # The ranks inherit this process's environment: torchrun's default; also silences its warning.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"paratrain-{uuid.uuid4().hex[:8]}",
@@ -98,17 +136,18 @@ def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
     )
     try:
-        return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
+        return dict(sorted(elastic_launch(config, _process_main)(fn, args, settings, table).items()))
     except ChildFailedError as failed:
-        raise RuntimeError(describe_failed_run(failed.failures, nproc, config.run_id)) from None
+        raise RuntimeError(describe_failed_run(failed.failures, nproc, config.run_id, settings.trace_dir)) from None
 
 
 @record  # writes the rank's traceback where the elastic agent reports it
-def _process_main(fn, args, options):
-    """One rank of a process world: join the process group, run, leave."""
+def _process_main(fn, args, settings: Settings, table: AlgorithmTable):
+    """One rank of a process world: join the process group, run, leave. `settings` were
+    resolved by the launching process; the rank's place in the world is its own."""
     import torch.distributed as dist
 
-    group = init_process_group_from_env(**options)
+    group = init_process_group_from_env(settings.in_this_process(), table)
     try:
         return fn(group, *args)
     except PeerLostError:
@@ -121,44 +160,47 @@ def _process_main(fn, args, options):
         dist.destroy_process_group()
 
 
-def _run_here(fn, args, options) -> dict[int, object]:
-    rank = int(os.environ["RANK"])
-    return {rank: _process_main(fn, args, options)}
+def _run_here(fn, args, settings: Settings) -> dict[int, object]:
+    table = algorithm_table(settings, settings.launch.world_size)
+    return {settings.launch.rank: _process_main(fn, args, settings, table)}
 
 
-def init_process_group_from_env(timeout: float | None = None, debug: bool | None = None) -> Group:
-    """Join the world torchrun (or our launcher) describes in the environment."""
+def init_process_group_from_env(settings: Settings | None = None, table: AlgorithmTable | None = None) -> Group:
+    """Join the world torchrun (or our launcher) describes in the environment (`settings.launch`;
+    default: this process's settings, resolved now), with the transport chosen for it."""
     import torch.distributed as dist
 
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if gpus_for(local_ranks):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    settings = settings or Settings.resolve()
+    where = settings.launch
+    if table is None:
+        table = algorithm_table(settings, where.world_size)
+    if gpus_for(where.local_world_size or 1):
+        torch.cuda.set_device(where.local_rank)
         backend = "cpu:gloo,cuda:nccl"  # CPU tensors still go through gloo
     else:
         backend = "gloo"
-    group_timeout = timeout if timeout is not None else timeout_from_env()
     if not dist.is_initialized():
-        store = _attempt_store(group_timeout)
-        where = {} if store is None else {
-            "store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
-        dist.init_process_group(backend, timeout=timedelta(seconds=group_timeout), **where)
-    return Group(TorchTransport(), timeout=group_timeout, debug=debug)
+        store = _attempt_store(settings)
+        joining = {} if store is None else {"store": store, "rank": where.rank, "world_size": where.world_size}
+        dist.init_process_group(backend, timeout=timedelta(seconds=settings.timeout), **joining)
+    flight = FlightRecords([dist.get_rank()], settings.trace_dir, where.run_name)
+    transport = over_process_group(TorchTransport(flight=flight), settings)
+    return Group(transport, timeout=settings.timeout, debug=settings.debug, table=table)
 
 
-def _attempt_store(timeout: float):
+def _attempt_store(settings: Settings):
     """After an elastic restart, the rendezvous store still holds the keys the failed attempt's
     ranks wrote (gloo's addresses among them), and the new ranks would try to connect to dead
     ones. A prefix per attempt keeps each attempt's keys apart. None: the default (env://)."""
     import torch.distributed as dist
 
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt == "0" or "MASTER_ADDR" not in os.environ:
+    where = settings.launch
+    if where.restart_count == 0 or where.master_addr is None:
         return None
-    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-        is_master=not agent_hosts_it and os.environ["RANK"] == "0", timeout=timedelta(seconds=timeout))
-    return dist.PrefixStore(f"paratrain/attempt-{attempt}", store)
+        where.master_addr, where.master_port, where.world_size,
+        is_master=not where.agent_store and where.rank == 0, timeout=timedelta(seconds=settings.timeout))
+    return dist.PrefixStore(f"paratrain/attempt-{where.restart_count}", store)
 
 
 def gpus_for(local_ranks: int) -> bool:

@@ -118,7 +118,7 @@ def run_sweep(group, sweep: Sweep) -> SweepResult | None:
     if sweep.table is not None:
         group.table = sweep.table
     device = getattr(group.transport, "device", None) or torch.device("cpu")
-    result = SweepResult(group.size, group.wire, str(device))  # shm: gloo's group, messages via /dev/shm
+    result = SweepResult(group.size, group.kind, str(device))
     progress = tqdm(
         total=sweep.measurements(), file=sys.stderr, leave=False, unit="run",
         disable=None if group.rank == 0 else True,  # None: only when stderr is a terminal

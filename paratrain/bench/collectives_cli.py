@@ -6,7 +6,6 @@ hands its measurements back, and only this process prints.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -19,9 +18,9 @@ from paratrain.bench.membw import copy_bandwidth_gbps
 from paratrain.bench.overhead import overhead_lines, run_overhead
 from paratrain.bench.tuning import tuned_choices
 from paratrain.comm.algorithms import OPS, algorithms_for
-from paratrain.comm.choice import AlgorithmTable, default_table_path
-from paratrain.comm.transport import shm_setup
-from paratrain.launch import LAUNCHERS, in_torchrun, run
+from paratrain.comm.choice import AlgorithmTable
+from paratrain.launch import LAUNCHERS, algorithm_table, expected_transport, in_torchrun, run
+from paratrain.settings import Settings
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _ALL_ALGOS = tuple(dict.fromkeys(a for op in OPS for a in algorithms_for(op)))
@@ -90,25 +89,6 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return sizes
 
 
-def transport_kind(launcher: str, nproc: int) -> str:
-    """The transport a world started by `launcher` will have, known without starting it
-    (NCCL only where every rank has a GPU of its own, as `launch.gpus_for` decides)."""
-    if launcher == "threads":
-        return "fabric"
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
-
-
-def table_key(launcher: str, nproc: int) -> str:
-    """The algorithm table's key for that world, known without starting it (what
-    TorchTransport.wire will be): "shm" for gloo processes that all share this host."""
-    kind = transport_kind(launcher, nproc)
-    if kind != "gloo" or not shm_setup.enabled():
-        return kind
-    if in_torchrun() and os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
-        return "gloo"  # some ranks run on other hosts
-    return "shm"
-
-
 def _thread_devices(nproc: int):
     """One GPU per rank when there are enough; otherwise all ranks share the CPU."""
     if torch.cuda.is_available() and torch.cuda.device_count() >= nproc:
@@ -158,9 +138,10 @@ def _thread_devices(nproc: int):
                    "and in bursts of back-to-back calls; and paratrain's own code per call, timed against a "
                    "transport that moves nothing (the 'path' column). [default ops: all_reduce]")
 @click.option("--table", "table_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=default_table_path,
               show_default="$PARATRAIN_ALGO_TABLE or ~/.cache/paratrain/algorithms.json",
-              help="The algorithm table `auto` reads and --tune writes.")
+              help="The algorithm table --tune writes and `auto` reads. A table named (here or by "
+                   "PARATRAIN_ALGO_TABLE) is used as it is; the cached one only where it was written on "
+                   "this host for this world size.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True),
               help="Seconds any one communication may block before it fails naming the rank and peer. "
                    "[default: $PARATRAIN_TIMEOUT or 300]")
@@ -191,24 +172,29 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
     if overhead and (tune or explain or json_path or plot_path):
         raise click.UsageError("--overhead prints its own table: it takes no --tune, --explain, --json or --plot")
     plan, notes = plan_sweep(ops or ("all_reduce" if overhead else None), algos, tune or overhead)
+    settings = Settings.resolve(timeout=timeout, debug=debug or None)
+    if table_path is not None:
+        settings = settings.with_flags(algo_table=str(table_path))
+    world = settings.launch.world_size if settings.launch.in_torchrun else nproc
     try:
-        table = AlgorithmTable.load(table_path)
+        # tuning adds to the table as it is; measuring uses it only where `auto` would
+        table = AlgorithmTable.load(settings.table_path) if tune else algorithm_table(settings, world)
     except ValueError as error:
         if not tune:
             raise _bad("--table", str(error)) from None
-        table = AlgorithmTable({}, table_path)  # tuning writes a whole new table anyway
+        table = AlgorithmTable({}, settings.table_path)  # tuning writes a whole new table anyway
         notes.append(f"{error}: replacing it")
     counts = element_counts(sweep_sizes(min_bytes, max_bytes, factor), dtype)
     if explain and not tune:
-        _print_explain(table, plan, counts, dtype, nproc, table_key(launcher, nproc))
+        _print_explain(table, plan, counts, dtype, world, expected_transport(launcher, nproc, settings))
         return
 
     if overhead:
-        _print_overhead(plan, counts, dtype, warmup, iters, table, nproc, launcher, timeout, debug, notes)
+        _print_overhead(plan, counts, dtype, warmup, iters, table, nproc, launcher, settings, notes)
         return
 
     sweep = Sweep(tuple(plan), tuple(counts), dtype, warmup, iters, table)
-    result = _launch(sweep, nproc, launcher, timeout, debug)
+    result = _launch(sweep, nproc, launcher, settings)
     if result is None:  # under torchrun, a rank other than 0: rank 0's process prints
         return
 
@@ -234,22 +220,23 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
     if tune:
         _record_tuned(table, measurements, result.transport, result.world_size)
         click.echo(f"# tuned: the algorithm auto runs per op and size for {result.transport} x{result.world_size}"
-                   f" (native unless another beat it beyond the noise) saved to {table.save(table_path)}")
+                   f" (native unless another beat it beyond the noise) saved to {table.save(settings.table_path)}")
+        table.status = f"{table.path}: in use (written now, on this host)"
     if explain:
         _print_explain(table, plan, counts, dtype, result.world_size, result.transport)
     if any(m.wrong for m in measurements):
         raise click.ClickException("some collectives returned wrong elements (see #wrong)")
 
 
-def _print_overhead(plan, counts, dtype, warmup, rounds, table, nproc, launcher, timeout, debug, notes) -> None:
-    result = _launch(None, nproc, launcher, timeout, debug,
+def _print_overhead(plan, counts, dtype, warmup, rounds, table, nproc, launcher, settings, notes) -> None:
+    result = _launch(None, nproc, launcher, settings,
                      function=run_overhead_with_table, args=(table, plan, counts, dtype, warmup, rounds))
     if result is None:
         return
-    wire, rows = result
+    kind, rows = result
     world = nproc if not in_torchrun() else "torchrun's"
     lines = [f"# paratrain bench collectives --overhead: world size {world}  launcher {launcher}"
-             f"  transport {report.describe_wire(wire)}  dtype {dtype}  warmup {warmup}  rounds {rounds}"]
+             f"  transport {report.describe_kind(kind)}  dtype {dtype}  warmup {warmup}  rounds {rounds}"]
     lines += [f"# note: {note}" for note in notes]
     click.echo("\n".join(lines + overhead_lines(rows, rounds)))
 
@@ -257,18 +244,18 @@ def _print_overhead(plan, counts, dtype, warmup, rounds, table, nproc, launcher,
 def run_overhead_with_table(group, table, plan, counts, dtype, warmup, rounds):
     group.table = table  # auto resolves as it would in the sweep
     rows = run_overhead(group, plan, counts, dtype, warmup, rounds)
-    return None if rows is None else (group.wire, rows)
+    return None if rows is None else (group.kind, rows)
 
 
-def _launch(sweep: Sweep | None, nproc: int, launcher: str, timeout: float | None, debug: bool,
+def _launch(sweep: Sweep | None, nproc: int, launcher: str, settings: Settings,
             function=run_sweep, args: tuple | None = None):
     """Run `function` (the sweep) on every rank; rank 0's result, or None in a process without rank 0."""
     devices = _thread_devices(nproc) if launcher == "threads" else None
     try:
         results = run(function, nproc, launcher=launcher, args=args or (sweep,), devices=devices,
-                      timeout=timeout, debug=debug or None)  # None: the environment decides
+                      settings=settings)
     except Exception as error:  # noqa: BLE001 - shown as one line; --debug shows the traceback
-        if debug:
+        if settings.debug:
             raise
         raise click.ClickException(f"benchmark failed: {type(error).__name__}: {error}") from error
     if 0 not in results and not in_torchrun():
@@ -285,9 +272,9 @@ def _record_tuned(table: AlgorithmTable, measurements, transport: str, world_siz
 
 def _print_explain(table: AlgorithmTable, plan, counts: list[int], dtype: str, world_size: int,
                    transport: str) -> None:
-    where = table.path if table.path and table.path.exists() else f"{table.path} (none yet: defaults apply)"
     lines = [
-        f"# what auto picks: transport {report.describe_wire(transport)}, world size {world_size}, table {where}",
+        f"# what auto picks: transport {report.describe_kind(transport)}, world size {world_size}",
+        f"# algorithm table {table.status}",
         f"# {'op':<16}  {'size (B)':>10}  {'algo':<8}  why",
     ]
     element_size = torch.empty(0, dtype=DTYPES[dtype]).element_size()

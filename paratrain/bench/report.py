@@ -32,15 +32,15 @@ class RunInfo:
     sweep: str  # the options that shaped the sweep, one line
 
 
-def describe_wire(wire: str) -> str:
-    """A transport as the headers name it ("shm" is the table's key for gloo on one host)."""
-    return "gloo (shm: every message through shared memory)" if wire == "shm" else wire
+def describe_kind(kind: str) -> str:
+    """A transport as the headers name it."""
+    return "shm (gloo's processes, every message through shared memory)" if kind == "shm" else kind
 
 
 def header_lines(info: RunInfo) -> list[str]:
     return [
         f"# paratrain bench collectives: {info.sweep}",
-        f"# world size {info.world_size}  launcher {info.launcher}  transport {describe_wire(info.transport)}"
+        f"# world size {info.world_size}  launcher {info.launcher}  transport {describe_kind(info.transport)}"
         f"  device {info.device}  torch {info.torch_version}",
         f"# memory copy bandwidth {info.copy_gbps:.2f} GB/s (dst.copy_(src), best of a few):"
         " the physical ceiling for busbw on one host",

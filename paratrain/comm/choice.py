@@ -2,16 +2,22 @@
 
 `paratrain bench collectives --tune` measures every algorithm and records, per (transport,
 world size, op, message size), the one to run there: the backend's own unless another was
-faster beyond the measured noise (see bench/tuning.py), with a line saying why. Lookups use the
-nearest measured size (in log scale) for the nearest measured world size. Without a table the
-defaults below apply; each says why it is what it is, and `--explain` prints those reasons.
+faster beyond the measured noise (see bench/tuning.py), with a line saying why, and the host it
+was measured on. Lookups use the nearest measured size (in log scale) for the nearest measured
+world size. Without a table the defaults below apply; each says why it is what it is, and
+`--explain` prints those reasons.
+
+Which table a world uses (`AlgorithmTable.in_use`): one named (PARATRAIN_ALGO_TABLE, or a
+command's --table) always; the cached one (~/.cache/paratrain/algorithms.json) only where it was
+written on this host for this world size, so that `auto` does not quietly differ from user to
+user or machine to machine. `status` says which, and `--explain` and `paratrain env` print it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,15 +28,6 @@ KIB, MIB = 1 << 10, 1 << 20
 class Choice:
     algo: str
     reason: str
-
-
-def default_table_path() -> Path:
-    """$PARATRAIN_ALGO_TABLE, else the user's cache directory."""
-    override = os.environ.get("PARATRAIN_ALGO_TABLE")
-    if override:
-        return Path(override).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "paratrain" / "algorithms.json"
 
 
 def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Choice:
@@ -63,7 +60,8 @@ _SHM_WHY = "on one host through shared memory (transport/shm.py) this beat gloo'
 
 
 def _on_shared_memory(op: str, nbytes: int) -> Choice:
-    """The defaults for a process group whose ranks all share one host ("shm", TorchTransport.wire)."""
+    """The defaults for the shared-memory transport: a process group whose ranks all share one host
+    (kind "shm", transport/shm_transport.py)."""
     if op in ("reduce_scatter", "reduce", "all_to_all", "barrier"):
         return Choice("direct", f"{_SHM_WHY}; direct: one round of messages, straight to where each part goes")
     if op == "broadcast":
@@ -84,35 +82,65 @@ def _on_shared_memory(op: str, nbytes: int) -> Choice:
 
 
 class AlgorithmTable:
-    def __init__(self, measured: dict | None = None, path: Path | None = None, why: dict | None = None):
+    def __init__(self, measured: dict | None = None, path: Path | None = None, why: dict | None = None,
+                 host: str | None = None, status: str = "no table: the defaults"):
         # measured[transport][world_size][op] = {bytes: algo}; keys are strings in the file.
         self.measured: dict[str, dict[str, dict[str, dict[str, str]]]] = measured or {}
         self.why: dict[str, dict[str, dict[str, dict[str, str]]]] = why or {}  # same keys: the reason
         self.path = path
+        self.host = host  # where it was measured (None: a table written before hosts were kept)
+        self.status = status  # whether and why it is in use, in words
         # choose()'s answers so far: a training loop asks about the same few sizes every step,
         # and each lookup costs microseconds of every call. record() forgets them.
         self._chosen: dict[tuple, Choice] = {}
 
     @classmethod
-    def load(cls, path: Path | str | None = None) -> AlgorithmTable:
-        path = Path(path) if path is not None else default_table_path()
+    def load(cls, path: Path | str) -> AlgorithmTable:
+        path = Path(path)
         if not path.exists():
-            return cls({}, path)
+            return cls({}, path, status=f"{path}: none there, the defaults")
         try:
             data = json.loads(path.read_text())
-            measured, why = data["measured"], data.get("why", {})
+            measured, why, host = data["measured"], data.get("why", {}), data.get("host")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(
                 f"algorithm table {path} is unreadable ({error}); delete it or re-run "
                 "`paratrain bench collectives --tune`"
             ) from None
-        return cls(measured, path, why)
+        return cls(measured, path, why, host, status=f"{path}: in use")
+
+    @classmethod
+    def in_use(cls, path: Path | str, named: bool, world_size: int) -> AlgorithmTable:
+        """The table `auto` consults in a world of `world_size` ranks: the one at `path` if it was
+        `named` (by a flag or PARATRAIN_ALGO_TABLE) or written on this host for this world size;
+        else none (the defaults). Its `status` says which."""
+        table = cls.load(path)
+        if not table.measured:
+            return table
+        if named:
+            table.status = f"{path}: in use (named)"
+            return table
+        here, worlds = this_host(), table.world_sizes()
+        if table.host != here:
+            written = f"on {table.host}" if table.host else "on an unrecorded host"
+            return cls({}, table.path, status=f"{path}: not in use, written {written}, not on {here} "
+                                              "(name it with PARATRAIN_ALGO_TABLE to use it)")
+        if world_size not in worlds:
+            return cls({}, table.path, status=f"{path}: not in use, measured for world size "
+                                              f"{', '.join(map(str, worlds))}, not {world_size}")
+        table.status = f"{path}: in use (written on this host for world size {world_size})"
+        return table
+
+    def world_sizes(self) -> list[int]:
+        return sorted({int(world) for by_world in self.measured.values() for world in by_world})
 
     def save(self, path: Path | str | None = None) -> Path:
-        target = Path(path) if path is not None else (self.path or default_table_path())
+        """Write the table (to `path`, else where it was read), recording this host as its own."""
+        target = Path(path) if path is not None else self.path
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(".tmp")
-        record = {"version": 1, "measured": self.measured, "why": self.why}
+        self.host = this_host()
+        record = {"version": 1, "host": self.host, "measured": self.measured, "why": self.why}
         tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
         tmp.replace(target)  # never leave a half-written table behind
         return target
@@ -149,6 +177,10 @@ class AlgorithmTable:
         if why is None:  # a table written before reasons were kept, or by hand
             return Choice(algo, f"fastest when measured at {_human(int(nearest))} on {where}")
         return Choice(algo, f"{why}; measured at {_human(int(nearest))} on {where}")
+
+
+def this_host() -> str:
+    return socket.gethostname()
 
 
 def _human(nbytes: int) -> str:

@@ -6,8 +6,9 @@ started and finished, and whether it completed or failed. Recording is one small
 deque append per call; nothing is formatted until a dump.
 
 A timeout, a lost peer or a mismatched call dumps the records this process holds (every rank's
-on the threads fabric, its own under processes) as `rank<global rank>.json` into
-`$PARATRAIN_TRACE_DIR`, or a fresh temporary folder named in the error. `paratrain debug hang
+on the threads fabric, its own under processes) as `rank<global rank>.json` into the trace
+folder of its settings (PARATRAIN_TRACE_DIR), or a temporary folder named after the run or
+fresh, named in the error. `paratrain debug hang
 DIR` reads them and says which rank is behind or which calls differ.
 """
 
@@ -22,7 +23,6 @@ import time
 from collections import deque
 
 CAPACITY = 64  # enough to see the calls around a hang; small enough to dump in a blink
-TRACE_DIR_ENV = "PARATRAIN_TRACE_DIR"
 
 
 class Call:
@@ -102,17 +102,20 @@ class FlightRecorder:
 
 class FlightRecords:
     """The recorders one process holds, and the folder they are dumped into (chosen once, at
-    the first dump, so that every rank of a world dumps into the same one)."""
+    the first dump, so that every rank of a world dumps into the same one). `trace_dir` and
+    `run_id` come from the process's settings (see run_directory)."""
 
-    def __init__(self, ranks):
+    def __init__(self, ranks, trace_dir: str | None = None, run_id: str | None = None):
         self.recorders = {rank: FlightRecorder(rank) for rank in ranks}
+        self.trace_dir, self.run_id = trace_dir, run_id
         self._directory: str | None = None
         self._lock = threading.Lock()
 
     def directory(self) -> str:
         with self._lock:
             if self._directory is None:
-                self._directory = run_directory(_run_id()) or tempfile.mkdtemp(prefix="paratrain-trace-")
+                self._directory = (run_directory(self.run_id, self.trace_dir)
+                                   or tempfile.mkdtemp(prefix="paratrain-trace-"))
             return self._directory
 
     def dump(self, directory: str | None = None, reason: str | None = None) -> list[str]:
@@ -123,7 +126,7 @@ class FlightRecords:
         with self._lock:  # ranks failing together rewrite the same files one at a time
             for rank, recorder in sorted(self.recorders.items()):
                 record = recorder.to_json()
-                record.update(run_id=_run_id(), dumped_at=time.time(), reason=reason)
+                record.update(run_id=self.run_id, dumped_at=time.time(), reason=reason)
                 path = os.path.join(directory, f"rank{rank}.json")
                 partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
                 with open(partial, "w") as file:
@@ -133,21 +136,15 @@ class FlightRecords:
         return paths
 
 
-def run_directory(run_id: str | None) -> str | None:
-    """Where the ranks of run `run_id` dump: $PARATRAIN_TRACE_DIR, or a temporary folder named
-    after the run, so that ranks in separate processes agree on it without talking (created at
-    the first dump). None: no run id to name one after."""
-    if os.environ.get(TRACE_DIR_ENV):
-        return os.environ[TRACE_DIR_ENV]
+def run_directory(run_id: str | None, trace_dir: str | None = None) -> str | None:
+    """Where the ranks of run `run_id` dump: `trace_dir` (PARATRAIN_TRACE_DIR) if set, or a
+    temporary folder named after the run, so that ranks in separate processes agree on it
+    without talking (created at the first dump). None: no run id to name one after."""
+    if trace_dir:
+        return trace_dir
     if run_id:
         return os.path.join(tempfile.gettempdir(), f"paratrain-trace-{run_id.removeprefix('paratrain-')}")
     return None
-
-
-def _run_id() -> str | None:
-    # torchrun and our processes launcher set it ("none" when torchrun was given no --rdzv-id)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return run_id if run_id and run_id != "none" else None
 
 
 def read_dumps(directory: str) -> dict[int, dict]:
@@ -160,19 +157,8 @@ def read_dumps(directory: str) -> dict[int, dict]:
     return dumps
 
 
-_process_records: FlightRecords | None = None
-
-
-def process_records(rank: int) -> FlightRecords:
-    """The records of a process that is one rank of a torch.distributed world."""
-    global _process_records
-    if _process_records is None or rank not in _process_records.recorders:
-        _process_records = FlightRecords([rank])
-    return _process_records
-
-
 def dump_flight_record(group, directory: str | None = None) -> list[str]:
     """Write the flight records this process holds (every rank's on the threads fabric, this
-    rank's under processes) into `directory` (default: $PARATRAIN_TRACE_DIR or a temporary
-    folder); returns the files written."""
+    rank's under processes) into `directory` (default: the settings' trace folder or a
+    temporary one); returns the files written."""
     return group.flight.dump(directory, reason="dumped on request")

@@ -6,6 +6,10 @@ the same calls in the same order); its messages carry a tag made from it, so the
 another call's, and a timeout names it. With `debug=True` every collective first checks that
 all ranks are making the same call. Every call is kept in the rank's flight recorder (see
 `flight.py`), which a timeout, a lost peer or a mismatched call writes out.
+
+A Group reads no environment: its timeout, debug flag and algorithm table are given (by the
+launcher, from the process's settings: paratrain/settings.py), else the defaults (300 s, no
+checks, the algorithm defaults of choice.py).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cau
 from paratrain.comm.ops import check_reduce_op, divide_, part_sizes
 from paratrain.comm.plans import CallPlans
 from paratrain.comm.scratch import ScratchPool
-from paratrain.comm.settings import env_flag, timeout_from_env
 from paratrain.comm.transport.base import P2POp
+from paratrain.settings import Settings
 
 _USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
 _DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
@@ -39,18 +43,18 @@ class Group:
         transport,
         *,
         timeout: float | None = None,
-        debug: bool | None = None,
+        debug: bool = False,
         table: AlgorithmTable | None = None,
         segment_bytes: int | None = None,
     ):
         self.transport = transport
+        # kind: "fabric", "gloo", "nccl" or "shm"; also the algorithm table's key (choice.py)
         self.rank, self.size, self.kind = transport.rank, transport.size, transport.kind
-        self.wire = getattr(transport, "wire", self.kind)  # the algorithm table's key (choice.py)
-        self.timeout = float(timeout) if timeout is not None else timeout_from_env()
-        if self.timeout <= 0:
+        self.timeout = float(timeout) if timeout is not None else Settings.timeout
+        if not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        self.debug = debug if debug is not None else env_flag("PARATRAIN_DEBUG")
-        self.table = table if table is not None else AlgorithmTable.load()
+        self.debug = bool(debug)
+        self.table = table if table is not None else AlgorithmTable()  # the defaults alone
         # Ring steps are cut into segments of this size; each transport knows what suits it.
         self.segment_bytes = segment_bytes or transport.segment_bytes
         self._collective_seq = 0
@@ -73,6 +77,10 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, transport={self.kind})"
+
+    def describe(self) -> str:
+        """What carries this group's messages, in one line."""
+        return self.transport.describe()
 
     def split(self, partition: list[list[int]]) -> Group:
         """Cut the group into disjoint subgroups; returns the one holding this rank.
@@ -106,7 +114,8 @@ class Group:
         except Exception as error:
             self._failed(call, error)
             raise
-        return P2PHandle(self, call, link, work, op.tensor if target is None else target, op.tensor)
+        return P2PHandle(call, link, work, op.tensor if target is None else target, op.tensor,
+                         self._failed, self._retire)
 
     def _retire(self, works: list) -> None:
         """Keep finished works until two newer batches have finished (see `_retired`)."""
@@ -241,7 +250,7 @@ class Group:
             raise ValueError(f"{op_name}: unknown algorithm {algo!r}; valid: {', '.join(valid)}")
         if algo != "auto":
             return algo
-        return self.table.choose(op_name, nbytes, self.size, self.wire).algo
+        return self.table.choose(op_name, nbytes, self.size, self.kind).algo
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algo: str = "auto", async_op: bool = False):
         """Reduce `tensor` over all ranks, in place; every rank gets the result."""

@@ -1,7 +1,7 @@
 """What `Group`'s asynchronous calls return: a handle to wait on.
 
 A point-to-point handle waits on its transport work (through the call's `Link`, so a failure
-names the call) and then retires it to the group; a collective handle wraps the future of a
+names the call) and then hands it to `retire` (the group's, which frees works late); a collective handle wraps the future of a
 call run on the group's communication thread, and says when that thread ran it.
 """
 
@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from paratrain.comm.flight import Call
-    from paratrain.comm.group import Group
-    from paratrain.comm.link import Link
+from paratrain.comm.flight import Call
+from paratrain.comm.link import Link
 
 
 class P2PHandle:
-    """The result of isend/irecv: `wait()` blocks until the transfer is done."""
+    """The result of isend/irecv: `wait()` blocks until the transfer is done. `failed(call,
+    error)` and `retire(works)` are the group's (Group._failed, Group._retire)."""
 
-    def __init__(self, group: Group, call: Call, link: Link, work, tensor: torch.Tensor, staging: torch.Tensor):
-        self._group, self._call = group, call
+    def __init__(self, call: Call, link: Link, work, tensor: torch.Tensor, staging: torch.Tensor,
+                 failed: Callable[[Call, Exception], None], retire: Callable[[list], None]):
+        self._call, self._failed, self._retire = call, failed, retire
         self._link, self._work, self._tensor, self._staging = link, work, tensor, staging
         self.completed = False
 
@@ -33,13 +33,13 @@ class P2PHandle:
         try:
             self._link.wait([self._work])
         except Exception as error:
-            self._group._failed(self._call, error)
+            self._failed(self._call, error)
             raise
         if self._staging is not self._tensor:  # a non-contiguous receive: copy into place
             self._tensor.copy_(self._staging.view(self._tensor.shape))
         self._call.complete()
         self.completed = True
-        self._group._retire(self._link.finished)  # not freed here: see Group._retired
+        self._retire(self._link.finished)  # not freed here: see Group._retired
         self._link = self._work = None
 
 

@@ -39,11 +39,14 @@ class Work(Protocol):
 class Transport(Protocol):
     rank: int
     size: int
-    kind: str  # "fabric", "gloo" or "nccl": the key the algorithm table is indexed by
+    kind: str  # "fabric", "gloo", "nccl" or "shm": the key the algorithm table is indexed by
     global_ranks: tuple[int, ...]  # rank r of this transport is rank global_ranks[r] of the world
     flight: object  # the FlightRecords (flight.py) of this process's ranks
     segment_bytes: int  # how large a piece of a ring step suits this transport
     posts_ahead: bool  # may receives be posted in a batch of their own, before the sends they pair with
+
+    def describe(self) -> str:
+        """One line: the kind, and what carries the messages (`--explain`, `paratrain env`)."""
 
     def start(self, ops: list[P2POp]) -> list[Work]:
         """Start all `ops` together (NCCL needs paired sends/receives posted as one batch).

@@ -33,7 +33,8 @@ class _Message:
 class Fabric:
     """The shared state of one in-process world: mailboxes, a rendezvous, an abort flag."""
 
-    def __init__(self, world_size: int, devices: list[torch.device | str] | None = None):
+    def __init__(self, world_size: int, devices: list[torch.device | str] | None = None,
+                 trace_dir: str | None = None):
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")
         self.size = world_size
@@ -50,7 +51,8 @@ class Fabric:
         self._aborted: str | None = None
         self._lost: int | None = None  # the rank whose failure aborted this fabric
         self.global_ranks = tuple(range(world_size))  # a subfabric's are its members' in the root
-        self.flight = FlightRecords(self.global_ranks)  # every rank's calls; shared by subfabrics
+        # every rank's calls, dumped into `trace_dir` (the settings'); shared by subfabrics
+        self.flight = FlightRecords(self.global_ranks, trace_dir)
         self._slots: list[object] = [None] * world_size
         self._arrived = 0
         self._generation = 0
@@ -305,6 +307,9 @@ class FabricTransport:
             raise ValueError(f"all_to_all output needs {expected} elements, got {output.numel()}")
         torch.cat(pieces, out=output)
         self._everyone(None, timeout)
+
+    def describe(self) -> str:
+        return f"fabric: {self.size} ranks as threads of one process, p2p a tensor copy"
 
     def torch_process_group(self, timeout: float):
         return self.fabric.torch_process_group(self.rank, timeout)

@@ -13,13 +13,13 @@ thread of either process needs waking. A rank waiting for a message polls its ri
 a named pipe every peer writes a byte to after each message, so a long wait costs no CPU.
 
 What goes this way: every message of a process group (its point-to-point and the messages of
-paratrain's own collective algorithms, TorchTransport.start) whose tensor is on the CPU and whose
+paratrain's own collective algorithms, SharedMemoryTransport.start) whose tensor is on the CPU and whose
 peer shares /dev/shm with this process, on x86-64 (see shm_ring.py). Everything else (CUDA
 tensors, peers on other hosts, the backend's own collectives) goes to the process group as
-before. PARATRAIN_SHM=0 turns it off; PARATRAIN_SHM_BYTES sets each ring's size (default 4
-MiB, less beyond 16 peers on the host; a larger message passes through in pieces);
-PARATRAIN_SHM_SPIN_US how long a wait polls before it sleeps (default 50000 where the host has
-a core per rank, 0 where it has fewer).
+before. The settings (paratrain/settings.py): PARATRAIN_SHM=0 turns it off; PARATRAIN_SHM_BYTES
+sets each ring's size (default 4 MiB, less beyond 16 peers on the host; a larger message passes
+through in pieces); PARATRAIN_SHM_SPIN_US how long a wait polls before it sleeps (default 50000
+where the host has a core per rank, 0 where it has fewer).
 Only the main thread polls: a wait on a helper thread (an async collective overlapping a
 backward pass) sleeps at once, leaving the core to the compute it overlaps. Setting up, and
 those settings: shm_setup.py.
@@ -188,7 +188,7 @@ class SharedMemoryP2P:
                 else:
                     works[index] = self._post_receive(_Recv(self, op.peer, op.tag, op.tensor))
         if others:
-            for index, work in zip(others, self.inner.start_on_group([ops[i] for i in others])):
+            for index, work in zip(others, self.inner.start([ops[i] for i in others])):
                 works[index] = work
         return works
 

@@ -1,7 +1,7 @@
 """Setting up shared memory (shm.py) for a process group: which of its ranks
 share this host, and a ring to each of them.
 
-Every rank of the group takes part (TorchTransport's constructor calls `connect`): one
+Every rank of the group takes part (shm_transport.over_process_group calls `connect`): one
 all-gather of (offers shared memory, host key, process id, random token), then, where any two
 ranks share a host, two barriers. Between them each rank creates its outgoing rings and its
 doorbell under /dev/shm, named by its token, and opens its peers'; after the second every peer
@@ -19,9 +19,9 @@ import secrets
 
 import torch
 
-from paratrain.comm.settings import DEFAULT_TIMEOUT_S, int_from_env
 from paratrain.comm.transport.shm import SharedMemoryP2P, start_time
-from paratrain.comm.transport.shm_ring import LINE, Ring, round_up
+from paratrain.comm.transport.shm_ring import Ring, round_up
+from paratrain.settings import Settings
 
 DEFAULT_RING_BYTES = 4 << 20
 # What one process's outgoing rings may hold together, unless PARATRAIN_SHM_BYTES says: a host
@@ -31,29 +31,28 @@ LEAST_AUTO_RING_BYTES = 256 << 10
 DEFAULT_SPIN_S = 0.05  # polling before sleeping, where each rank has a core: longer than a pipeline's waits
 
 
-def enabled() -> bool:
+def enabled(settings: Settings) -> bool:
     """Whether this process offers shared memory to its peers (PARATRAIN_SHM, the platform)."""
-    if os.environ.get("PARATRAIN_SHM", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+    return settings.shm and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
 
 
-def ring_bytes_from_env(neighbours: int = 1) -> int:
+def ring_bytes(settings: Settings, neighbours: int = 1) -> int:
     """Each ring's size: PARATRAIN_SHM_BYTES, else DEFAULT_RING_BYTES while a process's rings
     to its `neighbours` fit OUTGOING_BUDGET_BYTES, less (down to LEAST_AUTO_RING_BYTES) beyond.
     Every rank of a host has the same number of neighbours, so both ends of a ring agree."""
-    budget = max(LEAST_AUTO_RING_BYTES, min(DEFAULT_RING_BYTES, OUTGOING_BUDGET_BYTES // max(neighbours, 1)))
-    return round_up(int_from_env("PARATRAIN_SHM_BYTES", budget, 4 * LINE))
+    if settings.shm_bytes is not None:
+        return round_up(settings.shm_bytes)
+    return round_up(max(LEAST_AUTO_RING_BYTES, min(DEFAULT_RING_BYTES, OUTGOING_BUDGET_BYTES // max(neighbours, 1))))
 
 
-def spin_s(ranks_here: int) -> float:
+def spin_s(settings: Settings, ranks_here: int) -> float:
     """How long a wait polls before it sleeps: PARATRAIN_SHM_SPIN_US, or DEFAULT_SPIN_S while
     this host has a core for each of its `ranks_here` ranks, and 0 when it has fewer: a polling
     rank would take the core of one that computes (Open MPI yields when idle on an
     oversubscribed host for the same reason)."""
-    if os.environ.get("PARATRAIN_SHM_SPIN_US"):
-        return int_from_env("PARATRAIN_SHM_SPIN_US", 0, 0) / 1e6
-    ranks_here = max(ranks_here, int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0))  # set by torchrun
+    if settings.shm_spin_us is not None:
+        return settings.shm_spin_us / 1e6
+    ranks_here = max(ranks_here, settings.launch.local_world_size or 0)  # set by torchrun
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return DEFAULT_SPIN_S if ranks_here <= cores else 0.0
 
@@ -77,12 +76,12 @@ def _bell_path(token: int) -> str:
     return f"/dev/shm/paratrain-{token:016x}-bell"
 
 
-def connect(inner) -> SharedMemoryP2P | None:
+def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     """Set up shared memory among the ranks of `inner` (a TorchTransport) that share a host; every rank
     calls this (one all-gather, and two barriers where any two ranks share a host). Returns
     None where this rank shares a host with none of the others (or offers no shared memory)."""
     me = torch.zeros(4, dtype=torch.int64)
-    offered = enabled()
+    offered = enabled(settings)
     token = secrets.randbits(62)
     if offered:
         try:
@@ -90,7 +89,7 @@ def connect(inner) -> SharedMemoryP2P | None:
         except OSError:  # no /proc: not a Linux we know how to watch
             offered = False
     everyone = torch.empty(inner.size * 4, dtype=torch.int64)
-    timeout = inner.own_timeout or DEFAULT_TIMEOUT_S
+    timeout = inner.own_timeout or settings.timeout
     inner.native_all_gather(everyone, me, timeout)
     table = everyone.view(inner.size, 4).tolist()
     hosts = {}
@@ -100,7 +99,7 @@ def connect(inner) -> SharedMemoryP2P | None:
     if all(len(ranks) < 2 for ranks in hosts.values()):
         return None  # the same answer on every rank: nobody does the barriers below
     neighbours = [r for r in hosts.get(table[inner.rank][1], []) if r != inner.rank] if offered else []
-    capacity = ring_bytes_from_env(len(neighbours))
+    capacity = ring_bytes(settings, len(neighbours))
     mine = [_ring_path(token, peer) for peer in neighbours] + [_bell_path(token)]
     cleanup = functools.partial(_unlink, mine)
     atexit.register(cleanup)  # only if we fail before the second barrier below
@@ -120,7 +119,7 @@ def connect(inner) -> SharedMemoryP2P | None:
     if not neighbours:
         return None
     peers = {peer: (table[peer][2], start_time(table[peer][2])) for peer in neighbours}
-    return SharedMemoryP2P(inner, outgoing, incoming, bells, bell, peers, spin_s(len(neighbours) + 1))
+    return SharedMemoryP2P(inner, outgoing, incoming, bells, bell, peers, spin_s(settings, len(neighbours) + 1))
 
 
 def _unlink(paths: list[str]) -> None:

@@ -1,7 +1,9 @@
 """The torch.distributed transport: gloo for CPU tensors, NCCL for CUDA tensors.
 
 Ranks are group-local everywhere in paratrain; this module is the one place that maps them
-to the global ranks torch.distributed's p2p calls want.
+to the global ranks torch.distributed's p2p calls want. Where processes share a host, the
+shared-memory transport (shm_transport.py) carries their messages instead and keeps one of
+these for the backend's own collectives and for peers on other hosts.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.errors import TransportFailure, TransportTimeout
-from paratrain.comm.flight import process_records
+from paratrain.comm.flight import FlightRecords
 from paratrain.comm.ops import combine_, part_sizes
 from paratrain.comm.scratch import StagingPool
-from paratrain.comm.transport import shm_setup
 from paratrain.comm.transport.base import POST, P2POp, Schedule
 
 # torch 2.13 renamed the tensor collectives; keep working on releases before the rename.
@@ -152,9 +153,12 @@ class _GlooReplay:
 
 
 class TorchTransport:
-    """A torch.distributed process group seen as a transport."""
+    """A torch.distributed process group seen as a transport. `flight`: the flight records of
+    this process (made here when none is given: a new world's first group). `regroup`: what
+    each subgroup's transport is made into (shm_transport.over_process_group, set by it, so that
+    all ranks of a subgroup set up shared memory together); None: nothing."""
 
-    def __init__(self, process_group=None):
+    def __init__(self, process_group=None, flight: FlightRecords | None = None, regroup=None):
         self.pg = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.pg)
         self.size = dist.get_world_size(self.pg)
@@ -162,7 +166,8 @@ class TorchTransport:
         self.global_ranks = tuple(self._global)
         # A collective does not say which peer failed it; in a world of two only one can have.
         self._only_peer = 1 - self.rank if self.size == 2 else None
-        self.flight = process_records(dist.get_rank())
+        self.flight = flight if flight is not None else FlightRecords([dist.get_rank()])
+        self.regroup = regroup
         backend = str(dist.get_backend(self.pg)).lower()
         self.kind = "nccl" if "nccl" in backend and _cuda_available() else "gloo"
         # gloo moves bytes on its own threads: while one segment is reduced the next arrives.
@@ -174,22 +179,12 @@ class TorchTransport:
         self.own_timeout = _group_timeout(self.pg)  # seconds after which the group itself gives up
         # Where tensors the transport makes for itself (a barrier's token) should live.
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")
-        # Messages between processes of this host go through shared memory (shm.py); None:
-        # gloo carries them all.
-        self.p2p = shm_setup.connect(self) if self.kind == "gloo" else None
-        # What the algorithm table is keyed on (choice.py): "shm" where every message of this
-        # group's own algorithms goes through shared memory (the same answer on every rank).
-        self.wire = "shm" if self.p2p is not None and len(self.p2p.neighbours) == self.size - 1 else self.kind
+
+    def describe(self) -> str:
+        return f"{self.kind}: a torch.distributed process group of {self.size} ranks"
 
     def start(self, ops: list[P2POp]) -> list:
-        """Post `ops` (what Link and Group's point-to-point call): to peers of this host through
-        shared memory, where there is some, the rest on the process group."""
-        if self.p2p is not None:
-            return self.p2p.start(ops)
-        return self.start_on_group(ops)
-
-    def start_on_group(self, ops: list[P2POp]) -> list:
-        """Post `ops` on the process group itself."""
+        """Post `ops` (what Link and Group's point-to-point call) on the process group."""
         if ops and ops[0].tensor.is_cuda:
             return self._start_batched(ops)
         # gloo: each op goes straight to the process group (what dist.isend/irecv end in, less
@@ -236,8 +231,6 @@ class TorchTransport:
         batched (see start)."""
         if self.kind != "gloo" or any(op.tensor.is_cuda for what, ops in schedule if what == POST for op in ops):
             return None
-        if self.p2p is not None:  # some messages go through shared memory: replayed through start()
-            return None
         return _GlooReplay(self, schedule)
 
     def torch_process_group(self, timeout: float):
@@ -248,7 +241,9 @@ class TorchTransport:
         members create it (local synchronisation), so other subgroups need not take part."""
         members = [self._global[r] for r in ranks]
         timeout = None if self.own_timeout is None else _delta(self.own_timeout)
-        return TorchTransport(dist.new_group(members, timeout=timeout, use_local_synchronization=True))
+        made = TorchTransport(dist.new_group(members, timeout=timeout, use_local_synchronization=True),
+                              self.flight, self.regroup)
+        return made if self.regroup is None else self.regroup(made)
 
     def split_with_everyone(self, ranks: list[int]) -> TorchTransport | None:
         """The subgroup of `ranks`, made by every rank of this group in the same order (None on
@@ -258,7 +253,10 @@ class TorchTransport:
         members = [self._global[r] for r in ranks]
         timeout = None if self.own_timeout is None else _delta(self.own_timeout)
         made = dist.new_group(members, timeout=timeout, group_desc=f"frontend {members}"[:64])
-        return TorchTransport(made) if self.rank in ranks else None
+        if self.rank not in ranks:
+            return None
+        transport = TorchTransport(made, self.flight, self.regroup)
+        return transport if self.regroup is None else self.regroup(transport)
 
     # The backend's own collectives. Parts may be uneven (see ops.part_sizes): torch's
     # tensor collectives want equal parts, so uneven ones are padded to the largest part.
