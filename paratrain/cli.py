@@ -8,6 +8,7 @@ import click
 from paratrain import __version__
 from paratrain.bench.cli import bench
 from paratrain.comm.flight_cli import debug
+from paratrain.env_cli import env
 from paratrain.frontend.cli import frontend, serve, top, worker
 from paratrain.parallel.pipeline.schedule_cli import schedule
 from paratrain.plan.cli import plan
@@ -39,6 +40,7 @@ main.add_command(frontend)
 main.add_command(debug)
 main.add_command(plan)
 main.add_command(model)
+main.add_command(env)
 
 if __name__ == "__main__":
     main()

@@ -99,7 +99,7 @@ def _run_threads(fn, nproc, args, devices, settings: Settings, table: AlgorithmT
     def rank_main(rank: int) -> None:
         group = None
         try:
-            group = Group(fabric.endpoint(rank), timeout=settings.timeout, debug=settings.debug, table=table)
+            group = Group(fabric.endpoint(rank), table=table, settings=settings)
             results[rank] = fn(group, *args)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller below
             errors[rank] = error
@@ -185,7 +185,7 @@ def init_process_group_from_env(settings: Settings | None = None, table: Algorit
         dist.init_process_group(backend, timeout=timedelta(seconds=settings.timeout), **joining)
     flight = FlightRecords([dist.get_rank()], settings.trace_dir, where.run_name)
     transport = over_process_group(TorchTransport(flight=flight), settings)
-    return Group(transport, timeout=settings.timeout, debug=settings.debug, table=table)
+    return Group(transport, table=table, settings=settings)
 
 
 def _attempt_store(settings: Settings):

@@ -6,7 +6,9 @@ stages, and data-parallel replicas are farthest apart (they talk once per step).
 
     rank = (dp_index * pp + pp_index) * tp + tp_index
 
-Each rank gets three Groups: `tp` (same dp, pp), `pp` (same dp, tp), `dp` (same pp, tp).
+Each rank gets three Groups: `tp` (same dp, pp), `pp` (same dp, tp), `dp` (same pp, tp). An
+axis that spans the whole world (dp when pp = tp = 1) is the world's group itself, so the trivial
+mesh (world, 1, 1) costs nothing: training always builds one.
 """
 
 from __future__ import annotations
@@ -50,7 +52,13 @@ class Mesh:
         index = (self.grid == world.rank).nonzero()[0].tolist()
         self.coords = Coordinates(*index)
         # Every rank splits along every axis in the same order: process groups need that.
-        self.groups = {axis: world.split(axis_partition(self.grid, axis)) for axis in AXES}
+        self.groups = {axis: self._group_along(axis) for axis in AXES}
+
+    def _group_along(self, axis: str):
+        partition = axis_partition(self.grid, axis)
+        if partition == [list(range(self.world.size))]:
+            return self.world  # the same ranks in the same order: no new group to make
+        return self.world.split(partition)
 
     @property
     def dp(self):
@@ -72,5 +80,7 @@ class Mesh:
         return f"mesh dp={s['dp']} x pp={s['pp']} x tp={s['tp']} (rank {self.world.rank} at {self.coords})"
 
     def close(self) -> None:
+        """Close the groups this mesh made (the world's is its owner's to close)."""
         for group in self.groups.values():
-            group.close()
+            if group is not self.world:
+                group.close()

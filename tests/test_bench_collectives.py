@@ -19,7 +19,7 @@ from paratrain.bench import collectives_cli, overhead, tuning
 from paratrain.comm.group import Group
 from paratrain.bench.collectives import Measurement, bus_factor, element_counts
 from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
-from paratrain.bench.membw import copy_bandwidth_gbps
+from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.bench.report import JSON_KEYS
 from paratrain.cli import main
 from paratrain.comm.algorithms import ALGORITHMS

@@ -25,6 +25,7 @@ from paratrain.frontend.signals import ConfigError, parse
 from paratrain.frontend.workers import codegen
 from paratrain.frontend.workers.hotpath import HotPaths
 from paratrain.frontend.workers.settings import CompileSettings, SettingsError
+from paratrain.settings import Settings
 
 RTOL, ATOL = 1e-5, 1e-6
 COMPILE_ENV = ("AUTO_COMPILE", "HOTPATH_THRESHOLD", "HOTPATH_MIN_SEQ", "HOTPATH_WINDOW", "HOTPATH_MAX_EXPAND",
@@ -269,13 +270,18 @@ def test_the_detector_cuts_segments_at_the_loop_body():
 
 
 def test_compile_settings_come_from_gt_or_paratrain_variables():
-    settings = CompileSettings.from_env({"GT_AUTO_COMPILE": "1", "GT_HOTPATH_THRESHOLD": "7",
-                                         "PARATRAIN_HOTPATH_THRESHOLD": "9", "GT_SAVE_COMPILED_CODE": "0"})
+    def compile_settings(env: dict) -> CompileSettings:
+        return CompileSettings.from_settings(Settings.resolve(env))
+
+    settings = compile_settings({"GT_AUTO_COMPILE": "1", "GT_HOTPATH_THRESHOLD": "7",
+                                 "PARATRAIN_HOTPATH_THRESHOLD": "9", "GT_SAVE_COMPILED_CODE": "0"})
     assert settings.auto and settings.threshold == 9 and settings.save_dir is None
-    assert CompileSettings.from_env({"GT_SAVE_COMPILED_CODE": "1"}).save_dir.endswith("paratrain_compiled")
-    assert not CompileSettings.from_env({}).auto
-    with pytest.raises(SettingsError, match="GT_HOTPATH_MIN_SEQ / PARATRAIN_HOTPATH_MIN_SEQ must be an integer"):
-        CompileSettings.from_env({"GT_HOTPATH_MIN_SEQ": "three"})
+    assert compile_settings({"GT_SAVE_COMPILED_CODE": "1"}).save_dir.endswith("paratrain_compiled")
+    assert not compile_settings({}).auto
+    with pytest.raises(SettingsError, match="GT_HOTPATH_MIN_SEQ must be a whole number, got 'three'"):
+        compile_settings({"GT_HOTPATH_MIN_SEQ": "three"})
+    with pytest.raises(SettingsError, match="GT_HOTPATH_MIN_SEQ .5. is longer than GT_HOTPATH_WINDOW .4."):
+        compile_settings({"GT_HOTPATH_MIN_SEQ": "5", "PARATRAIN_HOTPATH_WINDOW": "4"})
 
 
 # ---- signatures -----------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from paratrain.bench.p2p_cli import p2p
 from paratrain.bench.pipeline import pipeline
 from paratrain.bench.scaling import scaling
 from paratrain.bench.tp import tp
+from paratrain.bench.train import train
 
 
 @click.group()
@@ -25,3 +26,4 @@ bench.add_command(p2p)
 bench.add_command(pipeline)
 bench.add_command(scaling)
 bench.add_command(tp)
+bench.add_command(train)

@@ -14,7 +14,7 @@ import torch
 
 from paratrain.bench import report
 from paratrain.bench.collectives import DTYPES, Sweep, element_counts, run_sweep
-from paratrain.bench.membw import copy_bandwidth_gbps
+from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.bench.overhead import overhead_lines, run_overhead
 from paratrain.bench.tuning import tuned_choices
 from paratrain.comm.algorithms import OPS, algorithms_for
@@ -221,7 +221,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
         _record_tuned(table, measurements, result.transport, result.world_size)
         click.echo(f"# tuned: the algorithm auto runs per op and size for {result.transport} x{result.world_size}"
                    f" (native unless another beat it beyond the noise) saved to {table.save(settings.table_path)}")
-        table.status = f"{table.path}: in use (written now, on this host)"
+        table.status = "in use (written now, on this host)"
     if explain:
         _print_explain(table, plan, counts, dtype, result.world_size, result.transport)
     if any(m.wrong for m in measurements):
@@ -274,7 +274,7 @@ def _print_explain(table: AlgorithmTable, plan, counts: list[int], dtype: str, w
                    transport: str) -> None:
     lines = [
         f"# what auto picks: transport {report.describe_kind(transport)}, world size {world_size}",
-        f"# algorithm table {table.status}",
+        f"# algorithm table {table.path}: {table.status}",
         f"# {'op':<16}  {'size (B)':>10}  {'algo':<8}  why",
     ]
     element_size = torch.empty(0, dtype=DTYPES[dtype]).element_size()

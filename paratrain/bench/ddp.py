@@ -23,6 +23,7 @@ import click
 import torch
 
 from paratrain.launch import LAUNCHERS, in_torchrun, run
+from paratrain.settings import launch_environment
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
 from paratrain.train.validate import problems_with
@@ -303,7 +304,8 @@ def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, rep
     """
     models = parse_names(models_text, tuple(MODELS), "model", "--models")
     modes = parse_names(modes_text, tuple(BENCH_MODES), "mode", "--modes")
-    world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else nproc
+    launched = launch_environment()
+    world = launched.world_size if launched.in_torchrun else nproc
     runs = [
         Run(f"{model} {mode}", training_config(*MODELS[model], mode, batch_size * world, warmup + steps, bucket_mb,
                                                launcher),

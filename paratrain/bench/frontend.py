@@ -17,7 +17,6 @@ PyTorch (frontend_compile.py).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
 import time
@@ -25,62 +24,24 @@ import time
 import click
 import torch
 
+from paratrain.bench.frontend_steps import ROUND_SECONDS, frontend_step, seconds_per_step, torch_step
+
 SIZES = ((32, 128), (256, 1024), (1024, 2048))
-ROUND_SECONDS = 0.4  # steps per round are chosen so that a round of PyTorch takes about this
-
-
-def _frontend_step(gt, batch, hidden, region=None, name: str = ""):
-    """The step; with `region` (gt.signal.context), its forward pass in the region `name`."""
-    x, y = gt.randn(batch, hidden), gt.randint(0, 10, (batch,))
-    first, second = gt.nn.Linear(hidden, hidden), gt.nn.Linear(hidden, 10)
-    optimizer = gt.optim.SGD(first.parameters() + second.parameters(), lr=0.01)
-
-    def step():
-        with region(name) if region is not None else contextlib.nullcontext():
-            loss = gt.cross_entropy(second(first(x).relu()), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.item()
-
-    return step
-
-
-def _torch_step(batch, hidden):
-    x, y = torch.randn(batch, hidden), torch.randint(0, 10, (batch,))
-    model = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step():
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.item()
-
-    return step
-
-
-def _seconds_per_step(step, steps: int) -> float:
-    started = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - started) / steps
 
 
 def measure_size(gt, session, batch: int, hidden: int, repeats: int, steps: int | None) -> dict:
-    ours, theirs = _frontend_step(gt, batch, hidden), _torch_step(batch, hidden)
+    ours, theirs = frontend_step(gt, batch, hidden), torch_step(batch, hidden)
     for step in (ours, theirs, ours, theirs):  # warm-up: caches, allocator, first sync
         step()
     if steps is None:
-        steps = max(3, int(ROUND_SECONDS / _seconds_per_step(theirs, 2)))
+        steps = max(3, int(ROUND_SECONDS / seconds_per_step(theirs, 2)))
     before = session._seq
     ours()
     instructions = session._seq - before - 1  # the sync token is not an instruction
     frontend_s, torch_s = [], []
     for _ in range(repeats):
-        frontend_s.append(_seconds_per_step(ours, steps))
-        torch_s.append(_seconds_per_step(theirs, steps))
+        frontend_s.append(seconds_per_step(ours, steps))
+        torch_s.append(seconds_per_step(theirs, steps))
     frontend_ms, torch_ms = statistics.median(frontend_s) * 1e3, statistics.median(torch_s) * 1e3
     return {"batch": batch, "hidden": hidden, "workers": session.n_workers, "frontend_ms": frontend_ms,
             "torch_ms": torch_ms, "ratio": frontend_ms / torch_ms, "steps": steps,

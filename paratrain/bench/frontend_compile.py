@@ -15,7 +15,8 @@ import statistics
 
 import click
 
-from paratrain.bench.frontend import ROUND_SECONDS, _frontend_step, _seconds_per_step, _torch_step
+from paratrain.bench import frontend_steps
+from paratrain.bench.frontend_steps import ROUND_SECONDS, frontend_step, seconds_per_step
 
 SIZES = ((256, 1024), (1024, 2048))
 REGION = "bench_compiled_forward"
@@ -24,19 +25,19 @@ WARM_UP_STEPS = 4  # seen once, compiled (forward, then backward at its first us
 
 def measure_compiled(gt, session, batch: int, hidden: int, repeats: int, steps: int | None) -> dict:
     gt.register_config(REGION, gt.SignalConfig(compile=True))
-    eager, torch_step = _frontend_step(gt, batch, hidden), _torch_step(batch, hidden)
-    compiled = _frontend_step(gt, batch, hidden, region=gt.signal.context, name=REGION)
+    eager, torch_step = frontend_step(gt, batch, hidden), frontend_steps.torch_step(batch, hidden)
+    compiled = frontend_step(gt, batch, hidden, region=gt.signal.context, name=REGION)
     before = _counts(gt, session)
     for _ in range(WARM_UP_STEPS):
         compiled()
     eager(), torch_step(), eager(), torch_step()
     if steps is None:
-        steps = max(3, int(ROUND_SECONDS / _seconds_per_step(torch_step, 2)))
+        steps = max(3, int(ROUND_SECONDS / seconds_per_step(torch_step, 2)))
     times = {"frontend": [], "compiled": [], "torch": []}
     for _ in range(repeats):
-        times["frontend"].append(_seconds_per_step(eager, steps))
-        times["compiled"].append(_seconds_per_step(compiled, steps))
-        times["torch"].append(_seconds_per_step(torch_step, steps))
+        times["frontend"].append(seconds_per_step(eager, steps))
+        times["compiled"].append(seconds_per_step(compiled, steps))
+        times["torch"].append(seconds_per_step(torch_step, steps))
     after = _counts(gt, session)
     ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
     return {"batch": batch, "hidden": hidden, "workers": session.n_workers, "frontend_ms": ms["frontend"],

@@ -98,7 +98,7 @@ class AlgorithmTable:
     def load(cls, path: Path | str) -> AlgorithmTable:
         path = Path(path)
         if not path.exists():
-            return cls({}, path, status=f"{path}: none there, the defaults")
+            return cls({}, path, status="none there: the defaults")
         try:
             data = json.loads(path.read_text())
             measured, why, host = data["measured"], data.get("why", {}), data.get("host")
@@ -107,7 +107,7 @@ class AlgorithmTable:
                 f"algorithm table {path} is unreadable ({error}); delete it or re-run "
                 "`paratrain bench collectives --tune`"
             ) from None
-        return cls(measured, path, why, host, status=f"{path}: in use")
+        return cls(measured, path, why, host, status="in use")
 
     @classmethod
     def in_use(cls, path: Path | str, named: bool, world_size: int) -> AlgorithmTable:
@@ -118,17 +118,17 @@ class AlgorithmTable:
         if not table.measured:
             return table
         if named:
-            table.status = f"{path}: in use (named)"
+            table.status = "in use (named)"
             return table
         here, worlds = this_host(), table.world_sizes()
         if table.host != here:
             written = f"on {table.host}" if table.host else "on an unrecorded host"
-            return cls({}, table.path, status=f"{path}: not in use, written {written}, not on {here} "
+            return cls({}, table.path, status=f"not in use, the defaults: written {written}, not on {here} "
                                               "(name it with PARATRAIN_ALGO_TABLE to use it)")
         if world_size not in worlds:
-            return cls({}, table.path, status=f"{path}: not in use, measured for world size "
+            return cls({}, table.path, status=f"not in use, the defaults: measured for world size "
                                               f"{', '.join(map(str, worlds))}, not {world_size}")
-        table.status = f"{path}: in use (written on this host for world size {world_size})"
+        table.status = f"in use (written on this host for world size {world_size})"
         return table
 
     def world_sizes(self) -> list[int]:

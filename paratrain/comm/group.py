@@ -7,9 +7,9 @@ another call's, and a timeout names it. With `debug=True` every collective first
 all ranks are making the same call. Every call is kept in the rank's flight recorder (see
 `flight.py`), which a timeout, a lost peer or a mismatched call writes out.
 
-A Group reads no environment: its timeout, debug flag and algorithm table are given (by the
-launcher, from the process's settings: paratrain/settings.py), else the defaults (300 s, no
-checks, the algorithm defaults of choice.py).
+A Group reads no environment: it is given the process's settings (paratrain/settings.py; the
+launcher resolves them), which the layers above read from it too, and its algorithm table;
+without them, the defaults (300 s, no checks, the algorithm defaults of choice.py).
 """
 
 from __future__ import annotations
@@ -43,17 +43,20 @@ class Group:
         transport,
         *,
         timeout: float | None = None,
-        debug: bool = False,
+        debug: bool | None = None,
         table: AlgorithmTable | None = None,
         segment_bytes: int | None = None,
+        settings: Settings | None = None,
     ):
+        """`timeout` and `debug` default to the settings' (themselves defaulting to 300 s, off)."""
         self.transport = transport
         # kind: "fabric", "gloo", "nccl" or "shm"; also the algorithm table's key (choice.py)
         self.rank, self.size, self.kind = transport.rank, transport.size, transport.kind
-        self.timeout = float(timeout) if timeout is not None else Settings.timeout
+        self.settings = settings if settings is not None else Settings()
+        self.timeout = float(timeout) if timeout is not None else self.settings.timeout
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        self.debug = bool(debug)
+        self.debug = bool(debug) if debug is not None else self.settings.debug
         self.table = table if table is not None else AlgorithmTable()  # the defaults alone
         # Ring steps are cut into segments of this size; each transport knows what suits it.
         self.segment_bytes = segment_bytes or transport.segment_bytes
@@ -96,6 +99,7 @@ class Group:
         mine = next(list(ranks) for ranks in partition if self.rank in ranks)
         return Group(
             self.transport.split(mine), timeout=self.timeout, debug=self.debug, table=self.table,
+            settings=self.settings,
         )
 
     # ---- point-to-point ------------------------------------------------------------------

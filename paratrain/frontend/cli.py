@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import click
 
 _TOKEN = dict(envvar="PARATRAIN_TOKEN", default=None,
@@ -92,22 +90,25 @@ def worker(host, port, token, threads, connect_timeout, backend, name, exit_with
     `python -m gt.worker --host H -p PORT` is `python -m paratrain.frontend.worker` with the same flags.
 
     Compilation follows GT's variables (GT_AUTO_COMPILE, GT_HOTPATH_*, GT_DEBUG_COMPILE,
-    GT_SAVE_COMPILED_CODE, or their PARATRAIN_ names), read once here."""
+    GT_SAVE_COMPILED_CODE, or their PARATRAIN_ names), read once here with every other setting."""
     from paratrain.frontend.errors import FrontendError
     from paratrain.frontend.protocol.addresses import AddressError
-    from paratrain.frontend.workers.settings import CompileSettings, SettingsError
+    from paratrain.frontend.workers.settings import CompileSettings
     from paratrain.frontend.workers.worker import DeviceUnavailable, run_worker
-    from paratrain.launch import in_torchrun, init_process_group_from_env
+    from paratrain.launch import init_process_group_from_env
+    from paratrain.settings import Settings, SettingsError
 
     try:
-        compile_settings = CompileSettings.from_env()
+        settings = Settings.resolve()
+        compile_settings = CompileSettings.from_settings(settings)
     except SettingsError as error:
         raise click.UsageError(str(error)) from None
-    group = init_process_group_from_env() if in_torchrun() else None
+    group = init_process_group_from_env(settings) if settings.launch.in_torchrun else None
     try:
-        run_worker(f"{host}:{port}", token, group=group, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                   threads=threads, connect_timeout=connect_timeout, exit_with_pid=exit_with_pid, backend=backend,
-                   name=name, compile_settings=compile_settings)
+        run_worker(f"{host}:{port}", token, group=group, local_rank=settings.launch.local_rank,
+                   threads=threads, connect_timeout=connect_timeout, exit_with_pid=exit_with_pid,
+                   backend=backend or settings.backend, name=name, compile_settings=compile_settings,
+                   settings=settings)
     except (AddressError, FrontendError, DeviceUnavailable) as error:
         raise click.ClickException(str(error)) from None
 

@@ -13,7 +13,7 @@ The counts are the cost model's (cost_model.layer_passes with one op class price
 so what is fitted is exactly what the planner multiplies.
 
 Also measured: the best rate of one large matmul (the "peak" MFU is relative to on a CPU, which
-has no data-sheet figure here) and the memory copy bandwidth (bench/membw.py).
+has no data-sheet figure here) and the memory copy bandwidth (plan/membw.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from paratrain.bench.membw import copy_bandwidth_gbps
+from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.models import GPTConfig
 from paratrain.models.gpt import Block
 from paratrain.plan.activations import Software

@@ -112,7 +112,7 @@ def fit(results, base, compute, name, output):
                          "compute.attention_efficiency": "measured: causal SDPA forward + backward alone, "
                                                          "one thread, CPU time"})
         comments["compute.peak_tflops"] = "measured: best 1024^3 fp32 matmul on one thread (no data sheet on a CPU)"
-        comments["compute.memory_gbps"] = "measured: dst.copy_(src) of 256 MiB (bench/membw.py)"
+        comments["compute.memory_gbps"] = "measured: dst.copy_(src) of 256 MiB (plan/membw.py)"
         click.echo(f"# compute: {fitted_compute}")
     header = [f"{name}: written by `paratrain model fit` on {date.today().isoformat()} from "
               f"{', '.join(p.name for p in results) or 'no result files'}"

@@ -14,6 +14,7 @@ import sys
 import click
 
 from paratrain.launch import run
+from paratrain.settings import Settings
 from paratrain.train.loop import train_rank
 from paratrain.train.options import training_options, validated_config
 from paratrain.train.reference import reference_run
@@ -70,7 +71,8 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
     """
     if flags.get("steps") is None and not config_path:
         flags["steps"] = 5
-    config, world = validated_config(config_path, flags)
+    settings = Settings.resolve()
+    config, world = validated_config(config_path, flags, settings)
     bf16 = config.parallel.precision == "bf16"
     loss_rtol = loss_rtol if loss_rtol is not None else (BF16_LOSS_RTOL if bf16 else FP32_LOSS_RTOL)
     param_atol = param_atol if param_atol is not None else (BF16_PARAM_ATOL if bf16 else FP32_PARAM_ATOL)
@@ -81,8 +83,8 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
         + (f", {par.schedule} with {par.microbatches} microbatches" if par.pp > 1 else "")
         + f", {config.steps} steps, against one process"
     )
-    results = run(functools.partial(train_rank, return_state=True), par.nproc, launcher=par.launcher,
-                  args=(config,), timeout=par.timeout, debug=par.debug or None)
+    results = run(functools.partial(train_rank, return_state=True), world, launcher=par.launcher,
+                  args=(config,), timeout=par.timeout, debug=par.debug or None, settings=settings)
     report = compare(config, results, reference_run(config))
     click.echo(f"{'step':>5} {'loss':>12} {'reference':>12} {'rel. diff':>10}")
     for step, (ours, ref, diff) in enumerate(zip(report["losses"], report["reference_losses"], report["loss_diffs"])):

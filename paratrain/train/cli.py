@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import click
 
-from paratrain.launch import in_torchrun, run
+from paratrain.launch import expected_transport, run
 from paratrain.models import GPTConfig, count_parameters, format_count, gpt_parameter_count, model_config
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.timeline import format_timeline
+from paratrain.settings import Settings
 from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate, format_estimate
@@ -50,12 +50,14 @@ def print_summary(summary: dict) -> None:
         click.echo(f"  {name:14s} {value}")
 
 
-def describe_run(config: TrainConfig, world: int) -> list[str]:
-    """What is about to run: the world, its mesh, the schedule, and (GPT) memory per rank."""
+def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[str]:
+    """What is about to run: the world, its mesh and transport, the schedule, and (GPT) memory
+    per rank."""
     par = config.parallel
     dp = world // (par.pp * par.tp)
-    launcher = "torchrun" if in_torchrun() else par.launcher
-    lines = [f"world {world} = dp {dp} x pp {par.pp} x tp {par.tp} ({launcher}), dp-mode {par.dp_mode}"]
+    launcher = "torchrun" if settings.launch.in_torchrun else par.launcher
+    lines = [f"world {world} = dp {dp} x pp {par.pp} x tp {par.tp} ({launcher}), dp-mode {par.dp_mode}, "
+             f"transport {expected_transport(par.launcher, world, settings)}"]
     if par.pp > 1:
         per_micro = config.data.global_batch // (dp * par.microbatches)
         lines.append(f"global batch {config.data.global_batch}: {config.data.global_batch // dp} per replica, "
@@ -78,11 +80,11 @@ def describe_run(config: TrainConfig, world: int) -> list[str]:
 @checkpoint_options
 @click.option("--plan-only", is_flag=True, help="Print the model, mesh, schedule and memory per rank; do not train.")
 @click.option("--benchmark", is_flag=True,
-              help="Measure instead of train: synthetic data, throughput and achieved FLOP/s (with "
-                   "--max-nproc, for every world size up to it: the scaling table).")
+              help="Measure instead of train: `paratrain bench train` with these options.")
 @click.option("--max-nproc", type=click.IntRange(min=1),
               help="With --benchmark: every world size up to this (multiples of pp x tp), batch per replica fixed.")
-def train(config_path, plan_only, benchmark, max_nproc, **flags):
+@click.pass_context
+def train(ctx, config_path, plan_only, benchmark, max_nproc, **flags):
     """Train a model on a world of ranks: data, tensor and pipeline parallelism.
 
     \b
@@ -94,30 +96,23 @@ def train(config_path, plan_only, benchmark, max_nproc, **flags):
       torchrun --nproc-per-node 4 -m paratrain train --model mlp16
       paratrain train --model gpt-tiny --tp 2 --save-dir ckpt --save-every 10
       paratrain train --model gpt-tiny --nproc 4 --save-dir ckpt --resume --steps 100
-      paratrain train --model gpt-tiny --benchmark --max-nproc 4 --steps 10
+      paratrain bench train --model gpt-tiny --max-nproc 4 --steps 10   (or: train --benchmark)
     """
-    config, world = validated_config(config_path, flags)
-    leader = not in_torchrun() or os.environ.get("RANK") == "0"
-    if leader:
+    if max_nproc and not benchmark:
+        raise click.UsageError("--max-nproc goes with --benchmark")
+    if benchmark and not plan_only:
+        return _benchmark(ctx, config_path, max_nproc, flags)
+    settings = Settings.resolve()
+    config, world = validated_config(config_path, flags, settings)
+    if not settings.launch.in_torchrun or settings.launch.rank == 0:
         click.echo(describe_model(config))
-        for line in describe_run(config, world):
+        for line in describe_run(config, world, settings):
             click.echo(line)
     if plan_only:
         return
-    if max_nproc and not benchmark:
-        raise click.UsageError("--max-nproc goes with --benchmark")
-    if benchmark:
-        if in_torchrun():
-            raise click.UsageError("--benchmark starts its own worlds: run it without torchrun")
-        from paratrain.train.benchmark import benchmark as measure
-
-        click.echo(f"# paratrain train --benchmark: {config.model.name}, {config.steps} steps per world size, "
-                   f"launcher {config.parallel.launcher}")
-        measure(config, world, max_nproc)
-        return
-    results = run(train_rank, config.parallel.nproc, launcher=config.parallel.launcher, args=(config,),
+    results = run(train_rank, world, launcher=config.parallel.launcher, args=(config,),
                   timeout=config.parallel.timeout, debug=config.parallel.debug or None,
-                  max_restarts=config.checkpoint.max_restarts)
+                  max_restarts=config.checkpoint.max_restarts, settings=settings)
     if 0 not in results:
         return
     result = results[0]
@@ -127,3 +122,12 @@ def train(config_path, plan_only, benchmark, max_nproc, **flags):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"config": to_dict(config), **result}, indent=1))
         click.echo(f"metrics written to {path}")
+
+
+def _benchmark(ctx, config_path, max_nproc, flags) -> None:
+    """`train --benchmark` is `bench train`: found through the command tree, not imported, since
+    bench/ is the layer above this one."""
+    bench = ctx.find_root().command.commands.get("bench")
+    if bench is None:
+        raise click.UsageError("--benchmark runs `paratrain bench train`, which this program lacks")
+    ctx.invoke(bench.commands["train"], config_path=config_path, max_nproc=max_nproc, **flags)

@@ -11,23 +11,19 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 
-import torch
 from tqdm import tqdm
 
 from paratrain.data import rank_batch
 from paratrain.mesh import Mesh
 from paratrain.parallel.data import build_data_parallel
 from paratrain.train.config import TrainConfig
-from paratrain.parallel.pipeline.runtime import PipelineRuntime
-from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.parallel_model import build_parallel_model, full_state
 from paratrain.train.recompute import recompute_in_backward
 from paratrain.train.resume import checkpoint_to_resume, layout_of, restore, save_if_due, train_state_for
-from paratrain.train.setup import build_seeded_model, dataset_for
+from paratrain.train.setup import dataset_for
 
 
 def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
@@ -35,42 +31,28 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     par = config.parallel
     device = group.transport.device  # cpu here; the rank's GPU under NCCL
     dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
-    mesh = Mesh(group, group.size // (par.pp * par.tp), par.pp, par.tp) if par.pp * par.tp > 1 else None
-    dp_group = mesh.dp if mesh else group
-    if mesh:
-        parallel = build_parallel_model(config, mesh, dataset)
-        parallel.model.to(device)
-        module, loss_fn = parallel.module, parallel.loss_fn
-    else:
-        module = build_seeded_model(config.model.name, config.model.overrides, config.seed).to(device)
-        loss_fn = dataset.loss
+    mesh = Mesh(group, group.size // (par.pp * par.tp), par.pp, par.tp)  # (world, 1, 1): dp is the world
+    parallel = build_parallel_model(config, mesh, dataset)  # the model itself when pp x tp = 1
+    parallel.model.to(device)
     if par.checkpoint_activations:  # every layout, pp = 1 included (the pipeline's chunks share the layers)
-        recompute_in_backward(parallel.model if mesh else module)
+        recompute_in_backward(parallel.model)
     dp = build_data_parallel(
-        module, dp_group, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
+        parallel.module, mesh.dp, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
         bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb, compress=par.compress,
         local_sgd=par.local_sgd, zero=par.zero,
     )
     optimizer = dp.make_optimizer(lambda params: build_optimizer(config.optim, params))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
-    if mesh and mesh.shape["pp"] > 1:
-        runtime = PipelineRuntime(
-            parallel.schedule, mesh.coords.pp, parallel.chunks, mesh.pp, loss_fn, dp,
-            par.checkpoint_activations, _autocast_dtype(par.precision), device,
-        )
-        forward_backward = lambda x, y: _pipeline_step(runtime, parallel.schedule, x, y)  # noqa: E731
-    else:
-        autocast = _autocast(par.precision, device)
-        forward_backward = lambda x, y: _accumulation_step(dp, loss_fn, x, y, par, autocast)  # noqa: E731
+    forward_backward = parallel.step_function(mesh, dp, par, device)
     tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
-    evaluator = Evaluator(config, dataset, module, loss_fn, dp_group, mesh, parallel if mesh else None, device)
+    evaluator = Evaluator(config, dataset, parallel.module, parallel.loss_fn, mesh.dp, mesh, parallel, device)
     # No rank trains before every rank holds its weights. Under the threads launcher the ranks
     # share torch's global RNG: initialisation draws from it (under a lock), and activation
     # checkpointing saves and restores it around each recompute. A replica already training
     # would rewind the RNG under a rank still initialising and give it other weights.
     group.barrier()
-    state = train_state_for(parallel if mesh else None, mesh, module, dp, optimizer, group)
-    resume_from = checkpoint_to_resume(config)
+    state = train_state_for(parallel, mesh, dp, optimizer)
+    resume_from = checkpoint_to_resume(config, restarted=group.settings.launch.restart_count > 0)
     first_step = restore(resume_from, config, group, state, scheduler) if resume_from else 0
     if resume_from and group.rank == 0:
         print(f"resumed from {resume_from} at step {first_step}", file=sys.stderr, flush=True)
@@ -83,7 +65,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     )
     for step in range(first_step, config.steps):
         # This rank's rows only, drawn before the clock starts: a step's time is training.
-        inputs, targets = rank_batch(dataset, step, config.data.global_batch, dp_group.rank, dp_group.size)
+        inputs, targets = rank_batch(dataset, step, config.data.global_batch, mesh.dp.rank, mesh.dp.size)
         started = time.perf_counter()
         loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
         dp.finish_gradients()
@@ -94,7 +76,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         comm_ms, exposed_ms = dp.timer.take()
 
         entry = {
-            "step": step, "loss": _global_loss(loss_sum, mesh, dp_group), "lr": scheduler.get_last_lr()[0],
+            "step": step, "loss": parallel.global_loss(loss_sum, mesh), "lr": scheduler.get_last_lr()[0],
             "step_ms": step_ms, "compute_ms": step_ms - exposed_ms, "comm_ms": comm_ms,
             "exposed_comm_ms": exposed_ms,
         }
@@ -120,57 +102,13 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     if par.local_sgd and config.steps % par.local_sgd:
         dp.average_parameters()  # end with one model, not world-size slightly different ones
 
-    params = sum(p.numel() for p in (parallel.model if mesh else module).parameters())
-    result = {"log": log, "summary": summarize(log, config, group.size, params, tokens_per_sample)}
-    if mesh and mesh.shape["pp"] > 1:
-        schedule = parallel.schedule
-        result["summary"]["bubble"] = statistics.fmean(e["bubble"] for e in (log[1:] or log))
-        result["summary"]["theoretical_bubble"] = theoretical_bubble(
-            schedule.name, schedule.stages, schedule.microbatches, schedule.virtual_stages)
+    params = sum(p.numel() for p in parallel.model.parameters())
+    summary = summarize(log, config, group.size, params, tokens_per_sample) | parallel.pipeline_summary(log)
+    result = {"log": log, "summary": summary}
     if return_state:
-        result["state"] = full_state(parallel, mesh) if mesh else {
-            name: p.detach().clone() for name, p in module.named_parameters()}
-    if mesh:
-        mesh.close()
+        result["state"] = full_state(parallel, mesh)
+    mesh.close()
     return result
-
-
-def _accumulation_step(dp, loss_fn, inputs, targets, par, autocast):
-    """Forward/backward over `grad_accum` micro-batches, communicating on the last only.
-    `autocast()` gives the precision's context: forward and loss inside it, as in the reference."""
-    micro_batches, loss_sum = par.grad_accum, 0.0
-    for index, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches))):
-        with nullcontext() if index == micro_batches - 1 else dp.no_sync():
-            with autocast():
-                loss = loss_fn(dp.module(x), y) / micro_batches
-            loss.backward()
-        loss_sum += loss.item()
-    return loss_sum, None
-
-
-def _pipeline_step(runtime, schedule, inputs, targets):
-    stats = runtime.run(list(inputs.chunk(schedule.microbatches)), list(targets.chunk(schedule.microbatches)))
-    return stats["loss_sum"], 1 - stats["busy_s"] / stats["total_s"]
-
-
-def _global_loss(loss_sum: float, mesh, dp_group) -> float:
-    """The step's loss over the whole global batch, on every rank (logging only, untimed)."""
-    value = torch.tensor([loss_sum], dtype=torch.float64)
-    if mesh and mesh.shape["pp"] > 1:
-        mesh.pp.all_reduce(value, "sum")  # only the last chunk's owner computed a loss
-    dp_group.all_reduce(value, "avg")
-    return value.item()
-
-
-def _autocast(precision: str, device):
-    """A factory of the forward's precision context: bf16 autocast, or nothing for fp32."""
-    if precision == "bf16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext
-
-
-def _autocast_dtype(precision: str):
-    return torch.bfloat16 if precision == "bf16" else None
 
 
 def summarize(log: list[dict], config: TrainConfig, world_size: int, params: int, tokens_per_sample) -> dict:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import sys
+from typing import Callable
 
 import click
 
-from paratrain.launch import in_torchrun
+from paratrain.settings import LaunchEnvironment, Settings
 from paratrain.train.config import ConfigError, TrainConfig, apply_overrides, load_yaml
 from paratrain.train.validate import validate
 
@@ -36,135 +37,138 @@ class ManyValues(click.Option):
             option.process = process
 
 
-# flag -> dotted config key; every flag defaults to None so only what was typed overrides YAML
-FLAG_KEYS = {
-    "model": "model.name", "data": "data.name", "global_batch": "data.global_batch",
-    "steps": "steps", "seed": "seed", "log_every": "log_every", "metrics_out": "metrics_out",
-    "eval_every": "eval_every",
-    "optimizer": "optim.name", "lr": "optim.lr", "momentum": "optim.momentum",
-    "weight_decay": "optim.weight_decay", "warmup_steps": "optim.warmup_steps",
-    "lr_schedule": "optim.schedule", "nproc": "parallel.nproc", "launcher": "parallel.launcher",
-    "dp_mode": "parallel.dp_mode", "algo": "parallel.algo", "naive_layout": "parallel.naive_layout",
-    "bucket_mb": "parallel.bucket_mb", "first_bucket_mb": "parallel.first_bucket_mb",
-    "grad_accum": "parallel.grad_accum", "compress": "parallel.compress",
-    "local_sgd": "parallel.local_sgd", "zero": "parallel.zero", "timeout": "parallel.timeout",
-    "debug": "parallel.debug", "hidden": "model.hidden", "width": "model.width",
-    "depth": "model.depth", "n_layer": "model.n_layer", "dp": "parallel.dp", "pp": "parallel.pp",
-    "tp": "parallel.tp", "schedule": "parallel.schedule", "microbatches": "parallel.microbatches",
-    "virtual_stages": "parallel.virtual_stages", "precision": "parallel.precision",
-    "checkpoint_activations": "parallel.checkpoint_activations",
-    "sequence_parallel": "parallel.sequence_parallel",
-    "save_dir": "checkpoint.dir", "save_every": "checkpoint.every", "keep": "checkpoint.keep",
-    "resume": "checkpoint.resume", "max_restarts": "checkpoint.max_restarts",
-}
+class Flag:
+    """One flag of `paratrain train` / `check`: the dotted config key it sets (None: not a config
+    value), click's declaration of it, and `convert` for a value the key holds in another form.
+    Adding a flag is adding one of these to TRAINING_FLAGS (or CHECKPOINT_FLAGS)."""
+
+    def __init__(self, key: str | None, *decls: str, convert: Callable | None = None, **attrs):
+        self.key, self.decls, self.convert, self.attrs = key, decls, convert, attrs
+        named = [d for d in decls if not d.startswith("-")]
+        self.dest = named[0] if named else decls[0].lstrip("-").replace("-", "_")
+
+    def option(self):
+        return click.option(*self.decls, **self.attrs)
 
 
-def build_config(config_path, flags: dict) -> TrainConfig:
-    config = load_yaml(config_path) if config_path else TrainConfig()
-    overrides = {FLAG_KEYS[name]: value for name, value in flags.items() if name in FLAG_KEYS}
-    if flags.get("stage_layers"):
-        try:
-            overrides["parallel.stage_layers"] = [int(c) for c in flags["stage_layers"].split(",")]
-        except ValueError:
-            raise ConfigError([f"--stage-layers takes comma-separated integers, got {flags['stage_layers']}"]) from None
-    if flags.get("channels"):
-        try:
-            overrides["model.channels"] = tuple(int(c) for c in flags["channels"])
-        except ValueError:
-            raise ConfigError([f"--channels takes integers, got {' '.join(flags['channels'])}"]) from None
-    return apply_overrides(config, overrides)
+def _stage_layers(text: str) -> list[int]:
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise ConfigError([f"--stage-layers takes comma-separated integers, got {text}"]) from None
 
 
-def world_size_of(config: TrainConfig) -> int:
-    """Under torchrun, its world; else --nproc, which defaults to dp x pp x tp."""
-    par = config.parallel
-    if in_torchrun():
-        par.nproc = int(os.environ["WORLD_SIZE"])
-        return par.nproc
-    if par.nproc is None:
-        par.nproc = (par.dp or (1 if par.pp * par.tp > 1 else 2)) * par.pp * par.tp
-    return par.nproc
+def _channels(values: list[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(c) for c in values)
+    except ValueError:
+        raise ConfigError([f"--channels takes integers, got {' '.join(values)}"]) from None
 
 
-_OPTIONS = [
-    click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it."),
-    click.option("--model", help="mlp, mlp16, cnn, gpt-tiny, gpt-small or gpt-seed."),
-    click.option("--data", help="Data set (default: the one the model is made for); GPTs also take text "
+# Every flag defaults to None, so only what was typed overrides the YAML file.
+TRAINING_FLAGS = [
+    Flag(None, "--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it."),
+    Flag("model.name", "--model", help="mlp, mlp16, cnn, gpt-tiny, gpt-small or gpt-seed."),
+    Flag("data.name", "--data", help="Data set (default: the one the model is made for); GPTs also take text "
                                 "(the shipped Shakespeare) or text:PATH (any file, one token per byte)."),
-    click.option("--nproc", type=int, help="Ranks to start (default 2; torchrun decides under torchrun)."),
-    click.option("--launcher", help="threads (in-process fabric) or processes (torch elastic launcher)."),
-    click.option("--dp-mode", help="naive, ddp (ours) or torch (PyTorch's DDP)."),
-    click.option("--steps", type=int, help="Optimizer steps (default 50)."),
-    click.option("--global-batch", type=int, help="Samples per optimizer step across all ranks (default 64)."),
-    click.option("--seed", type=int, help="Seed for weights and data: same seed, same losses."),
-    click.option("--metrics-out", type=click.Path(dir_okay=False), help="Write the per-step log and summary as JSON."),
-    click.option("--optimizer", help="sgd (momentum) or adamw."),
-    click.option("--lr", type=float, help="Peak learning rate."),
-    click.option("--momentum", type=float, help="SGD momentum."),
-    click.option("--weight-decay", type=float, help="Weight decay."),
-    click.option("--warmup-steps", type=int, help="Linear warm-up steps."),
-    click.option("--lr-schedule", help="Learning rate after warm-up: cosine (default) or constant."),
-    click.option("--grad-accum", type=int, help="Micro-batches per step; only the last communicates."),
-    click.option("--bucket-mb", type=float, help="DDP bucket size in MiB (default 25)."),
-    click.option("--first-bucket-mb", type=float, help="Our DDP's first, smaller bucket (default 1)."),
-    click.option("--algo", help="All-reduce algorithm for our modes: ring, hd, tree, direct, native, auto."),
-    click.option("--naive-layout", help="naive mode: flat (one buffer) or per-param."),
-    click.option("--compress", help="none, fp16, bf16 or topk:RATIO (with error feedback)."),
-    click.option("--local-sgd", type=int, help="Average parameters every K steps instead of gradients every step."),
-    click.option("--zero", type=int, help="1: ZeRO-1, optimizer state sharded across ranks."),
-    click.option("--dp", type=int, help="Data-parallel size (default: world / (pp x tp))."),
-    click.option("--pp", type=int, help="Pipeline stages (default 1)."),
-    click.option("--tp", type=int, help="Tensor-parallel size (default 1; GPT models)."),
-    click.option("--schedule", help="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v."),
-    click.option("--microbatches", type=int, help="Microbatches per step through the pipeline."),
-    click.option("--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved-1f1b)."),
-    click.option("--stage-layers", help="Explicit layers per chunk, e.g. 3,2,2,3 (default: balanced by cost)."),
-    click.option("--checkpoint-activations", is_flag=True, default=None, help="Recompute activations in backward."),
-    click.option("--precision", help="fp32 (default) or bf16 (autocast)."),
-    click.option("--sequence-parallel", is_flag=True, default=None, help="Shard norm/dropout regions over tp ranks."),
-    click.option("--channels", cls=ManyValues, help="CNN channels, e.g. --channels 32 64 128."),
-    click.option("--hidden", type=int, help="Hidden width (mlp, cnn)."),
-    click.option("--width", type=int, help="Width of mlp16."),
-    click.option("--depth", type=int, help="Layers of mlp16."),
-    click.option("--n-layer", type=int, help="Layers of a GPT."),
-    click.option("--timeout", type=float, help="Seconds before a blocking communication fails."),
-    click.option("--debug", is_flag=True, default=None, help="Check every collective is the same call on all ranks."),
-    click.option("--log-every", type=int, help="Steps between printed log lines."),
-    click.option("--eval-every", type=int,
+    Flag("parallel.nproc", "--nproc", type=int, help="Ranks to start (default 2; torchrun decides under torchrun)."),
+    Flag("parallel.launcher", "--launcher", help="threads (in-process fabric) or processes (torch elastic launcher)."),
+    Flag("parallel.dp_mode", "--dp-mode", help="naive, ddp (ours) or torch (PyTorch's DDP)."),
+    Flag("steps", "--steps", type=int, help="Optimizer steps (default 50)."),
+    Flag("data.global_batch", "--global-batch", type=int, help="Samples per optimizer step across all ranks (default 64)."),
+    Flag("seed", "--seed", type=int, help="Seed for weights and data: same seed, same losses."),
+    Flag("metrics_out", "--metrics-out", type=click.Path(dir_okay=False), help="Write the per-step log and summary as JSON."),
+    Flag("optim.name", "--optimizer", help="sgd (momentum) or adamw."),
+    Flag("optim.lr", "--lr", type=float, help="Peak learning rate."),
+    Flag("optim.momentum", "--momentum", type=float, help="SGD momentum."),
+    Flag("optim.weight_decay", "--weight-decay", type=float, help="Weight decay."),
+    Flag("optim.warmup_steps", "--warmup-steps", type=int, help="Linear warm-up steps."),
+    Flag("optim.schedule", "--lr-schedule", help="Learning rate after warm-up: cosine (default) or constant."),
+    Flag("parallel.grad_accum", "--grad-accum", type=int, help="Micro-batches per step; only the last communicates."),
+    Flag("parallel.bucket_mb", "--bucket-mb", type=float, help="DDP bucket size in MiB (default 25)."),
+    Flag("parallel.first_bucket_mb", "--first-bucket-mb", type=float, help="Our DDP's first, smaller bucket (default 1)."),
+    Flag("parallel.algo", "--algo", help="All-reduce algorithm for our modes: ring, hd, tree, direct, native, auto."),
+    Flag("parallel.naive_layout", "--naive-layout", help="naive mode: flat (one buffer) or per-param."),
+    Flag("parallel.compress", "--compress", help="none, fp16, bf16 or topk:RATIO (with error feedback)."),
+    Flag("parallel.local_sgd", "--local-sgd", type=int, help="Average parameters every K steps instead of gradients every step."),
+    Flag("parallel.zero", "--zero", type=int, help="1: ZeRO-1, optimizer state sharded across ranks."),
+    Flag("parallel.dp", "--dp", type=int, help="Data-parallel size (default: world / (pp x tp))."),
+    Flag("parallel.pp", "--pp", type=int, help="Pipeline stages (default 1)."),
+    Flag("parallel.tp", "--tp", type=int, help="Tensor-parallel size (default 1; GPT models)."),
+    Flag("parallel.schedule", "--schedule", help="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v."),
+    Flag("parallel.microbatches", "--microbatches", type=int, help="Microbatches per step through the pipeline."),
+    Flag("parallel.virtual_stages", "--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved-1f1b)."),
+    Flag("parallel.stage_layers", "--stage-layers", convert=_stage_layers, help="Explicit layers per chunk, e.g. 3,2,2,3 (default: balanced by cost)."),
+    Flag("parallel.checkpoint_activations", "--checkpoint-activations", is_flag=True, default=None, help="Recompute activations in backward."),
+    Flag("parallel.precision", "--precision", help="fp32 (default) or bf16 (autocast)."),
+    Flag("parallel.sequence_parallel", "--sequence-parallel", is_flag=True, default=None, help="Shard norm/dropout regions over tp ranks."),
+    Flag("model.channels", "--channels", cls=ManyValues, convert=_channels, help="CNN channels, e.g. --channels 32 64 128."),
+    Flag("model.hidden", "--hidden", type=int, help="Hidden width (mlp, cnn)."),
+    Flag("model.width", "--width", type=int, help="Width of mlp16."),
+    Flag("model.depth", "--depth", type=int, help="Layers of mlp16."),
+    Flag("model.n_layer", "--n-layer", type=int, help="Layers of a GPT."),
+    Flag("parallel.timeout", "--timeout", type=float, help="Seconds before a blocking communication fails."),
+    Flag("parallel.debug", "--debug", is_flag=True, default=None, help="Check every collective is the same call on all ranks."),
+    Flag("log_every", "--log-every", type=int, help="Steps between printed log lines."),
+    Flag("eval_every", "--eval-every", type=int,
                  help="Steps between validation losses, and one at the end (default 0: none)."),
 ]
 
 
-CHECKPOINT_OPTIONS = [
-    click.option("--save-dir", type=click.Path(file_okay=False), help="Save checkpoints in DIR/step-NNNNNN/ (DCP)."),
-    click.option("--save-every", type=int, help="Steps between checkpoints (default: only at the end)."),
-    click.option("--keep", type=int, help="Complete checkpoints to keep (default 3)."),
-    click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
+CHECKPOINT_FLAGS = [
+    Flag("checkpoint.dir", "--save-dir", type=click.Path(file_okay=False), help="Save checkpoints in DIR/step-NNNNNN/ (DCP)."),
+    Flag("checkpoint.every", "--save-every", type=int, help="Steps between checkpoints (default: only at the end)."),
+    Flag("checkpoint.keep", "--keep", type=int, help="Complete checkpoints to keep (default 3)."),
+    Flag("checkpoint.resume", "--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
                  help="Continue from the latest checkpoint in --save-dir, or from PATH; any dp/tp/pp layout."),
-    click.option("--max-restarts", type=int,
+    Flag("checkpoint.max_restarts", "--max-restarts", type=int,
                  help="processes launcher: restart all ranks up to N times after a failure, resuming "
                       "from the latest checkpoint in --save-dir."),
 ]
 
 
+def build_config(config_path, flags: dict) -> TrainConfig:
+    config = load_yaml(config_path) if config_path else TrainConfig()
+    overrides = {}
+    for flag in TRAINING_FLAGS + CHECKPOINT_FLAGS:
+        value = flags.get(flag.dest)
+        if flag.key is None or value is None or (flag.convert is not None and not value):
+            continue
+        overrides[flag.key] = flag.convert(value) if flag.convert else value
+    return apply_overrides(config, overrides)
+
+
+def world_size_of(config: TrainConfig, launch: LaunchEnvironment) -> int:
+    """Under torchrun, its world; else --nproc, which defaults to dp x pp x tp. Reads the
+    config, never changes it."""
+    par = config.parallel
+    if launch.in_torchrun:
+        return launch.world_size
+    if par.nproc is not None:
+        return par.nproc
+    return (par.dp or (1 if par.pp * par.tp > 1 else 2)) * par.pp * par.tp
+
+
 def checkpoint_options(command):
-    for option in reversed(CHECKPOINT_OPTIONS):
-        command = option(command)
+    for flag in reversed(CHECKPOINT_FLAGS):
+        command = flag.option()(command)
     return command
 
 
 def training_options(command):
     """Decorate a click command with every training option (YAML keys, as flags)."""
-    for option in reversed(_OPTIONS):
-        command = option(command)
+    for flag in reversed(TRAINING_FLAGS):
+        command = flag.option()(command)
     return command
 
 
-def validated_config(config_path, flags: dict) -> tuple[TrainConfig, int]:
-    """The configuration and world size, or every problem printed and exit code 2."""
+def validated_config(config_path, flags: dict, settings: Settings) -> tuple[TrainConfig, int]:
+    """The configuration (its nproc the world size) and world size, or every problem printed
+    and exit code 2."""
     try:
         config = build_config(config_path, flags)
-        world = world_size_of(config)
+        world = world_size_of(config, settings.launch)
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, nproc=world))
         validate(config, world)
     except ConfigError as error:
         for problem in error.problems:

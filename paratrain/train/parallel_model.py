@@ -3,16 +3,24 @@
 Order matters, as in torchtitan's parallelize: the full model is built (every rank the same,
 from the seed), tensor parallelism shards its layers in place, then the pipeline cuts it into
 chunks and each rank keeps only its own. Data parallelism wraps whatever is left.
+
+Every run builds one, whatever its layout: with pp = tp = 1 it is the model itself, whole, with
+the data set's loss and no schedule. What differs between layouts is decided here, once: how a
+step runs forward and backward (`step_function`), and what it adds to the summary.
 """
 
 from __future__ import annotations
 
+import statistics
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.schedules import build_schedule
+from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.split import balanced_partition, layer_cost, pipeline_layers, split_layers
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratrain.parallel.tensor.parallelize import gather_full_state, parallelize_gpt
@@ -29,6 +37,32 @@ class ParallelModel:
 
     def own_parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
+
+    def step_function(self, mesh, dp, par, device):
+        """(inputs, targets) -> (summed loss, bubble or None): one step's forward and backward,
+        through the pipeline's schedule, or over `grad_accum` micro-batches of this replica."""
+        if self.schedule is not None:
+            runtime = PipelineRuntime(self.schedule, mesh.coords.pp, self.chunks, mesh.pp, self.loss_fn, dp,
+                                      par.checkpoint_activations, _autocast_dtype(par.precision), device)
+            return lambda x, y: _pipeline_step(runtime, self.schedule, x, y)
+        autocast = _autocast(par.precision, device)
+        return lambda x, y: _accumulation_step(dp, self.loss_fn, x, y, par, autocast)
+
+    def global_loss(self, loss_sum: float, mesh) -> float:
+        """The step's loss over the whole global batch, on every rank (logging only, untimed)."""
+        value = torch.tensor([loss_sum], dtype=torch.float64)
+        if self.schedule is not None:
+            mesh.pp.all_reduce(value, "sum")  # only the last chunk's owner computed a loss
+        mesh.dp.all_reduce(value, "avg")
+        return value.item()
+
+    def pipeline_summary(self, log: list[dict]) -> dict:
+        """The measured and the schedule's bubble (nothing without a pipeline)."""
+        if self.schedule is None:
+            return {}
+        s = self.schedule
+        return {"bubble": statistics.fmean(e["bubble"] for e in (log[1:] or log)),
+                "theoretical_bubble": theoretical_bubble(s.name, s.stages, s.microbatches, s.virtual_stages)}
 
 
 def build_parallel_model(config, mesh, dataset) -> ParallelModel:
@@ -69,3 +103,32 @@ def full_state(parallel: ParallelModel, mesh) -> dict[str, torch.Tensor]:
     else:
         state = {name: p.detach().clone() for name, p in parallel.model.named_parameters()}
     return {name: value for name, value in state.items() if name in owned}
+
+
+def _accumulation_step(dp, loss_fn, inputs, targets, par, autocast):
+    """Forward/backward over `grad_accum` micro-batches, communicating on the last only.
+    `autocast()` gives the precision's context: forward and loss inside it, as in the reference."""
+    micro_batches, loss_sum = par.grad_accum, 0.0
+    for index, (x, y) in enumerate(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches))):
+        with nullcontext() if index == micro_batches - 1 else dp.no_sync():
+            with autocast():
+                loss = loss_fn(dp.module(x), y) / micro_batches
+            loss.backward()
+        loss_sum += loss.item()
+    return loss_sum, None
+
+
+def _pipeline_step(runtime, schedule, inputs, targets):
+    stats = runtime.run(list(inputs.chunk(schedule.microbatches)), list(targets.chunk(schedule.microbatches)))
+    return stats["loss_sum"], 1 - stats["busy_s"] / stats["total_s"]
+
+
+def _autocast(precision: str, device):
+    """A factory of the forward's precision context: bf16 autocast, or nothing for fp32."""
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext
+
+
+def _autocast_dtype(precision: str):
+    return torch.bfloat16 if precision == "bf16" else None

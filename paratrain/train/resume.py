@@ -7,8 +7,6 @@ state are saved bit for bit, the LR schedule's state with them, and the data dep
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from paratrain.train.checkpoint import CheckpointError, CheckpointReader, complete_checkpoints, resolve, save
@@ -16,21 +14,18 @@ from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.train_state import TrainState, load_state, owned_state
 
 
-def train_state_for(parallel, mesh, module, dp, optimizer, group) -> TrainState:
-    if mesh is None:
-        return TrainState(module, module, dp, optimizer, None, group.rank == 0)
+def train_state_for(parallel, mesh, dp, optimizer) -> TrainState:
     tp_group = mesh.tp if mesh.shape["tp"] > 1 else None
     owner = mesh.coords.dp == 0 and mesh.coords.tp == 0
     return TrainState(parallel.model, parallel.module, dp, optimizer, tp_group, owner)
 
 
-def checkpoint_to_resume(config: TrainConfig) -> str | None:
-    """--resume as given; after an elastic restart (torchrun --max-restarts, or ours), the
-    latest checkpoint in the save dir, if there is one."""
+def checkpoint_to_resume(config: TrainConfig, restarted: bool) -> str | None:
+    """--resume as given; after an elastic restart (torchrun --max-restarts, or ours: `restarted`),
+    the latest checkpoint in the save dir, if there is one."""
     ckpt = config.checkpoint
     if ckpt.resume is not None:
         return str(resolve(ckpt.resume, ckpt.dir))
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if restarted and ckpt.dir and complete_checkpoints(ckpt.dir):
         return str(complete_checkpoints(ckpt.dir)[-1])
     return None

@@ -94,12 +94,6 @@ class Config:
         self.source = source if isinstance(source, str) else self.source
         return sorted(str(name) for name in loaded)
 
-    def load_from_env(self, environment: dict) -> None:
-        """Load the file GT_CONFIG / PARATRAIN_CONFIG names in `environment`, if one does."""
-        path = environment.get("PARATRAIN_CONFIG") or environment.get("GT_CONFIG")
-        if path:
-            self.load(path)
-
     def register_signal(self, name: str, config) -> list[str]:
         """Add or replace one signal (a SignalConfig or its YAML form as a dict)."""
         settings = config.to_dict() if isinstance(config, SignalConfig) else dict(config)

@@ -2,7 +2,9 @@
 
 `connect(address)` sets it; otherwise the first operation makes it, connecting to
 `PARATRAIN_SERVER` if that is set, or else starting a dispatcher and `gpu_workers(n)` workers
-on this machine (one by default), which stop when the program exits. Everything else takes its
+on this machine (one by default), which stop when the program exits. The program's settings
+(paratrain/settings.py: the server, token, timeout and signal file) are resolved once, at its
+first session. Everything else takes its
 session from the tensors it is given, so several explicit `Session`s can live side by side.
 
 At exit the default session runs what the program queued after its last sync; if any of it
@@ -22,6 +24,7 @@ from paratrain.frontend.client.config import Config
 from paratrain.frontend.client.session import Session
 from paratrain.frontend.errors import FrontendError
 from paratrain.frontend.shapes import warm_up
+from paratrain.settings import Settings
 
 
 class Defaults:
@@ -33,12 +36,20 @@ class Defaults:
         self.workers = 1
         self.config = Config(on_change=self._configure)  # GT's gt.get_config(); sent to each session
         self._config_from_environment = False
+        self._settings: Settings | None = None
+
+    @property
+    def settings(self) -> Settings:
+        """The program's settings, resolved at first use."""
+        if self._settings is None:
+            self._settings = Settings.resolve()
+        return self._settings
 
     def get(self) -> Session:
         """The default session, connecting (or starting a server) on first use. A session the
         dispatcher has dropped stays the default, so that every later call says so."""
         if self.session is None or (self.session.closed and self.session.lost is None):
-            address = os.environ.get("PARATRAIN_SERVER")
+            address = self.settings.server
             if address:
                 self.connect(address)
             else:
@@ -47,11 +58,11 @@ class Defaults:
         return self.session
 
     def connect(self, address: str | None, token: str | None = None) -> Session:
-        address = address or os.environ.get("PARATRAIN_SERVER")
+        address = address or self.settings.server
         if not address:
             raise ValueError("connect() needs an address HOST:PORT (or PARATRAIN_SERVER)")
         self._check_free()
-        return self._use(Session(address, token=token or os.environ.get("PARATRAIN_TOKEN")))
+        return self._use(Session(address, token=token or self.settings.token, timeout=self.settings.timeout))
 
     def start(self, workers: int, token: str | None = None) -> Session:
         self._check_free()
@@ -59,7 +70,7 @@ class Defaults:
         warming.start()
         self.server = LocalServer.start(workers, token=token)
         warming.join()
-        session = Session(self.server.address, token=token)
+        session = Session(self.server.address, token=token, timeout=self.settings.timeout)
         process = self.server.process
         session.server_alive = lambda: process.poll() is None
         return self._use(session)
@@ -77,13 +88,14 @@ class Defaults:
         return session
 
     def _read_environment_config(self) -> bool:
-        """Load the configuration file the environment names, the first time; -> whether it did
-        (loading sends it to the session, if there is one)."""
+        """Load the configuration file the settings name (GT_CONFIG / PARATRAIN_CONFIG), the
+        first time; -> whether it did (loading sends it to the session, if there is one)."""
         if self._config_from_environment:
             return False
         self._config_from_environment = True
         before = self.config.to_dict()
-        self.config.load_from_env(os.environ)
+        if self.settings.signal_config:
+            self.config.load(self.settings.signal_config)
         return self.config.to_dict() != before
 
     def _configure(self, settings: dict) -> None:

@@ -22,7 +22,6 @@ import sys
 
 import numpy as np
 
-from paratrain.comm.settings import timeout_from_env
 from paratrain.frontend import signals
 from paratrain.frontend.client import autograd, regions
 from paratrain.frontend.client.connection import Connection
@@ -34,6 +33,7 @@ from paratrain.frontend.protocol import Instruction, messages
 from paratrain.frontend.protocol.records import Fetched
 from paratrain.frontend.protocol.tensors import array_from_frame, numpy_dtype_name, part_sizes
 from paratrain.frontend.shapes import infer
+from paratrain.settings import Settings
 
 BATCH_SIZE = 256  # instructions per message when nothing forces a send earlier
 MAX_UNSYNCED = 16  # batches in flight before the client waits for the workers to catch up
@@ -44,7 +44,7 @@ class Session:
     def __init__(self, address: str, *, token: str | None = None, timeout: float | None = None,
                  connect_timeout: float = 60.0, name: str | None = None):
         self.address = address
-        self.connection = Connection(address, token=token, timeout=timeout if timeout is not None else timeout_from_env(),
+        self.connection = Connection(address, token=token, timeout=timeout if timeout is not None else Settings.timeout,
                                      connect_timeout=connect_timeout, name=name)
         welcome = self.connection.welcome
         self.slot, self.n_workers, self.home = welcome.client, welcome.workers, welcome.home

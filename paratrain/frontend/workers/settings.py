@@ -1,4 +1,5 @@
-"""A worker's compilation settings, read from the environment once, when the worker starts.
+"""A worker's compilation settings, taken from the process's settings (paratrain/settings.py,
+resolved once when the worker starts).
 
 GT's variables, each also under a PARATRAIN_ name (which wins when both are set):
 
@@ -18,20 +19,18 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-_FLAG_OFF = ("", "0", "false", "no", "off")
+from paratrain.settings import Settings, SettingsError
 
-
-class SettingsError(ValueError):
-    """An environment variable that does not hold what it must."""
+_FLAG_ON, _FLAG_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
 class CompileSettings:
-    auto: bool = False  # hot-path detection on every client's stream
-    threshold: int = 5  # GT's documented default: a loop is hot after five iterations
-    min_ops: int = 3  # shorter sequences save too little launch overhead to pay for a compile
-    window: int = 20  # bounds the detector's work per operation (it counts every suffix)
-    expand: int = 4  # GT's default: four iterations per function cut calls by four
+    auto: bool = Settings.auto_compile  # hot-path detection on every client's stream
+    threshold: int = Settings.hotpath_threshold  # (the defaults say why they are what they are)
+    min_ops: int = Settings.hotpath_min_seq
+    window: int = Settings.hotpath_window
+    expand: int = Settings.hotpath_max_expand
     debug: bool = False
     save_dir: str | None = None  # where generated sources go (None: nowhere)
 
@@ -43,32 +42,14 @@ class CompileSettings:
             raise SettingsError(f"GT_HOTPATH_MIN_SEQ ({self.min_ops}) is longer than GT_HOTPATH_WINDOW ({self.window})")
 
     @classmethod
-    def from_env(cls, env=None) -> CompileSettings:
-        env = os.environ if env is None else env
-
-        def read(name: str) -> str | None:
-            return env.get(f"PARATRAIN_{name}", env.get(f"GT_{name}"))
-
-        def number(name: str, default: int) -> int:
-            text = read(name)
-            if text is None or text.strip() == "":
-                return default
-            try:
-                return int(text)
-            except ValueError:
-                raise SettingsError(f"GT_{name} / PARATRAIN_{name} must be an integer, got {text!r}") from None
-
-        save = read("SAVE_COMPILED_CODE")
-        if save is not None and save.strip().lower() in _FLAG_OFF:
+    def from_settings(cls, settings: Settings) -> CompileSettings:
+        save = settings.save_compiled_code
+        if save is not None and save.lower() in _FLAG_OFF:
             save = None
-        elif save is not None and save.strip().lower() in ("1", "true", "yes", "on"):
+        elif save is not None and save.lower() in _FLAG_ON:
             save = os.path.join(tempfile.gettempdir(), "paratrain_compiled")
         return cls(
-            auto=(read("AUTO_COMPILE") or "").strip().lower() not in _FLAG_OFF,
-            threshold=number("HOTPATH_THRESHOLD", cls.threshold),
-            min_ops=number("HOTPATH_MIN_SEQ", cls.min_ops),
-            window=number("HOTPATH_WINDOW", cls.window),
-            expand=number("HOTPATH_MAX_EXPAND", cls.expand),
-            debug=(read("DEBUG_COMPILE") or "").strip().lower() not in _FLAG_OFF,
+            auto=settings.auto_compile, threshold=settings.hotpath_threshold, min_ops=settings.hotpath_min_seq,
+            window=settings.hotpath_window, expand=settings.hotpath_max_expand, debug=settings.debug_compile,
             save_dir=save,
         )

@@ -27,6 +27,7 @@ from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
 from paratrain.frontend.processes import pid_alive
 from paratrain.frontend.workers.executor import Executor
 from paratrain.frontend.workers.settings import CompileSettings
+from paratrain.settings import Settings
 
 HEARTBEAT_S = 0.5
 DISPATCHER_SILENCE_S = 10.0
@@ -38,9 +39,9 @@ class DeviceUnavailable(RuntimeError):
 
 
 def worker_device(local_rank: int, backend: str | None = None) -> torch.device:
-    """One GPU per worker where there are GPUs, unless `backend` (or GT_BACKEND /
+    """One GPU per worker where there are GPUs, unless `backend` (--backend, or GT_BACKEND /
     PARATRAIN_BACKEND) asks for the CPU ('numpy' is GT's name for its CPU backend)."""
-    backend = (backend or os.environ.get("PARATRAIN_BACKEND") or os.environ.get("GT_BACKEND") or "").lower()
+    backend = (backend or "").lower()
     if backend in ("numpy", "cpu"):
         return torch.device("cpu")
     if hasattr(torch, "cuda") and torch.cuda.is_available():
@@ -53,14 +54,15 @@ def worker_device(local_rank: int, backend: str | None = None) -> torch.device:
 def run_worker(address: str, token: str | None = None, *, group=None, local_rank: int = 0,
                threads: int | None = None, connect_timeout: float = 120.0, exit_with_pid: int | None = None,
                backend: str | None = None, name: str | None = None,
-               compile_settings: CompileSettings = CompileSettings()) -> None:
+               compile_settings: CompileSettings = CompileSettings(), settings: Settings = Settings()) -> None:
     """Serve the dispatcher at `address` until it says exit (or goes silent).
 
     `group` is this worker's paratrain Group when a launcher already formed the world
     (torchrun); without one the dispatcher numbers the workers as they arrive and hands out a
     store to meet at. Waits at most `connect_timeout` seconds for the dispatcher to answer,
     saying so every few seconds. `backend`: see worker_device; `name`: what `paratrain top`
-    calls this worker (default: the program's name).
+    calls this worker (default: the program's name); `settings`: the process's (timeout,
+    shared memory, algorithm table of the world it forms).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -76,7 +78,7 @@ def run_worker(address: str, token: str | None = None, *, group=None, local_rank
     try:
         welcome = handshake(sock, hello, token, connect_timeout, address, on_wait=_waiting_notice(address))
         if own_group:
-            group = _join_world(welcome, device, resolve(split_address(address)[0]))
+            group = _join_world(welcome, device, resolve(split_address(address)[0]), settings)
         _WorkerLoop(sock, context, Executor(group, device, compile_settings), exit_with_pid).run()
     finally:
         sock.close(linger=0)
@@ -96,16 +98,16 @@ def _waiting_notice(address: str):
     return notice
 
 
-def _join_world(welcome: messages.WorkerWelcome, device: torch.device, dispatcher_host: str):
+def _join_world(welcome: messages.WorkerWelcome, device: torch.device, dispatcher_host: str, settings: Settings):
     """Form the workers' world through the store the dispatcher hosts."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from paratrain.comm import Group, TorchTransport
-    from paratrain.comm.settings import timeout_from_env
+    from paratrain.comm import Group, TorchTransport, over_process_group
+    from paratrain.launch import algorithm_table
 
-    timeout = timeout_from_env()
+    timeout = settings.timeout
     store = dist.TCPStore(dispatcher_host, welcome.store_port, welcome.size, is_master=False,
                           timeout=timedelta(seconds=timeout))
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -113,7 +115,8 @@ def _join_world(welcome: messages.WorkerWelcome, device: torch.device, dispatche
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=welcome.rank, world_size=welcome.size,
                             timeout=timedelta(seconds=timeout))
-    return Group(TorchTransport(), timeout=timeout)
+    transport = over_process_group(TorchTransport(), settings)
+    return Group(transport, table=algorithm_table(settings, welcome.size), settings=settings)
 
 
 def _leave_world(group) -> None:

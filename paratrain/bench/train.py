@@ -1,4 +1,5 @@
-"""`paratrain train --benchmark`: what a configuration achieves on this machine.
+"""`paratrain bench train` (also `paratrain train --benchmark`): what a training configuration
+achieves on this machine.
 
 It trains the configuration on its model's synthetic data (the numbers are about speed, not
 learning) and prints throughput (samples/s, tokens/s) and achieved FLOP/s. With `--max-nproc N`
@@ -21,17 +22,19 @@ from torch.utils.flop_counter import FlopCounterMode
 from paratrain.bench.ddp import _quiet
 from paratrain.launch import run
 from paratrain.models import GPTConfig, model_config
+from paratrain.plan.flops import step_flops
+from paratrain.plan.shapes import GPTShape
+from paratrain.settings import Settings
+from paratrain.train.cli import describe_model, describe_run
 from paratrain.train.config import TrainConfig
 from paratrain.train.loop import train_rank
+from paratrain.train.options import training_options, validated_config
 from paratrain.train.setup import build_seeded_model, dataset_for
 
 
 def flops_per_step(config: TrainConfig) -> float:
     shape = model_config(config.model.name, **config.model.overrides)
     if isinstance(shape, GPTConfig):
-        from paratrain.plan.flops import step_flops
-        from paratrain.plan.shapes import GPTShape
-
         return step_flops(GPTShape.from_config(shape), config.data.global_batch)
     model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
     dataset = dataset_for(config.model.name, config.model.overrides, None, config.seed)
@@ -57,7 +60,7 @@ def world_sizes(config: TrainConfig, world: int, max_nproc: int | None) -> list[
     return sizes
 
 
-def benchmark(config: TrainConfig, world: int, max_nproc: int | None) -> list[dict]:
+def benchmark(config: TrainConfig, world: int, max_nproc: int | None, settings: Settings) -> list[dict]:
     """One row per world size: step time, throughput, FLOP/s; printed as it goes."""
     per_replica = config.data.global_batch // (world // (config.parallel.pp * config.parallel.tp))
     rows = []
@@ -70,7 +73,7 @@ def benchmark(config: TrainConfig, world: int, max_nproc: int | None) -> list[di
         run_config.parallel.dp = None
         run_config.checkpoint.dir, run_config.eval_every, run_config.log_every = None, 0, 10**9
         summary = run(quiet_train_rank, size, launcher=config.parallel.launcher, args=(run_config,),
-                      timeout=config.parallel.timeout)[0]["summary"]
+                      timeout=config.parallel.timeout, settings=settings)[0]["summary"]
         flop_s = flops_per_step(run_config) / (summary["step_ms"] / 1e3)
         row = {"world": size, "dp": dp, "global_batch": run_config.data.global_batch, "step_ms": summary["step_ms"],
                "samples_per_s": summary["samples_per_s"], "tokens_per_s": summary.get("tokens_per_s"),
@@ -89,3 +92,26 @@ def benchmark(config: TrainConfig, world: int, max_nproc: int | None) -> list[di
     return rows
 
 
+@click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
+@training_options
+@click.option("--max-nproc", type=click.IntRange(min=1),
+              help="Every world size up to this (multiples of pp x tp), batch per replica fixed.")
+def train(config_path, max_nproc, **flags):
+    """Measure a training configuration instead of training it: synthetic data, throughput and
+    achieved FLOP/s (with --max-nproc, for every world size up to it: the scaling table).
+    Takes the options of `paratrain train`.
+
+    \b
+    Example:
+      paratrain bench train --model gpt-tiny --max-nproc 4 --steps 10
+    """
+    settings = Settings.resolve()
+    if settings.launch.in_torchrun:
+        raise click.UsageError("the training benchmark starts its own worlds: run it without torchrun")
+    config, world = validated_config(config_path, flags, settings)
+    click.echo(describe_model(config))
+    for line in describe_run(config, world, settings):
+        click.echo(line)
+    click.echo(f"# paratrain bench train: {config.model.name}, {config.steps} steps per world size, "
+               f"launcher {config.parallel.launcher}")
+    benchmark(config, world, max_nproc, settings)

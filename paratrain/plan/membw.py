@@ -3,7 +3,8 @@
 On one host every byte a collective moves is, in the end, a memory copy (the fabric copies
 straight between ranks' tensors; gloo through shared memory or loopback sockets), so busbw
 near `dst.copy_(src)`'s bandwidth means the algorithm is as good as the machine allows.
-Reported as bytes copied per second, the way busbw counts bytes over a link.
+Reported as bytes copied per second, the way busbw counts bytes over a link. The planner's
+calibration (calibrate.py) measures it too, which is why it lives here, below bench/.
 """
 
 from __future__ import annotations
