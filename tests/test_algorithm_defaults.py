@@ -17,7 +17,7 @@ def test_explain_on_one_host_names_shared_memory_and_picks_our_algorithms(monkey
     result = bench("--explain", "--launcher", "processes", "--ops", "all_reduce", "--min-bytes", "16K",
                    "--max-bytes", "64M", "--factor", "64")
     assert result.exit_code == 0, result.output
-    assert "transport gloo (shm: every message through shared memory)" in result.output
+    assert "transport shm (gloo's processes, every message through shared memory)" in result.output
     picks = [line.split()[2] for line in result.output.splitlines() if line.startswith("  all_reduce")]
     assert picks == ["direct", "hd", "ring"]  # 16 KiB, 1 MiB, 64 MiB: the defaults on one host
     assert "why it can win" not in result.output

@@ -232,7 +232,7 @@ def test_overhead_on_processes_also_times_the_replay_through_dist_isend_irecv():
         assert dist_alone > 0 and dist_cpu > 0 and ratio == pytest.approx(ours / dist_alone, abs=0.006)
     assert "# our algorithms / the dist.isend/irecv replay, alone: wall " in result.output
     # both ranks share this host: ours and bare through shared memory, dist on gloo's sockets
-    assert "transport gloo (shm: every message through shared memory)" in result.output
+    assert "transport shm (gloo's processes, every message through shared memory)" in result.output
 
 
 def null_transport_calls(group) -> tuple[list, float]:
@@ -360,7 +360,7 @@ def test_processes_launcher_runs_the_sweep_over_gloo(tmp_path):
                "--json", str(path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
-    assert "transport gloo (shm: every message through shared memory)" in done.stdout  # both ranks on this host
+    assert "transport shm (gloo's processes, every message through shared memory)" in done.stdout  # both ranks on this host
     records = json.loads(path.read_text())
     assert len(records) == 2 * 2 * 2
     assert all(r["launcher"] == "processes" and r["world_size"] == 2 and r["wrong"] == 0 for r in records)

@@ -137,7 +137,7 @@ def test_benchmark_flops_are_the_models_matmuls():
     from paratrain.models import model_config
     from paratrain.plan.flops import step_flops
     from paratrain.plan.shapes import GPTShape
-    from paratrain.train.benchmark import flops_per_step
+    from paratrain.bench.train import flops_per_step
     from paratrain.train.config import TrainConfig, apply_overrides
 
     config = apply_overrides(TrainConfig(), {"model.name": "mlp", "data.global_batch": 32})

@@ -86,8 +86,8 @@ def compiled_replays(group: Group) -> list[str]:
             if not torch.allclose(tensor, want, rtol=1e-12, atol=0):
                 wrong.append(f"rank {g.rank} {algo} {op} {dtype} segment {g.segment_bytes} call {call}: wrong")
         plan = g._plans.planned.get(id(tensor))
-        if plan is None or (plan.compiled is None) != (g.wire == "shm"):
-            wrong.append(f"rank {g.rank} {algo} {op} {dtype}: {plan and plan.compiled} plan on {g.wire}")
+        if plan is None or (plan.compiled is None) != (g.kind == "shm"):
+            wrong.append(f"rank {g.rank} {algo} {op} {dtype}: {plan and plan.compiled} plan on {g.kind}")
     return wrong
 
 
@@ -247,7 +247,7 @@ def test_a_call_on_a_planned_tensor_goes_straight_to_its_plan(launcher):
 def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
     nbytes = 64 * 8
     table = AlgorithmTable()
-    table.record(group.wire, group.size, "all_reduce", nbytes, "ring")
+    table.record(group.kind, group.size, "all_reduce", nbytes, "ring")
     planned = Group(group.transport, timeout=group.timeout, table=table)
     debugged = Group(group.transport, timeout=group.timeout, table=table, debug=True)
     seen, tensors = [], {}
@@ -259,7 +259,7 @@ def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
         for _ in range(4):
             g.all_reduce(tensor)  # auto: the table says ring
         seen.append((len(whole), torch.equal(tensor, torch.full((64,), float(g.size ** 4), dtype=torch.float64))))
-    table.record(group.wire, group.size, "all_reduce", nbytes, "native")  # auto now picks native: the plan is ring's
+    table.record(group.kind, group.size, "all_reduce", nbytes, "native")  # auto now picks native: the plan is ring's
     tensor = tensors[planned]
     planned.all_reduce(tensor)
     seen.append((planned._recorder.calls[-1].algo, torch.equal(tensor, torch.full((64,), float(group.size ** 5),

@@ -14,7 +14,7 @@ import torch
 import paratrain
 from paratrain.comm import CollectiveMismatchError, CommTimeoutError, Fabric, Group
 from paratrain.comm.algorithms import algorithms_for
-from paratrain.comm.settings import timeout_from_env
+from paratrain.settings import Settings, SettingsError
 
 from collective_checks import sweep  # the fabric matrix's checkers, for debug mode
 
@@ -106,10 +106,9 @@ def test_explicit_timeout_overrides_the_env_var(monkeypatch):
 ])
 def test_bad_paratrain_timeout_is_refused_with_its_value(monkeypatch, raw, problem):
     monkeypatch.setenv("PARATRAIN_TIMEOUT", raw)
-    with pytest.raises(ValueError, match=re.escape(problem)):
-        timeout_from_env()
-    with pytest.raises(ValueError, match=re.escape(problem)):
-        Group(Fabric(1).endpoint(0))
+    with pytest.raises(SettingsError, match=re.escape(problem)):
+        Settings.resolve()
+    assert Group(Fabric(1).endpoint(0)).timeout == Settings.timeout  # a Group reads no environment
 
 
 def test_bad_paratrain_timeout_fails_the_threads_run(monkeypatch):
@@ -364,8 +363,7 @@ def test_exception_on_one_rank_reaches_the_caller_and_names_the_rank():
 def test_more_ranks_than_gpus_run_on_gloo_with_a_warning(monkeypatch):
     """NCCL refuses two ranks on one GPU: a 1-GPU machine asked for 2 ranks runs them on the
     CPU (gloo) and says so, instead of failing in torch.cuda.set_device(1)."""
-    from paratrain.bench.collectives_cli import transport_kind
-    from paratrain.launch import gpus_for
+    from paratrain.launch import gpus_for, transport_kind
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

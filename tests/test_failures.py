@@ -16,8 +16,10 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 import paratrain
-from paratrain.comm import FabricAborted, Group, PeerLostError, TorchTransport
+from paratrain.comm import FabricAborted, Group, PeerLostError, TorchTransport, over_process_group
+from paratrain.comm.flight import FlightRecords
 from paratrain.failure_report import describe_failed_run
+from paratrain.settings import Settings
 
 # ---- the fabric: one rank's exception fails the calls the others are waiting in -------------
 
@@ -57,7 +59,9 @@ def _gloo_rank(rank: int, store_file: str, result_file: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    group = Group(TorchTransport(), timeout=60)
+    settings = Settings.resolve()  # this process's: PARATRAIN_SHM and the trace folder, as the test set them
+    flight = FlightRecords([rank], settings.trace_dir)
+    group = Group(over_process_group(TorchTransport(flight=flight), settings), timeout=60)
     bucket = torch.ones(1000)
     for _ in range(2):
         group.all_reduce(bucket, algo="ring")
@@ -173,8 +177,7 @@ def _error_file(path, message: str, traceback: str, timestamp: int) -> str:
     return str(path)
 
 
-def test_report_puts_the_rank_that_died_before_the_ranks_that_lost_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("PARATRAIN_TRACE_DIR", str(tmp_path))
+def test_report_puts_the_rank_that_died_before_the_ranks_that_lost_it(tmp_path):
     lost = _error_file(tmp_path / "error0.json", "PeerLostError: rank 0: all_reduce (call #5) lost rank 2: gone",
                        "Traceback (most recent call last):\n  File \"x.py\", line 1\nPeerLostError: gone\n", 100)
     failures = {
@@ -190,7 +193,7 @@ def test_report_puts_the_rank_that_died_before_the_ranks_that_lost_it(tmp_path, 
     (tmp_path / "rank4.json").write_text(json.dumps({  # another run's record: not ours
         "rank": 4, "run_id": "run-y", "dumped_at": 50.0, "calls": [], "error": "PeerLostError: old",
     }))
-    lines = describe_failed_run(failures, 5, "run-x").splitlines()
+    lines = describe_failed_run(failures, 5, "run-x", str(tmp_path)).splitlines()
     heads = [line for line in lines if line.startswith("rank ")]
     assert heads[0] == (
         "rank 2 of 5 failed (launcher=processes): killed by SIGKILL; no traceback (the process was killed)"

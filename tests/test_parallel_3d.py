@@ -127,14 +127,16 @@ def test_no_rank_trains_before_every_rank_has_its_weights(monkeypatch):
         events.append(("built", time.perf_counter()))
         return model
 
-    run_step = loop.PipelineRuntime.run
+    from paratrain.parallel.pipeline.runtime import PipelineRuntime
+
+    run_step = PipelineRuntime.run
 
     def recorded_run(self, inputs, targets):
         events.append(("step", time.perf_counter()))
         return run_step(self, inputs, targets)
 
     monkeypatch.setattr(loop, "build_parallel_model", slow_build)
-    monkeypatch.setattr(loop.PipelineRuntime, "run", recorded_run)
+    monkeypatch.setattr(PipelineRuntime, "run", recorded_run)
     config = apply_overrides(config_for(2, 2, 2, "zb-h1", 4, {"checkpoint_activations": True}), {"steps": 1})
     run(functools.partial(train_rank), 8, args=(config,))
     last_built = max(t for kind, t in events if kind == "built")
@@ -151,16 +153,16 @@ def test_the_pipeline_holds_no_more_than_its_schedule_says(monkeypatch, schedule
     """ZB-V once kept every microbatch's V-turn input until the step ended (8 of 8 on the last
     rank): each rank must end a step holding nothing, and hold at most 2p chunk activations
     (ZB-V's 2p half-size chunks, 1F1B's p whole ones)."""
-    import paratrain.train.loop as loop
+    from paratrain.parallel.pipeline.runtime import PipelineRuntime
 
-    stats, original = [], loop.PipelineRuntime.run
+    stats, original = [], PipelineRuntime.run
 
     def recorded(self, inputs, targets):
         result = original(self, inputs, targets)
         stats.append(result)
         return result
 
-    monkeypatch.setattr(loop.PipelineRuntime, "run", recorded)
+    monkeypatch.setattr(PipelineRuntime, "run", recorded)
     config = apply_overrides(config_for(1, pp, 1, schedule, microbatches, extra), {"steps": 1})
     run(train_rank, pp, args=(config,))
     assert len(stats) == pp and all(s["left_stashed"] == 0 for s in stats), [s["left_stashed"] for s in stats]

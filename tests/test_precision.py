@@ -85,9 +85,9 @@ def _model_recorder(monkeypatch):
                 block.attn.register_forward_hook(lambda m, i, out: seen.__setitem__("attention_calls", seen["attention_calls"] + 1))
         return model
 
-    # after tensor parallelism has replaced the head: instrument the model the loop trains
-    build_seeded, build_parallel = loop.build_seeded_model, loop.build_parallel_model
-    monkeypatch.setattr(loop, "build_seeded_model", lambda *a, **k: instrument(build_seeded(*a, **k)))
+    # after tensor parallelism has replaced the head: instrument the model the loop trains (every
+    # layout builds it through build_parallel_model)
+    build_parallel = loop.build_parallel_model
 
     def build_and_instrument(*args, **kwargs):
         parallel = build_parallel(*args, **kwargs)

@@ -21,10 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import paratrain
-from paratrain.comm import CommTimeoutError, Group, PeerLostError, TorchTransport
-from paratrain.comm.transport import shm_setup
-from paratrain.comm.transport.shm import SharedMemoryP2P
+from paratrain.comm import CommTimeoutError, Group, PeerLostError, SharedMemoryTransport, TorchTransport
+from paratrain.comm.transport import over_process_group, shm_setup
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
+from paratrain.settings import Settings, SettingsError
 
 from test_failures import run_two_gloo_ranks
 from test_p2p import RUN_TIMEOUT_S, _assert_no_failures, every_p2p_check, sendrecv_around_the_ring
@@ -73,9 +73,9 @@ def _shared_memory_checks(group) -> list[str]:
     """Every p2p check of test_p2p through a 4 KiB ring (so nearly every message is cut in
     pieces), then 1 MiB both ways at once, and a receive of the wrong size."""
     failures = []
-    transport = group.transport.p2p
-    if not isinstance(transport, SharedMemoryP2P) or transport.neighbours != (1 - group.rank,):
-        return [f"p2p goes through {transport!r}, not shared memory to the other rank"]
+    transport = group.transport
+    if not isinstance(transport, SharedMemoryTransport) or transport.p2p.neighbours != (1 - group.rank,):
+        return [f"p2p goes through {group.describe()}, not shared memory to the other rank"]
     failures += every_p2p_check(group)
     peer = 1 - group.rank
     mine = torch.arange(1 << 18, dtype=torch.float32) * (group.rank + 1)
@@ -138,8 +138,8 @@ def _collectives_through_small_rings(group) -> list[str]:
     through 4 KiB rings, then an async all-reduce on the communication thread (which never
     polls: it sleeps on the doorbell) while the main thread exchanges point-to-point."""
     failures = []
-    if group.wire != "shm" or group.transport.p2p is None:
-        return [f"the group's messages do not go through shared memory (wire {group.wire})"]
+    if group.kind != "shm" or not isinstance(group.transport, SharedMemoryTransport):
+        return [f"the group's messages do not go through shared memory (transport {group.describe()})"]
     n, r = group.size, group.rank
     for algo in ("ring", "hd", "tree", "direct"):
         for op, want in (("sum", sum(range(1, n + 1))), ("max", n)):
@@ -172,19 +172,19 @@ def test_collectives_pass_through_shared_memory_even_from_the_communication_thre
 
 
 def _some_ranks_without_shared_memory(group) -> list[str]:
-    """Rank 2 turns shared memory off before a new group is made: ranks 0 and 1 reach each other
-    through it and rank 2 through gloo, within one collective. The table's key is then gloo's on
-    every rank (not every message of the group goes through shared memory)."""
+    """Rank 2's settings turn shared memory off for a new group: ranks 0 and 1 reach each other
+    through it and rank 2 through gloo, within one collective. The group's kind (the algorithm
+    table's key) is then gloo's on every rank (not every message goes through shared memory)."""
     import torch.distributed as dist
 
-    if group.rank == 2:
-        os.environ["PARATRAIN_SHM"] = "0"
-    mixed = Group(TorchTransport(dist.new_group([0, 1, 2])), timeout=group.timeout)
+    settings = group.settings.with_flags(shm=group.rank != 2)
+    made = TorchTransport(dist.new_group([0, 1, 2]), group.transport.flight)
+    mixed = Group(over_process_group(made, settings), timeout=group.timeout)
     failures = []
-    reached = mixed.transport.p2p.neighbours if mixed.transport.p2p is not None else ()
+    reached = mixed.transport.p2p.neighbours if isinstance(mixed.transport, SharedMemoryTransport) else ()
     expected = {0: (1,), 1: (0,), 2: ()}[group.rank]
-    if reached != expected or mixed.wire != "gloo":
-        failures.append(f"rank {group.rank}: shared memory to {reached}, wire {mixed.wire}")
+    if reached != expected or mixed.kind != "gloo":
+        failures.append(f"rank {group.rank}: shared memory to {reached}, kind {mixed.kind}")
     for algo in ("ring", "hd", "direct"):
         tensor = torch.full((30_000,), float(group.rank + 1))
         mixed.all_reduce(tensor, algo=algo)
@@ -225,13 +225,15 @@ def test_a_sleeping_receiver_is_woken_and_a_silent_peer_times_out(monkeypatch):
 
 def _which_transport(group) -> str:
     group.send(torch.ones(2), 1 - group.rank, tag=0) if group.rank == 0 else group.recv(torch.empty(2), 0, tag=0)
-    return type(group.transport.p2p).__name__
+    return type(group.transport).__name__, group.kind
 
 
-def test_paratrain_shm_0_leaves_point_to_point_to_gloo(monkeypatch):
+def test_processes_of_one_host_get_the_shm_transport_and_paratrain_shm_0_leaves_them_to_gloo(monkeypatch):
+    assert paratrain.run(_which_transport, 2, launcher="processes", timeout=RUN_TIMEOUT_S) == {
+        0: ("SharedMemoryTransport", "shm"), 1: ("SharedMemoryTransport", "shm")}
     monkeypatch.setenv("PARATRAIN_SHM", "0")
     assert paratrain.run(_which_transport, 2, launcher="processes", timeout=RUN_TIMEOUT_S) == {
-        0: "NoneType", 1: "NoneType"}
+        0: ("TorchTransport", "gloo"), 1: ("TorchTransport", "gloo")}
 
 
 def _rank_whose_peer_exits(rank: int, store_file: str, result_file: str) -> None:
@@ -240,7 +242,7 @@ def _rank_whose_peer_exits(rank: int, store_file: str, result_file: str) -> None
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    group = Group(TorchTransport(), timeout=60)
+    group = Group(over_process_group(TorchTransport(), Settings()), timeout=60)
     group.barrier()
     if rank == 1:
         os._exit(3)
@@ -248,7 +250,7 @@ def _rank_whose_peer_exits(rank: int, store_file: str, result_file: str) -> None
         group.recv(torch.empty(4), src=1, tag=0)
         seen = {"text": "recv returned"}
     except PeerLostError as error:
-        seen = {"text": str(error), "peer": error.peer, "shm": isinstance(group.transport.p2p, SharedMemoryP2P)}
+        seen = {"text": str(error), "peer": error.peer, "shm": group.kind == "shm"}
     with open(result_file, "w") as file:
         json.dump(seen, file)
     os._exit(0)  # skip destroy_process_group: its peer is gone
@@ -267,29 +269,25 @@ def test_a_peer_process_that_exits_is_named_by_the_rank_waiting_for_it(tmp_path)
 # ---- settings ----------------------------------------------------------------------------------
 
 
-def test_a_wait_polls_only_where_each_rank_of_the_host_has_a_core(monkeypatch):
+def test_a_wait_polls_only_where_each_rank_of_the_host_has_a_core():
     cores = len(os.sched_getaffinity(0))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert shm_setup.spin_s(cores) == shm_setup.DEFAULT_SPIN_S
-    assert shm_setup.spin_s(cores + 1) == 0.0
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))  # torchrun's count of this host's ranks
-    assert shm_setup.spin_s(1) == 0.0
-    monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "250")
-    assert shm_setup.spin_s(cores + 1) == 250e-6
-    monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "soon")
-    with pytest.raises(ValueError, match="PARATRAIN_SHM_SPIN_US must be a whole number, got 'soon'"):
-        shm_setup.spin_s(1)
-    monkeypatch.setenv("PARATRAIN_SHM_BYTES", "100")
-    with pytest.raises(ValueError, match="PARATRAIN_SHM_BYTES must be at least 256, got '100'"):
-        shm_setup.ring_bytes_from_env()
-    monkeypatch.setenv("PARATRAIN_SHM", "0")
-    assert not shm_setup.enabled()
+
+    def spin_s(ranks_here: int, **environment: str) -> float:
+        return shm_setup.spin_s(Settings.resolve(environment), ranks_here)
+
+    assert spin_s(cores) == shm_setup.DEFAULT_SPIN_S
+    assert spin_s(cores + 1) == 0.0
+    assert spin_s(1, LOCAL_WORLD_SIZE=str(cores + 1)) == 0.0  # torchrun's count of this host's ranks
+    assert spin_s(cores + 1, PARATRAIN_SHM_SPIN_US="250") == 250e-6
+    with pytest.raises(SettingsError, match="PARATRAIN_SHM_SPIN_US must be a whole number, got 'soon'"):
+        Settings.resolve({"PARATRAIN_SHM_SPIN_US": "soon"})
+    with pytest.raises(SettingsError, match="PARATRAIN_SHM_BYTES must be at least 256, got '100'"):
+        Settings.resolve({"PARATRAIN_SHM_BYTES": "100"})
+    assert not shm_setup.enabled(Settings.resolve({"PARATRAIN_SHM": "0"}))
 
 
-def test_a_process_rings_stay_within_a_budget_on_a_crowded_host(monkeypatch):
-    monkeypatch.delenv("PARATRAIN_SHM_BYTES", raising=False)
-    assert shm_setup.ring_bytes_from_env(7) == 4 << 20  # 8 ranks a host: 28 MiB of rings each
-    assert shm_setup.ring_bytes_from_env(63) == round_up((64 << 20) // 63)  # 64 ranks: 1 MiB each
-    assert shm_setup.ring_bytes_from_env(1023) == 256 << 10  # never less than this unless asked
-    monkeypatch.setenv("PARATRAIN_SHM_BYTES", "8192")
-    assert shm_setup.ring_bytes_from_env(63) == 8192
+def test_a_process_rings_stay_within_a_budget_on_a_crowded_host():
+    assert shm_setup.ring_bytes(Settings(), 7) == 4 << 20  # 8 ranks a host: 28 MiB of rings each
+    assert shm_setup.ring_bytes(Settings(), 63) == round_up((64 << 20) // 63)  # 64 ranks: 1 MiB each
+    assert shm_setup.ring_bytes(Settings(), 1023) == 256 << 10  # never less than this unless asked
+    assert shm_setup.ring_bytes(Settings(shm_bytes=8192), 63) == 8192
