@@ -42,6 +42,7 @@ import torch
 
 from paratrain.bench.collectives import DTYPES, _build_case, _synchronize
 from paratrain.comm.group import Group
+from paratrain.comm.transport import SharedMemoryTransport
 from paratrain.comm.transport.base import P2POp
 
 
@@ -155,10 +156,13 @@ def bare_replay(events: list[tuple], transport, timeout: float, public_api: bool
     """A function that issues `events` again with nothing between the transport's own calls;
     with `public_api`, on processes, through `dist.isend`/`dist.irecv` (what a user's own
     script would call) rather than through the transport (None on the fabric)."""
-    if public_api:
-        return None if transport.kind == "fabric" else _torch_replay(events, transport, public_api=True)
-    if transport.kind == "fabric" or getattr(transport, "p2p", None) is not None:
-        # The fabric's, or shared memory's (transport/shm.py), start and wait.
+    shared_memory = isinstance(transport, SharedMemoryTransport)
+    if public_api:  # through the process group (under shared memory: its gloo group)
+        if transport.kind == "fabric":
+            return None
+        return _torch_replay(events, transport.inner if shared_memory else transport, public_api=True)
+    if transport.kind == "fabric" or shared_memory:
+        # The fabric's, or shared memory's (transport/shm_transport.py), start and wait.
         return _start_replay(events, transport, timeout)
     return _torch_replay(events, transport)
 

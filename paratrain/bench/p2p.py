@@ -80,10 +80,8 @@ def run_p2p(group, sweep: P2PSweep) -> P2PResult | None:
         return None
     records = [_record(test, src, dst, size, seconds[index].item(), group.size)
                for index, (test, src, dst, size) in enumerate(steps)]
-    # Point-to-point between processes of one host goes through shared memory (comm/transport/shm.py).
-    shared = getattr(getattr(group.transport, "p2p", None), "neighbours", ())
-    transport = f"{group.kind} (p2p to {len(shared)} rank(s) of this host: shared memory)" if shared else group.kind
-    return P2PResult(group.size, transport, str(device), records)
+    # "shm": processes of one host, point-to-point through shared memory (comm/transport/shm_transport.py)
+    return P2PResult(group.size, group.kind, str(device), records)
 
 
 def _record(test: str, src: int, dst: int, size: int, elapsed: float, n: int) -> dict:

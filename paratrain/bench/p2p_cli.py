@@ -15,6 +15,7 @@ import click
 
 from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
 from paratrain.bench.p2p import P2PSweep, run_p2p
+from paratrain.bench.report import describe_kind
 from paratrain.launch import LAUNCHERS, in_torchrun, run
 
 
@@ -144,7 +145,7 @@ def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below
         return
     launched_by = "torchrun" if in_torchrun() else launcher
     click.echo(f"# paratrain bench p2p: world size {result.world_size}  launcher {launched_by}  transport "
-               f"{result.transport}  device {result.device}  warmup {warmup}  iters {iters}")
+               f"{describe_kind(result.transport)}  device {result.device}  warmup {warmup}  iters {iters}")
     for line in report_lines(result.records, result.world_size, flag_below):
         click.echo(line)
     if json_path:
