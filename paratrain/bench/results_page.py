@@ -169,10 +169,12 @@ def render_collectives(records: list[dict]) -> list[str]:
     """Per op: each algorithm's time at each size, and auto's pick with its speed against native."""
     lines = []
     first = records[0]
+    has_auto = any(r["algo"].startswith("auto") for r in records)
     lines.append(f"{first['world_size']} ranks, launcher {first['launcher']}, transport "
                  f"{first.get('transport', '?')}, {first['dtype']}. Time per call in us (slowest rank; "
-                 "bus bandwidth in GB/s in brackets); *auto ran*: the algorithm `auto` picked; "
-                 "*vs native* = native's time / auto's.")
+                 "bus bandwidth in GB/s in brackets)"
+                 + ("; *auto ran*: the algorithm `auto` picked; *vs native* = native's time / auto's." if has_auto
+                    else "."))
     for op in dict.fromkeys(r["op"] for r in records):
         rows = [r for r in records if r["op"] == op]
         algos = list(dict.fromkeys(_algo(r) for r in rows))
@@ -203,7 +205,7 @@ def render_p2p(records: list[dict]) -> list[str]:
     first = records[0]
     latency = sorted(r["time_us"] / 2 for r in records if r["test"] == "uni" and r["bytes"] == sizes[0])
     return [f"{first['world_size']} ranks, launcher {first['launcher']}, transport: {first['transport']}. "
-            f"Latency (half a {sizes[0]}-byte round): {latency[len(latency) // 2]:.1f} us. Medians over links.",
+            f"Latency (half the round at {sizes[0]} B): {latency[len(latency) // 2]:.1f} us. Medians over links.",
             ""] + _table(["size (B)", "round (us)", "one way (GB/s)", "both ways (GB/s)",
                           "all-to-all (GB/s per rank)"], rows)
 
