@@ -196,12 +196,12 @@ def render_collectives(records: list[dict]) -> list[str]:
 def render_p2p(records: list[dict]) -> list[str]:
     """Per size: medians over links of a message's round (message and 1-byte ack), one-way and
     two-way bandwidth, and the all-to-all's bandwidth per rank."""
-    def median(test: str, nbytes: int, key: str) -> str:
+    def median(test: str, nbytes: int, key: str, digits: int) -> str:
         values = sorted(r[key] for r in records if r["test"] == test and r["bytes"] == nbytes)
-        return f"{values[len(values) // 2]:.3f}" if values else "-"
+        return f"{values[len(values) // 2]:.{digits}f}" if values else "-"
     sizes = sorted({r["bytes"] for r in records})
-    rows = [[_size(n), median("uni", n, "time_us")[:-2], median("uni", n, "gbps"), median("bi", n, "gbps"),
-             median("all_to_all", n, "gbps")] for n in sizes]
+    rows = [[_size(n), median("uni", n, "time_us", 1), median("uni", n, "gbps", 3), median("bi", n, "gbps", 3),
+             median("all_to_all", n, "gbps", 3)] for n in sizes]
     first = records[0]
     latency = sorted(r["time_us"] / 2 for r in records if r["test"] == "uni" and r["bytes"] == sizes[0])
     return [f"{first['world_size']} ranks, launcher {first['launcher']}, transport: {first['transport']}. "
