@@ -128,3 +128,17 @@ def test_results_page_is_rendered_from_the_benchmarks_json(tmp_path):
     # links to each JSON relative to the page; failures said, not hidden
     assert "[ddp.json](results/ddp.json)" in page
     assert "Failed (exit status: 1)" in page and "It wrote no collectives-threads.json." in page
+
+
+def test_results_run_records_each_command_and_renders_what_it_wrote(tmp_path, monkeypatch):
+    from paratrain.bench.results_page import Sweep, run_sweeps
+
+    monkeypatch.chdir(ROOT)  # the commands run from the repository root, as `make results` runs them
+    tiny = Sweep("tiny", "collectives", "A tiny sweep",
+                 ("--launcher", "threads", "--ops", "all_reduce", "--algos", "ring,native",
+                  "--min-bytes", "1K", "--max-bytes", "1K", "--warmup", "0", "--iters", "1"))
+    run = run_sweeps(tmp_path, sweeps=(tiny,))
+    assert [entry["status"] for entry in run["sweeps"]] == [0]
+    assert run["sweeps"][0]["command"] == command_line(tiny, tmp_path)
+    page = render(tmp_path, tmp_path / "results.md", sweeps=(tiny,))
+    assert "transport fabric" in page and "| 1K |" in page and "Wrong elements: 0." in page

@@ -116,20 +116,20 @@ def run_sweeps(folder: Path, sweeps=SWEEPS) -> dict:
     """Run every sweep (from the repository root: the commands name paths relative to it)."""
     folder.mkdir(parents=True, exist_ok=True)
     run = {"machine": describe_machine(), "load_before": os.getloadavg()[0], "sweeps": []}
-    # `auto` reads the algorithm table a user may have tuned; the page shows the built-in defaults.
-    no_table = Path(tempfile.mkdtemp(prefix="paratrain-results-")) / "no-table.json"
     started = time.perf_counter()
-    for sweep in sweeps:
-        print(f"== {command_line(sweep, folder)}", flush=True)
-        env = {**os.environ, "PARATRAIN_ALGO_TABLE": str(no_table), **dict(sweep.env)}
-        argv = [sys.executable, "-m", *command(sweep, folder)]  # "-m paratrain bench ..."
-        began = time.perf_counter()
-        try:
-            status = subprocess.run(argv, env=env, timeout=SWEEP_TIMEOUT_S).returncode
-        except subprocess.TimeoutExpired:
-            status = f"timed out after {SWEEP_TIMEOUT_S} s"
-        run["sweeps"].append({"name": sweep.name, "command": command_line(sweep, folder),
-                              "seconds": time.perf_counter() - began, "status": status})
+    # `auto` reads the algorithm table a user may have tuned; the page shows the built-in defaults.
+    with tempfile.TemporaryDirectory(prefix="paratrain-results-") as empty:
+        for sweep in sweeps:
+            print(f"== {command_line(sweep, folder)}", flush=True)
+            env = {**os.environ, "PARATRAIN_ALGO_TABLE": str(Path(empty) / "no-table.json"), **dict(sweep.env)}
+            argv = [sys.executable, "-m", *command(sweep, folder)]  # "-m paratrain bench ..."
+            began = time.perf_counter()
+            try:
+                status = subprocess.run(argv, env=env, timeout=SWEEP_TIMEOUT_S).returncode
+            except subprocess.TimeoutExpired:
+                status = f"timed out after {SWEEP_TIMEOUT_S} s"
+            run["sweeps"].append({"name": sweep.name, "command": command_line(sweep, folder),
+                                  "seconds": time.perf_counter() - began, "status": status})
     run["seconds"] = time.perf_counter() - started
     run["load_after"] = os.getloadavg()[0]
     (folder / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
