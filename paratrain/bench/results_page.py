@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.bench.membw import copy_bandwidth_gbps
+from paratrain.plan.membw import copy_bandwidth_gbps
 
 RUN_FILE = "run.json"  # the machine, the date and each command's wall time, written by `run_sweeps`
 
