@@ -1,5 +1,6 @@
-"""The collectives on real processes over gloo: every op x every algorithm (ours over gloo's
-p2p, gloo's own as "native", and "auto") against the same references as the fabric matrix.
+"""The collectives on real processes over gloo: every op x every algorithm (ours over the
+processes' p2p, gloo's own as "native", and "auto") against the same references as the fabric
+matrix. The ranks share this host, so their transport is shared memory ("shm") over a gloo group.
 
 A launch costs seconds (spawning ranks that import torch), so each world size gets one launch
 that runs every check and returns the differences; the function it runs is module-level,
@@ -43,5 +44,5 @@ def test_every_collective_and_algorithm_matches_reference_on_gloo(world_size):
         check_everything_on_this_rank, world_size, launcher="processes", timeout=RUN_TIMEOUT_S
     )
     assert sorted(results) == list(range(world_size))
-    assert {result["transport"] for result in results.values()} == {"gloo"}
+    assert {result["transport"] for result in results.values()} == {"shm"}
     assert_no_failures({rank: result["failures"] for rank, result in results.items()})

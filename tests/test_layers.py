@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "paratrain"
 # settings from it. launch starts worlds of Groups (the mesh's row); models and data know nothing
 # of communication.
 LAYERS = (
-    ("settings",),
+    ("settings", "errors"),  # errors: the user errors any layer may raise (issue 25, part 5)
     ("comm",),
     ("models", "data"),
     ("mesh", "launch", "failure_report"),
@@ -32,7 +32,7 @@ LAYERS = (
     ("train", "frontend"),
     ("plan",),
     ("bench",),
-    ("cli", "env_cli", "__main__", ""),  # "": the package's own __init__, which re-exports
+    ("cli", "cli_errors", "env_cli", "__main__", ""),  # "": the package's own __init__, which re-exports
 )
 APART = {("train", "frontend"), ("frontend", "train")}
 
