@@ -70,7 +70,7 @@ TRAINING_FLAGS = [
     Flag(None, "--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it."),
     Flag("model.name", "--model", help="mlp, mlp16, cnn, gpt-tiny, gpt-small or gpt-seed."),
     Flag("data.name", "--data", help="Data set (default: the one the model is made for); GPTs also take text "
-                                "(the shipped Shakespeare) or text:PATH (any file, one token per byte)."),
+                                     "(the shipped Shakespeare) or text:PATH (any file, one token per byte)."),
     Flag("parallel.nproc", "--nproc", type=int, help="Ranks to start (default 2; torchrun decides under torchrun)."),
     Flag("parallel.launcher", "--launcher", help="threads (in-process fabric) or processes (torch elastic launcher)."),
     Flag("parallel.dp_mode", "--dp-mode", help="naive, ddp (ours) or torch (PyTorch's DDP)."),
@@ -111,7 +111,7 @@ TRAINING_FLAGS = [
     Flag("parallel.debug", "--debug", is_flag=True, default=None, help="Check every collective is the same call on all ranks."),
     Flag("log_every", "--log-every", type=int, help="Steps between printed log lines."),
     Flag("eval_every", "--eval-every", type=int,
-                 help="Steps between validation losses, and one at the end (default 0: none)."),
+        help="Steps between validation losses, and one at the end (default 0: none)."),
 ]
 
 
@@ -120,10 +120,10 @@ CHECKPOINT_FLAGS = [
     Flag("checkpoint.every", "--save-every", type=int, help="Steps between checkpoints (default: only at the end)."),
     Flag("checkpoint.keep", "--keep", type=int, help="Complete checkpoints to keep (default 3)."),
     Flag("checkpoint.resume", "--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
-                 help="Continue from the latest checkpoint in --save-dir, or from PATH; any dp/tp/pp layout."),
+        help="Continue from the latest checkpoint in --save-dir, or from PATH; any dp/tp/pp layout."),
     Flag("checkpoint.max_restarts", "--max-restarts", type=int,
-                 help="processes launcher: restart all ranks up to N times after a failure, resuming "
-                      "from the latest checkpoint in --save-dir."),
+        help="processes launcher: restart all ranks up to N times after a failure, resuming "
+             "from the latest checkpoint in --save-dir."),
 ]
 
 
