@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 import torch
 
+from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.bench import report
 from paratrain.bench.collectives import DTYPES, Sweep, element_counts, run_sweep
 from paratrain.bench.membw import copy_bandwidth_gbps
@@ -140,10 +141,10 @@ def _thread_devices(nproc: int):
                    "ours and one of the bare replay each.")
 @click.option("--dtype", type=click.Choice(tuple(DTYPES)), default="float32", show_default=True,
               help="Element type of the buffers.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Also write the measurements to this file: a list of records with keys "
                    + ", ".join(report.JSON_KEYS) + ".")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Also draw busbw against size (one subplot per op) into this PNG file.")
 @click.option("--tune", is_flag=True,
               help="Record per (transport, world size, op, size) the algorithm `auto` runs, in the table it "
@@ -161,7 +162,7 @@ def _thread_devices(nproc: int):
               default=default_table_path,
               show_default="$PARATRAIN_ALGO_TABLE or ~/.cache/paratrain/algorithms.json",
               help="The algorithm table `auto` reads and --tune writes.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--timeout", type=FiniteFloat(min=0, min_open=True),
               help="Seconds any one communication may block before it fails naming the rank and peer. "
                    "[default: $PARATRAIN_TIMEOUT or 300]")
 @click.option("--debug", is_flag=True,

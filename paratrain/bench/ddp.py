@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 import torch
 
+from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.launch import LAUNCHERS, in_torchrun, run
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
@@ -285,11 +286,11 @@ def _flags(name: str) -> str:
               help="Steps before the timed ones, not counted.")
 @click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True,
               help="Runs per (model, mode), interleaved; each row is the median one.")
-@click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True,
+@click.option("--bucket-mb", type=FiniteFloat(min=0, min_open=True), default=25.0, show_default=True,
               help="Gradient bucket size in MiB for ddp and torch (PyTorch's default).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Also write one record per (model, mode) to this file, with keys " + ", ".join(JSON_KEYS) + ".")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Also draw step time and communication share per model and mode into this PNG file.")
 def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, repeats, bucket_mb,
         json_path, plot_path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from paratrain.cli_types import OutputPath
 from paratrain.models import format_count
 from paratrain.plan.cost_model import Prediction, predict
 from paratrain.plan.flops import RECOMPUTE, step_flops
@@ -93,7 +94,7 @@ def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str
 @click.option("--sequence-parallel", is_flag=True, default=None, help="Sequence parallelism (tp > 1).")
 @click.option("--zero", type=click.IntRange(0, 1), help="1: optimizer state sharded over dp (ZeRO-1).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to show when searching.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Write {layout, step_s, memory_gib, bubble, mfu, breakdown} per layout to this file.")
 @click.option("--validate", is_flag=True,
               help="Train small configurations on this machine and print predicted against measured "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
@@ -161,13 +160,8 @@ def training_options(command):
 
 
 def validated_config(config_path, flags: dict) -> tuple[TrainConfig, int]:
-    """The configuration and world size, or every problem printed and exit code 2."""
-    try:
-        config = build_config(config_path, flags)
-        world = world_size_of(config)
-        validate(config, world)
-    except ConfigError as error:
-        for problem in error.problems:
-            click.echo(f"error: {problem}", err=True)
-        sys.exit(2)
+    """The configuration and world size, or a ConfigError naming every problem."""
+    config = build_config(config_path, flags)
+    world = world_size_of(config)
+    validate(config, world)
     return config, world
