@@ -22,7 +22,7 @@ class Paratrain(OneLineErrors, click.Group):
     """The `paratrain` command: a user's error is one line (cli_errors.py)."""
 
 
-@click.group(cls=Paratrain, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(name="paratrain", cls=Paratrain, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="paratrain")
 @click.option("--debug", is_flag=True,
               help="Print the traceback of an error, not one line (so do PARATRAIN_DEBUG=1 and a command's own --debug).")

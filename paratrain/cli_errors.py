@@ -19,7 +19,7 @@ import traceback
 import click
 
 from paratrain.comm.settings import env_flag
-from paratrain.errors import UserError
+from paratrain.errors import Problems, UserError
 
 EXIT_USER_ERROR = 2  # what click and argparse exit with for a usage error
 
@@ -45,8 +45,10 @@ class OneLineErrors:
             if debug_requested(args):
                 traceback.print_exception(error)
             where = command_path(self, prog_name, args, error)
-            for line in error_lines(error):
-                click.echo(f"{where}: error: {line}", err=True)
+            for lines in error_lines(error):
+                click.echo(f"{where}: error: {lines[0]}", err=True)
+                for line in lines[1:]:
+                    click.echo(f"  {line}", err=True)
             sys.exit(EXIT_USER_ERROR)
         sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 
@@ -56,8 +58,11 @@ def debug_requested(args: list[str]) -> bool:
     return "--debug" in options or env_flag("PARATRAIN_DEBUG")
 
 
-def error_lines(error: BaseException) -> list[str]:
-    """The lines that say what went wrong: one, or one per problem of a configuration."""
+def error_lines(error: BaseException) -> list[list[str]]:
+    """Per error (a configuration's problems are several), the line that says what went wrong
+    and any lines that say where to look next."""
+    if isinstance(error, Problems):
+        return [[problem] for problem in error.problems]
     if isinstance(error, UserError):
         lines = error.lines()
     elif isinstance(error, click.ClickException):
@@ -67,11 +72,11 @@ def error_lines(error: BaseException) -> list[str]:
         lines = [f"{error.strerror or error}: {paths}"]
     else:
         lines = [str(error)]
-    notes = " ".join(getattr(error, "__notes__", ()))  # where: "(raised on rank 1 of 2, launcher=threads)"
     lines = [" ".join(line.split()) for line in lines]
+    notes = " ".join(getattr(error, "__notes__", ()))  # where: "(raised on rank 1 of 2, launcher=threads)"
     if notes:
-        lines[-1] += " " + notes
-    return lines
+        lines[0] += " " + notes
+    return [lines]
 
 
 def command_path(top: click.Command, prog_name: str, args: list[str], error: BaseException) -> str:

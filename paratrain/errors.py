@@ -13,7 +13,8 @@ class UserError(Exception):
     """Something the user can fix; str() is one line naming what and where."""
 
     def lines(self) -> list[str]:
-        """What the command prints: this line (or one per problem, see ConfigError)."""
+        """What the command prints: the line saying what went wrong, then any saying where to
+        look next (a RanksFailed's flight records)."""
         return [str(self)]
 
 
@@ -24,9 +25,6 @@ class Problems(UserError):
     def __init__(self, problems: list[str]):
         super().__init__("\n".join(problems))
         self.problems = list(problems)
-
-    def lines(self) -> list[str]:
-        return self.problems
 
 
 def yaml_problem(path, error) -> str:

@@ -11,11 +11,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -23,8 +27,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from paratrain.comm import Fabric, Group, TorchTransport
 from paratrain.comm.errors import FabricAborted, PeerLostError
-from paratrain.comm.settings import timeout_from_env
-from paratrain.failure_report import describe_failed_run
+from paratrain.comm.settings import env_flag, timeout_from_env
+from paratrain.comm.transport import shm_setup
+from paratrain.failure_report import failed_run_error
 
 LAUNCHERS = ("threads", "processes")
 PEER_DEATH_GRACE_S = 3.0  # the elastic agent checks its ranks every 0.1 s
@@ -87,27 +92,64 @@ def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
 
 
 def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object]:
+    """Ranks as processes of PyTorch's elastic agent. What the run leaves goes with it: the
+    agent's folder of per-rank logs and error files (else a torchelastic_* folder in the temp
+    directory per run), and the shared-memory files of ranks killed while setting up."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default; also silences its warning
+    run_id = f"paratrain-{uuid.uuid4().hex[:8]}"
+    logs = tempfile.mkdtemp(prefix=f"{run_id}-logs-")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-        run_id=f"paratrain-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     try:
-        return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
+        with _agent_logs_quiet(unless=bool(options["debug"]) or env_flag("PARATRAIN_DEBUG")):
+            return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
     except ChildFailedError as failed:
-        raise RuntimeError(describe_failed_run(failed.failures, nproc, config.run_id)) from None
+        error = failed_run_error(failed.failures, nproc, run_id)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+        shm_setup.remove_files_of_children(os.getpid())
+    # Raised here, not in the handler: the agent's error would stay its __context__, and its
+    # frames would keep the agent's queues alive until exit (multiprocessing then warns of
+    # leaked semaphores).
+    raise error
+
+
+@contextmanager
+def _agent_logs_quiet(unless: bool):
+    """Keep the elastic agent's own log lines (a failed rank's traceback as it saw it, each
+    process it stops) off the terminal: the error raised for a failed run reports the same,
+    root cause first. Shown in debug mode."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher",
+                                                    "torch.multiprocessing")]
+    levels = [logger.level for logger in loggers]
+    if not unless:
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 @record  # writes the rank's traceback where the elastic agent reports it
 def _process_main(fn, args, options):
     """One rank of a process world: join the process group, run, leave."""
     import torch.distributed as dist
+    from tqdm import tqdm
 
+    # tqdm's default lock is a multiprocessing one, a named semaphore in /dev/shm: a rank killed
+    # mid-run would leave it to the launcher's resource tracker, which warns of it at exit.
+    # A rank's progress bar is its own, so a thread lock serves.
+    tqdm.set_lock(threading.RLock())
     group = init_process_group_from_env(**options)
     try:
         return fn(group, *args)

@@ -6,6 +6,7 @@ transport/shm_setup.py.)"""
 
 from __future__ import annotations
 
+import math
 import os
 
 DEFAULT_TIMEOUT_S = 300.0  # generous: a first NCCL call or a slow rank on a busy host is normal
@@ -16,7 +17,8 @@ def env_flag(name: str) -> bool:
 
 
 def timeout_from_env() -> float:
-    return _from_env("PARATRAIN_TIMEOUT", DEFAULT_TIMEOUT_S, float, "a number of seconds", lambda v: v > 0, "positive")
+    return _from_env("PARATRAIN_TIMEOUT", DEFAULT_TIMEOUT_S, float, "a number of seconds", lambda v: 0 < v < math.inf,
+                     "positive and finite")
 
 
 def int_from_env(name: str, default: int, least: int) -> int:
