@@ -94,7 +94,10 @@ def _run_threads(fn, nproc, args, devices, options) -> dict[int, object]:
 def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object]:
     """Ranks as processes of PyTorch's elastic agent. What the run leaves goes with it: the
     agent's folder of per-rank logs and error files (else a torchelastic_* folder in the temp
-    directory per run), and the shared-memory files of ranks killed while setting up."""
+    directory per run), the file torch.multiprocessing names for each rank's exception
+    (pytorch-errorfile-*.pickle in the temp directory, never removed: so while the agent runs,
+    this process's temp directory is our folder), and the shared-memory files of ranks killed
+    while setting up."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -109,7 +112,7 @@ def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object
         logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     try:
-        with _agent_logs_quiet(unless=bool(options["debug"]) or env_flag("PARATRAIN_DEBUG")):
+        with _agent_logs_quiet(unless=bool(options["debug"]) or env_flag("PARATRAIN_DEBUG")), _temp_dir(logs):
             return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
     except ChildFailedError as failed:
         error = failed_run_error(failed.failures, nproc, run_id)
@@ -120,6 +123,15 @@ def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object
     # frames would keep the agent's queues alive until exit (multiprocessing then warns of
     # leaked semaphores).
     raise error
+
+
+@contextmanager
+def _temp_dir(folder: str):
+    saved, tempfile.tempdir = tempfile.tempdir, folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
 
 
 @contextmanager
