@@ -1,5 +1,6 @@
 """How a `paratrain` command ends when something goes wrong: an error the user can fix is one
-line (`paratrain train: error: WHAT`) and exit code 2; a bug keeps its traceback.
+line (`paratrain train: error: WHAT`) and exit code 2 (a command's own click.ClickException
+keeps its code: 1, a result such as a benchmark's wrong elements); a bug keeps its traceback.
 
 What the user can fix: a UserError (paratrain/errors.py: bad values, checkpoints, records,
 lost ranks), click's own usage errors (an unknown flag, a value of the wrong type), and an
@@ -49,7 +50,7 @@ class OneLineErrors:
                 click.echo(f"{where}: error: {lines[0]}", err=True)
                 for line in lines[1:]:
                     click.echo(f"  {line}", err=True)
-            sys.exit(EXIT_USER_ERROR)
+            sys.exit(error.exit_code if isinstance(error, click.ClickException) else EXIT_USER_ERROR)
         sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 
 

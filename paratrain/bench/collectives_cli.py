@@ -265,13 +265,8 @@ def _launch(sweep: Sweep | None, nproc: int, launcher: str, timeout: float | Non
             function=run_sweep, args: tuple | None = None):
     """Run `function` (the sweep) on every rank; rank 0's result, or None in a process without rank 0."""
     devices = _thread_devices(nproc) if launcher == "threads" else None
-    try:
-        results = run(function, nproc, launcher=launcher, args=args or (sweep,), devices=devices,
-                      timeout=timeout, debug=debug or None)  # None: the environment decides
-    except Exception as error:  # noqa: BLE001 - shown as one line; --debug shows the traceback
-        if debug:
-            raise
-        raise click.ClickException(f"benchmark failed: {type(error).__name__}: {error}") from error
+    results = run(function, nproc, launcher=launcher, args=args or (sweep,), devices=devices,
+                  timeout=timeout, debug=debug or None)  # None: the environment decides
     if 0 not in results and not in_torchrun():
         raise click.ClickException("benchmark failed: rank 0 returned no measurements")
     return results.get(0)

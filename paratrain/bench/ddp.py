@@ -127,12 +127,9 @@ def run_all(runs: list[Run], nproc: int, launcher: str) -> list[dict] | None:
     Processes: one world trains every run, as starting one costs seconds. Threads: a world per
     run, because a fabric can build PyTorch's gloo group for its threads only once (a second
     TorchDataParallel in the same world hangs), and starting threads costs nothing."""
-    try:
-        if launcher == "processes" or in_torchrun():
-            return run(train_runs, nproc, launcher=launcher, args=(runs,)).get(0)
-        return [m for r in runs for m in run(train_runs, nproc, launcher=launcher, args=([r],))[0]]
-    except Exception as error:  # noqa: BLE001 - one line for the user, not a spawn traceback
-        raise click.ClickException(f"benchmark failed: {type(error).__name__}: {error}") from error
+    if launcher == "processes" or in_torchrun():
+        return run(train_runs, nproc, launcher=launcher, args=(runs,)).get(0)
+    return [m for r in runs for m in run(train_runs, nproc, launcher=launcher, args=([r],))[0]]
 
 
 def parse_names(text: str, valid, what: str, option: str) -> list[str]:

@@ -134,10 +134,7 @@ def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below
     if max_bytes < min_bytes:
         raise click.BadParameter(f"{max_bytes} is smaller than --min-bytes ({min_bytes})", param_hint="'--max-bytes'")
     sweep = P2PSweep(tuple(s for s in sweep_sizes(min_bytes, max_bytes, factor) if s > 0), warmup, iters)
-    try:
-        results = run(run_p2p, nproc, launcher=launcher, args=(sweep,), timeout=timeout)
-    except Exception as error:  # noqa: BLE001 - one line; the launcher has printed the ranks' tracebacks
-        raise click.ClickException(f"benchmark failed: {type(error).__name__}: {error}") from error
+    results = run(run_p2p, nproc, launcher=launcher, args=(sweep,), timeout=timeout)
     result = results.get(0)
     if result is None:
         if not in_torchrun():
