@@ -22,8 +22,6 @@ import click
 from paratrain.comm.settings import env_flag
 from paratrain.errors import Problems, UserError
 
-EXIT_USER_ERROR = 2  # what click and argparse exit with for a usage error
-
 
 class OneLineErrors:
     """Mixed into the click command a program starts from (`paratrain`, and the commands that
@@ -50,7 +48,7 @@ class OneLineErrors:
                 click.echo(f"{where}: error: {lines[0]}", err=True)
                 for line in lines[1:]:
                     click.echo(f"  {line}", err=True)
-            sys.exit(error.exit_code if isinstance(error, click.ClickException) else EXIT_USER_ERROR)
+            sys.exit(getattr(error, "exit_code", UserError.exit_code))  # an OSError has none
         sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 
 

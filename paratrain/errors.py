@@ -12,6 +12,8 @@ from __future__ import annotations
 class UserError(Exception):
     """Something the user can fix; str() is one line naming what and where."""
 
+    exit_code = 2  # what click and argparse exit with for a usage error
+
     def lines(self) -> list[str]:
         """What the command prints: the line saying what went wrong, then any saying where to
         look next (a RanksFailed's flight records)."""

@@ -39,6 +39,15 @@ class RanksFailed(UserError, RuntimeError):
         return self.summary
 
 
+class RunStopped(UserError, RuntimeError):
+    """The launcher was sent a signal (Ctrl-C, kill): the agent stopped the ranks and itself."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"the run was stopped by {signal.Signals(signum).name}; its ranks were stopped with it "
+                         "(launcher=processes)")
+        self.exit_code = 128 + signum  # as a shell reports a process a signal ended
+
+
 def failed_run_error(failures: dict, nproc: int, run_id: str) -> RuntimeError:
     """The error a processes run that failed raises: a RanksFailed, or, when the root cause is
     a bug, a RuntimeError with the whole report."""

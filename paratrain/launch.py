@@ -29,7 +29,7 @@ from paratrain.comm import Fabric, Group, TorchTransport
 from paratrain.comm.errors import FabricAborted, PeerLostError
 from paratrain.comm.settings import env_flag, timeout_from_env
 from paratrain.comm.transport import shm_setup
-from paratrain.failure_report import failed_run_error
+from paratrain.failure_report import RunStopped, failed_run_error
 
 LAUNCHERS = ("threads", "processes")
 PEER_DEATH_GRACE_S = 3.0  # the elastic agent checks its ranks every 0.1 s
@@ -98,7 +98,7 @@ def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object
     (pytorch-errorfile-*.pickle in the temp directory, never removed: so while the agent runs,
     this process's temp directory is our folder), and the shared-memory files of ranks killed
     while setting up."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -116,6 +116,8 @@ def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object
             return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
     except ChildFailedError as failed:
         error = failed_run_error(failed.failures, nproc, run_id)
+    except SignalException as stopped:  # the agent's handler for SIGTERM, SIGINT, SIGHUP, SIGQUIT
+        error = RunStopped(stopped.sigval)
     finally:
         shutil.rmtree(logs, ignore_errors=True)
         shm_setup.remove_files_of_children(os.getpid())
@@ -139,8 +141,9 @@ def _agent_logs_quiet(unless: bool):
     """Keep the elastic agent's own log lines (a failed rank's traceback as it saw it, each
     process it stops) off the terminal: the error raised for a failed run reports the same,
     root cause first. Shown in debug mode."""
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher",
-                                                    "torch.multiprocessing")]
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    loggers = [logger for name, logger in list(logging.Logger.manager.loggerDict.items())  # each: some set their own level
+               if name.startswith(prefixes) and isinstance(logger, logging.Logger)]
     levels = [logger.level for logger in loggers]
     if not unless:
         for logger in loggers:
