@@ -1,5 +1,6 @@
 """What the environment sets for communication: PARATRAIN_TIMEOUT (seconds a call may wait)
-and PARATRAIN_DEBUG (check that all ranks make the same call). Read by every Group, and by
+and PARATRAIN_DEBUG (check that all ranks make the same call; the `paratrain` command then
+prints the traceback of an error too, see cli_errors.py). Read by every Group, and by
 the launcher and the frontend, which pass the timeout on to the process groups they make.
 (The shared-memory settings, PARATRAIN_SHM*, are read through int_from_env by
 transport/shm_setup.py.)"""
