@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dp demo-frontend test bench-collectives install clean
+.PHONY: demo demo-dp demo-frontend test bench-collectives results picture install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,15 @@ demo-frontend: $(STAMP)
 bench-collectives: $(STAMP)
 	$(BIN)/paratrain bench collectives --ops all_reduce,reduce_scatter --algos ring,hd,native,auto \
 		--nproc 2 --launcher processes --min-bytes 64K --max-bytes 16M --factor 4 --iters 10
+
+# docs/results.md from data: the benchmark sweeps that fit in about 10 minutes on 2 cores write
+# their JSON under docs/results/, and the page is rendered from it (paratrain/bench/results_page.py).
+results: $(STAMP) picture
+	$(BIN)/python -m paratrain.bench.results_page --folder docs/results --page docs/results.md
+
+# The picture on the README's front page: the 1F1B schedule the runtime executes, as a timeline.
+picture: $(STAMP)
+	$(BIN)/paratrain schedule --schedule 1f1b --stages 4 --microbatches 8 --png docs/pipeline-1f1b.png
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

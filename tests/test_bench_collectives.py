@@ -63,6 +63,7 @@ def test_json_records_have_exactly_the_documented_keys(tmp_path):
     for record in records:
         assert tuple(record) == JSON_KEYS
         assert record["launcher"] == "threads" and record["world_size"] == 2 and record["wrong"] == 0
+        assert record["transport"] == "fabric"
     all_reduce = [r for r in records if r["op"] == "all_reduce"]
     assert [r["bytes"] for r in all_reduce] == [1024] * 3 + [2048] * 3 + [4096] * 3
     assert all(r["count"] == r["bytes"] // 4 for r in all_reduce)

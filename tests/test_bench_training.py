@@ -105,16 +105,21 @@ def test_bench_ddp_sets_our_zero1_beside_pytorchs_zero_redundancy_optimizer(tmp_
     assert refused.exit_code == 2 and "needs a default process group" in refused.output
 
 
-def test_bench_tp_trains_the_same_model_as_pytorchs_dtensor_tensor_parallelism():
+def test_bench_tp_trains_the_same_model_as_pytorchs_dtensor_tensor_parallelism(tmp_path):
     """Same seeded weights and batches, our layers vs torch.distributed.tensor.parallel: the
     command fails (exit 1) if the losses differ beyond float rounding."""
-    result = invoke("tp", "--nprocs", "2", "--steps", "3", "--warmup", "1", "--rounds", "1", "--n-layer", "2")
+    out = tmp_path / "tp.json"
+    result = invoke("tp", "--nprocs", "2", "--steps", "3", "--warmup", "1", "--rounds", "1", "--n-layer", "2",
+                    "--json", str(out))
     assert result.exit_code == 0, result.output
     row = next(line.split() for line in result.output.splitlines() if line.strip().startswith("2 "))
     ours_ms, torch_ms, ratio, loss_diff = map(float, row[1:])
     # the ratio is printed to 2 decimals: within half its last digit (and the times' own rounding)
     assert ours_ms > 0 and torch_ms > 0 and ratio == pytest.approx(ours_ms / torch_ms, abs=0.006)
     assert loss_diff <= 1e-4
+    [record] = json.loads(out.read_text())
+    assert (record["tp"], record["model"]) == (2, "gpt-tiny")
+    assert record["ratio"] == pytest.approx(record["ours_ms"] / record["torch_ms"])
 
 
 def test_train_benchmark_prints_throughput_flops_and_the_scaling_table():

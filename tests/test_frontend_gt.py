@@ -92,6 +92,50 @@ def test_manual_sgd_updates_a_leaf_in_place_as_gt_does(client):
     np.testing.assert_allclose(w.numpy(), tw.detach().numpy(), rtol=RTOL, atol=ATOL)
 
 
+def test_augmented_assignment_gives_a_new_id_and_keeps_autograd(client):
+    """GT's `a -= b` makes a new tensor that takes the name `a` (its id changes); a parameter
+    (a leaf that requires grad) is updated in place instead and keeps its id."""
+    a = gt.tensor([5.0, 10.0])
+    alias, before = a, a.id
+    a -= gt.tensor([2.0, 3.0])
+    assert a.id != before and alias is a
+    np.testing.assert_array_equal(a.numpy(), [3.0, 7.0])
+    w0 = np.array([1.0, -2.0, 0.5], dtype=np.float32)
+    w, tw = gt.from_numpy(w0, requires_grad=True), torch.tensor(w0, requires_grad=True)
+    h, th = w * 3.0, tw * 3.0
+    h += 1.0
+    h *= h  # the new h is (old h)^2: the graph runs through the old values
+    th = (th + 1.0) * (th + 1.0)
+    h.sum().backward()
+    th.sum().backward()
+    np.testing.assert_allclose(w.grad.numpy(), tw.grad.numpy(), rtol=RTOL, atol=ATOL)
+    parameter_id = w.id
+    w -= 0.1 * w.grad
+    assert w.id == parameter_id and w.is_leaf and w.requires_grad
+
+
+def test_results_keep_their_gradients_as_gts_do(client):
+    """GT keeps `.grad` on every tensor that requires grad, not only on leaves (PyTorch: with
+    `retain_grad()`); compared here with PyTorch's retained gradients."""
+    x0 = np.random.default_rng(2).standard_normal((2, 3, 4)).astype(np.float32)
+    x = gt.from_numpy(x0, requires_grad=True)
+    divisor = gt.ones(2, 3, 1, requires_grad=True) * 2.0
+    ratio = x / divisor
+    loss = ratio.sum()
+    assert ratio.grad is None  # nothing before backward
+    loss.backward()
+    tx = torch.tensor(x0, requires_grad=True)
+    tdivisor = torch.ones(2, 3, 1, requires_grad=True) * 2.0
+    tratio = tx / tdivisor
+    for kept in (tdivisor, tratio):
+        kept.retain_grad()
+    tloss = tratio.sum()
+    tloss.retain_grad()
+    tloss.backward()
+    for ours, theirs in ((divisor, tdivisor), (ratio, tratio), (loss, tloss), (x, tx)):
+        np.testing.assert_allclose(ours.grad.numpy(), theirs.grad.numpy(), rtol=RTOL, atol=ATOL)
+
+
 def test_sgd_and_losses_under_gts_names(client):
     logits0 = np.array([[0.5, -1.0], [2.0, 0.1]], dtype=np.float32)
     targets0 = np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)

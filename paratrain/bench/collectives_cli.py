@@ -227,7 +227,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
     lines += report.auto_lines(measurements)
     click.echo("\n".join(lines))
     if json_path:
-        report.write_json(json_path, measurements, launched_by, result.world_size)
+        report.write_json(json_path, measurements, launched_by, result.world_size, result.transport)
         click.echo(f"# wrote {len(measurements)} records to {json_path}")
     if plot_path:
         drawn = report.write_plot(plot_path, measurements, info)

@@ -10,7 +10,7 @@ from pathlib import Path
 from paratrain.bench.collectives import REDUCING_OPS, ROOT, ROOTED_OPS, Measurement
 
 JSON_KEYS = (
-    "op", "algo", "launcher", "world_size", "bytes", "count", "dtype",
+    "op", "algo", "launcher", "transport", "world_size", "bytes", "count", "dtype",
     "time_us", "algbw_gbps", "busbw_gbps", "wrong",
 )
 _FACTOR_TEXT = {
@@ -141,11 +141,11 @@ def _span(ratios: list[float]) -> str:
     return f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}x to {max(ratios):.2f}x"
 
 
-def json_records(measurements: list[Measurement], launcher: str, world_size: int) -> list[dict]:
+def json_records(measurements: list[Measurement], launcher: str, world_size: int, transport: str) -> list[dict]:
     records = []
     for m in measurements:
         values = {
-            "op": m.op, "algo": m.label, "launcher": launcher, "world_size": world_size,
+            "op": m.op, "algo": m.label, "launcher": launcher, "transport": transport, "world_size": world_size,
             "bytes": m.bytes, "count": m.count, "dtype": m.dtype, "time_us": m.time_us,
             "algbw_gbps": m.algbw_gbps, "busbw_gbps": m.busbw_gbps, "wrong": m.wrong,
         }
@@ -153,9 +153,9 @@ def json_records(measurements: list[Measurement], launcher: str, world_size: int
     return records
 
 
-def write_json(path: Path, measurements: list[Measurement], launcher: str, world_size: int) -> None:
+def write_json(path: Path, measurements: list[Measurement], launcher: str, world_size: int, transport: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_records(measurements, launcher, world_size), indent=1) + "\n")
+    path.write_text(json.dumps(json_records(measurements, launcher, world_size, transport), indent=1) + "\n")
 
 
 def write_plot(path: Path, measurements: list[Measurement], info: RunInfo) -> bool:

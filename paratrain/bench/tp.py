@@ -20,6 +20,7 @@ of the timed steps, the two implementations alternating round by round.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -123,7 +124,10 @@ def both_on_this_rank(group, config: TrainConfig, rounds: int, warmup: int) -> d
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed first steps.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs of each implementation, alternating; the median is reported.")
-def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds) -> None:
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Also write one record per size: model, tp, global_batch, steps, warmup, rounds, "
+                   "ours_ms, torch_ms, ratio, max_loss_diff.")
+def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds, json_path) -> None:
     """Our tensor-parallel GPT beside PyTorch's DTensor tensor parallelism: same weights and
     batches on N gloo processes; same losses first, then step times.
 
@@ -143,6 +147,7 @@ def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds) -> None:
                " through gloo's sockets (PARATRAIN_SHM=0: both through the sockets)")
     click.echo(f"# {'tp':>3}  {'ours_ms':>9}  {'torch_ms':>9}  {'ours/torch':>10}  {'max loss diff':>13}")
     failed = False
+    records = []
     for size in sizes:
         config = bench_config(model, size, global_batch, steps, n_layer)
         result = run(both_on_this_rank, size, launcher="processes", args=(config, rounds, warmup))[0]
@@ -150,6 +155,14 @@ def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds) -> None:
         failed |= diff > LOSS_RTOL
         click.echo(f"  {size:>3}  {result['ours_ms']:>9.2f}  {result['torch_ms']:>9.2f}  "
                    f"{result['ours_ms'] / result['torch_ms']:>10.2f}  {diff:>13.1e}")
+        records.append({"model": model, "tp": size, "global_batch": global_batch, "steps": steps,
+                        "warmup": warmup, "rounds": rounds, "ours_ms": result["ours_ms"],
+                        "torch_ms": result["torch_ms"], "ratio": result["ours_ms"] / result["torch_ms"],
+                        "max_loss_diff": diff})
     click.echo(f"# max loss diff: largest relative difference of the two implementations' losses (must be <= {LOSS_RTOL:g})")
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump(records, out, indent=1)
+        click.echo(f"# wrote {len(records)} records to {json_path}")
     if failed:
         raise click.ClickException("the two implementations' losses differ: not the same model")

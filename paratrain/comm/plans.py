@@ -10,8 +10,8 @@ tensor comes back. A tensor is only noted at its first call (a weak reference an
 address): recording costs more than a call, and most tensors all-reduced once (a layer's fresh
 activations) are never seen again. MPI-4 offers this as persistent collectives
 (MPI_Allreduce_init, then MPI_Start per call); here it happens without the caller asking.
-Measured with `call_path_us`, a replay's path is 2 to 4 times shorter than a first call's (the
-README's table).
+Measured with `call_path_us` (bench/overhead.py), a replay's path is 2 to 4 times shorter than
+a first call's.
 
 Only algorithms whose call is nothing but messages can be replayed (REPLAYABLE): the tree's
 and direct's reductions copy and fold outside their messages.

@@ -41,7 +41,7 @@ PORT = click.IntRange(0, 65535)
 @click.option("--max-tensor-mb", default=None, type=click.IntRange(1),
               help="Largest tensor a client may make, in MiB (default: no limit).")
 @click.option("--auto-shard/--no-auto-shard", envvar=["PARATRAIN_AUTO_SHARD", "GT_AUTO_SHARD"], default=False,
-              help="Split large new tensors over every worker, batch axis first (see the frontend README) "
+              help="Split large new tensors over every worker, batch axis first (see docs/frontend.md) "
                    "[PARATRAIN_AUTO_SHARD, GT_AUTO_SHARD].")
 @click.option("--auto-shard-min-bytes", envvar="PARATRAIN_AUTO_SHARD_MIN_BYTES", default=None, type=click.IntRange(0),
               help="With --auto-shard: smaller tensors stay whole on one worker (default: 4 MiB) "

@@ -222,6 +222,7 @@ OPS: dict[str, Op] = {
     # run by the worker's handlers
     "upload": _op(None, "dtype", "shape", "frame", kind="special", inputs=(0, 0)),
     "free": _op(None, kind="special", inputs=(0, 0), results=0),
+    "keep_grads": _op(None, kind="special", inputs=(0, 0), results=0),  # GT: results keep .grad
     "backward": _op(None, "retain_graph", "local", kind="special", inputs=(1, 2), results=0),
     "cross_backward": _op(None, kind="special", results=0),  # a pipeline stage's share of backward
     "reshard": _op(None, "signal", "backward", kind="special"),  # gt.signal.tensor
@@ -257,6 +258,7 @@ OPS: dict[str, Op] = {
     "vp_cross_entropy": _op(None, "g", "vocab", kind="internal", inputs=(2, 2)),
     "alias": _op(None, kind="internal"),
 }
+HANDLE_LISTS = frozenset({"free", "release", "keep_grads"})  # their arguments are all handles
 CLIENT_OPS = frozenset(name for name, op in OPS.items() if op.kind != "internal")
 
 

@@ -15,7 +15,7 @@ GT's keys work too: `shard.workers` (or `workers`) left out or null means every 
 `shard.replicated: true` copies tensors whole instead of splitting them, and `compile: true`
 marks the region for compilation on the workers.
 
-What a signal means (see the frontend README for the whole story): tensors *created* in its
+What a signal means (see docs/frontend.md for the whole story): tensors *created* in its
 region are laid out as it says, and operations issued in it run on its workers (inputs that
 live elsewhere are moved there first). A result takes the layout its operation produces: a
 matmul with a weight split on its output axis gives a result split on its last axis, without

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 
 _state = threading.local()
 
@@ -39,3 +40,39 @@ class no_grad(_GradMode):  # noqa: N801 - PyTorch's (and GT's) name
 
 class enable_grad(_GradMode):  # noqa: N801
     enabled = True
+
+
+class Node:
+    """A tensor's place in the client's copy of the autograd graph: the nodes of the inputs it
+    was computed from (none for a leaf). A node holds its tensor weakly and its inputs' nodes,
+    not their tensors, so a result the program drops is freed on the workers at once (their
+    graph keeps what backward needs), while the walk from a loss still reaches every leaf."""
+
+    __slots__ = ("inputs", "tensor")
+
+    def __init__(self, tensor, inputs: tuple = ()):
+        self.inputs, self.tensor = inputs, weakref.ref(tensor)
+
+
+SPENT = (None,)  # the inputs of a result whose graph backward has consumed (it stays a non-leaf)
+
+
+def graph_of(root: Node) -> tuple[list, list, list]:
+    """What `root`'s graph reaches: the leaf tensors that require grad, the result tensors still
+    alive (root first), and every result node (to mark the graph spent)."""
+    leaves, results, nodes, stack, seen = [], [], [], [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        tensor = node.tensor()
+        if not node.inputs:
+            if tensor is not None and tensor.requires_grad:
+                leaves.append(tensor)
+        elif node.inputs is not SPENT:
+            nodes.append(node)
+            stack.extend(node.inputs)
+            if tensor is not None:
+                results.append(tensor)
+    return leaves, results, nodes

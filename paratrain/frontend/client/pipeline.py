@@ -15,7 +15,7 @@ cannot do: they are refused.
 from __future__ import annotations
 
 from paratrain.frontend.client.signal import tensor as move_to_signal
-from paratrain.frontend.client.tensor import _mark_reached_leaves
+from paratrain.frontend.client.tensor import run_backward
 from paratrain.parallel.pipeline.schedules import Schedule
 from paratrain.parallel.pipeline.simulate import simulate
 
@@ -36,8 +36,7 @@ def backward_local(loss) -> None:
     `backward_into`."""
     if not loss.requires_grad:
         raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
-    loss._session.issue("backward", [], [loss._handle], [0], {"local": True}, tensors=(loss,))
-    _mark_reached_leaves(loss, keep_graph=False)
+    run_backward(loss, [loss._handle], {"local": True}, keep_graph=False)
 
 
 def backward_into(moved) -> None:

@@ -27,6 +27,7 @@ from paratrain.frontend import signals
 from paratrain.frontend.client import autograd, regions
 from paratrain.frontend.client.connection import Connection
 from paratrain.frontend.client.tape import Tape
+from paratrain.frontend.client.autograd import Node
 from paratrain.frontend.client.tensor import Tensor, floating
 from paratrain.frontend.errors import ConnectionLost, FrontendError, RemoteError, WorkerLost
 from paratrain.frontend.ops import OPS
@@ -104,7 +105,7 @@ class Session:
         if requires_grad and not all(floating(dtype) for _, dtype in results):
             raise RuntimeError(f"only floating-point tensors can require gradients, {name} makes {results[0][1]}")
         grad_on = autograd.is_grad_enabled()
-        parents = tuple(args[i] for i in targs if args[i].requires_grad) if grad_on and op.differentiable else ()
+        parents = tuple(args[i]._graph_node() for i in targs if args[i].requires_grad) if grad_on and op.differentiable else ()
         if op.kind == "inplace":
             self._check_inplace(name, args[0], parents)
             outs = []
@@ -113,14 +114,15 @@ class Session:
                     for shape, dtype in results]
             for out in outs:
                 if out.requires_grad and parents:
-                    out._parents = parents
+                    out._node = Node(out, parents)
         wire_args = [arg._handle if isinstance(arg, Tensor) else arg for arg in args]
         self._append(name, [out._handle for out in outs], wire_args, targs, kwargs, [args[i] for i in targs],
                      requires_grad, worker, [(o._handle, o.shape, o.dtype, o.requires_grad) for o in outs])
         if op.kind == "inplace" and parents:
             target = args[0]
             target._requires_grad = True
-            target._parents = tuple(dict.fromkeys((*target._parents, *parents)))
+            node = target._graph_node()
+            node.inputs = tuple(dict.fromkeys((*node.inputs, *parents)))
         return outs
 
     def issue(self, name: str, outs: list[int], args: list, targs: list, kwargs: dict | None = None, *,
@@ -189,7 +191,7 @@ class Session:
         self._batch.append(Instruction(self._seq, op, [], [], [], {"name": name}, signal=name))
 
     def _check_inplace(self, name, target, parents) -> None:
-        if autograd.is_grad_enabled() and target.requires_grad and not target._parents:
+        if autograd.is_grad_enabled() and target.requires_grad and target.is_leaf:
             raise RuntimeError(
                 f"{name}: a leaf tensor that requires grad is being used in an in-place operation "
                 "(wrap parameter updates in `with gt.no_grad():`)"

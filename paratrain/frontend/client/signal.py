@@ -19,6 +19,7 @@ import contextlib
 
 from paratrain.frontend.client import defaults, regions
 from paratrain.frontend.client.config import Config, ShardConfig, SignalConfig  # noqa: F401 - GT's names here too
+from paratrain.frontend.client.autograd import Node
 from paratrain.frontend.client.tensor import Tensor
 
 current = regions.current
@@ -49,7 +50,8 @@ def tensor(x: Tensor, name: str, backward_name: str | None = None) -> Tensor:
     signal `backward_name` says (instead of the configuration's `backward` for `name`)."""
     session = x._session
     result = Tensor(session, session.new_handle(), x.shape, x.dtype, x.requires_grad)
-    result._parents = (x,) if x.requires_grad else ()
+    if x.requires_grad:
+        result._node = Node(result, (x._graph_node(),))
     kwargs = {"signal": name} if backward_name is None else {"signal": name, "backward": backward_name}
     session.issue("reshard", [result._handle], [x._handle], [0], kwargs, tensors=(x,))
     return result

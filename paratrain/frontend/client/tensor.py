@@ -4,16 +4,18 @@ Every method issues one instruction (see `Session.call`) and returns at once; on
 points (`item`, `numpy`, `tolist`, `print`, `float`, `bool`...) wait for the workers. Shapes
 are always known here, so `.shape` never waits.
 
-The client keeps a thin copy of the autograd graph (`_parents`: which inputs that require
-grad each result came from) to know after `backward()` which leaves have a gradient, so that
-`.grad` is None exactly where PyTorch's would be. The graph itself lives on the workers.
+The client keeps a thin copy of the autograd graph (`autograd.Node`: which inputs that require
+grad each result came from) to know after `backward()` which tensors have a gradient. The graph
+itself lives on the workers.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
-from paratrain.frontend.client.autograd import no_grad
+from paratrain.frontend.client.autograd import SPENT, Node, graph_of, no_grad
 from paratrain.frontend.ops import encode_index
 
 
@@ -50,14 +52,14 @@ def dtype_named(name: str) -> DType:
 
 
 class Tensor:
-    __slots__ = ("_session", "_handle", "shape", "dtype", "_requires_grad", "_parents",
+    __slots__ = ("_session", "_handle", "shape", "dtype", "_requires_grad", "_node",
                  "_has_grad", "_grad_tensor", "__weakref__")
 
     def __init__(self, session, handle: int, shape: tuple, dtype: str, requires_grad: bool = False):
         self._session, self._handle = session, handle
         self.shape, self.dtype = tuple(shape), dtype_named(dtype)
         self._requires_grad = requires_grad
-        self._parents: tuple = ()
+        self._node: Node | None = None  # made when it first takes part in a graph
         self._has_grad = False
         self._grad_tensor: Tensor | None = None
 
@@ -104,7 +106,7 @@ class Tensor:
 
     @property
     def is_leaf(self) -> bool:
-        return not self._parents
+        return self._node is None or not self._node.inputs
 
     # ---- values (sync points) ---------------------------------------------------------------
 
@@ -153,7 +155,7 @@ class Tensor:
         self.requires_grad_(flag)
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
-        if self._parents and not flag:
+        if not self.is_leaf and not flag:
             raise RuntimeError("requires_grad can only be switched off on leaf tensors (use detach())")
         if flag and not floating(self.dtype):
             raise RuntimeError(f"only floating-point tensors can require gradients, this one is {self.dtype}")
@@ -168,8 +170,10 @@ class Tensor:
             raise RuntimeError(f"grad can be implicitly created only for scalar outputs (shape {list(self.shape)})")
         args = [self._handle] if gradient is None else [self._handle, gradient._handle]
         kwargs = {"retain_graph": True} if retain_graph else {}
-        self._session.issue("backward", [], args, list(range(len(args))), kwargs, tensors=(self,))
-        _mark_reached_leaves(self, keep_graph=retain_graph)
+        run_backward(self, args, kwargs, keep_graph=retain_graph)
+
+    def retain_grad(self) -> None:
+        """PyTorch's name; every result keeps its gradient here already (GT's rule)."""
 
     @property
     def _grad(self) -> Tensor | None:
@@ -219,7 +223,7 @@ class Tensor:
         return result
 
     def _inplace(self, name, *args, **kwargs) -> Tensor:
-        if self._requires_grad and not self._parents:
+        if self._requires_grad and self.is_leaf:
             # GT's rule, not PyTorch's: updating a leaf that requires grad (GT's manual SGD,
             # `p -= lr * p.grad`) is an update of its values, outside autograd.
             with no_grad():
@@ -250,10 +254,34 @@ class Tensor:
     def __ge__(self, other): return self._call("ge", other)
     def __eq__(self, other): return self._call("eq", other)
     def __ne__(self, other): return self._call("ne", other)
-    def __iadd__(self, other): return self._inplace("add_", other)
-    def __isub__(self, other): return self._inplace("sub_", other)
-    def __imul__(self, other): return self._inplace("mul_", other)
-    def __itruediv__(self, other): return self._inplace("div_", other)
+    def __iadd__(self, other): return self._augmented("add", other)
+    def __isub__(self, other): return self._augmented("sub", other)
+    def __imul__(self, other): return self._augmented("mul", other)
+    def __itruediv__(self, other): return self._augmented("truediv", other)
+
+    def _augmented(self, name, other) -> Tensor:
+        """`a -= b` as GT runs it: `a` takes the result's values and its id (GT's ids change on
+        every update). A leaf that requires grad (a parameter: `p -= lr * p.grad`) is updated in
+        place instead, keeping its id, its gradient and its place in the optimizer."""
+        inplace = _INPLACE_OF[name]
+        if self._requires_grad and self.is_leaf:
+            return self._inplace(inplace, other)
+        result = self._call(name, other)
+        if result.shape != self.shape or result.dtype != self.dtype:
+            return self._inplace(inplace, other)  # PyTorch's in-place rules say what happens
+        for slot in _STATE:  # `self` becomes the result; `result` keeps what `self` was
+            mine, theirs = getattr(self, slot), getattr(result, slot)
+            setattr(self, slot, theirs)
+            setattr(result, slot, mine)
+        for tensor in (self, result):
+            if tensor._node is not None:
+                tensor._node.tensor = weakref.ref(tensor)
+        return self
+
+    def _graph_node(self) -> Node:
+        if self._node is None:
+            self._node = Node(self)
+        return self._node
 
     def __getitem__(self, index):
         return self._call("getitem", *encode_index(index))
@@ -392,24 +420,24 @@ def floating(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat"))
 
 
-SPENT = (None,)  # the parents of a result whose graph backward has consumed (still not a leaf)
+_INPLACE_OF = {"add": "add_", "sub": "sub_", "mul": "mul_", "truediv": "div_"}
+_STATE = ("_handle", "_requires_grad", "_node", "_has_grad", "_grad_tensor")
 
 
-def _mark_reached_leaves(root: Tensor, keep_graph: bool) -> None:
-    """After backward: the leaves the graph reaches have a gradient now; the graph is spent."""
-    stack, seen = [root], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node._parents:
-            stack.extend(parent for parent in node._parents if parent is not None)
-            if not keep_graph:
-                node._parents = SPENT
-        elif node.requires_grad:
-            node._has_grad = True
-            node._grad_tensor = None  # a new backward may have made a new tensor: ask again
+def run_backward(root: Tensor, args: list, kwargs: dict, keep_graph: bool) -> None:
+    """Issue `root`'s backward; afterwards every tensor its graph reaches has a gradient: the
+    leaves, and the results still alive, which keep theirs because GT's do (PyTorch keeps only
+    those marked with `retain_grad()`)."""
+    leaves, results, nodes = graph_of(root._graph_node())
+    if results:
+        root._session.issue("keep_grads", [], [t._handle for t in results], [], tensors=tuple(results))
+    root._session.issue("backward", [], args, list(range(len(args))), kwargs, tensors=(root,))
+    for tensor in leaves + results:
+        tensor._has_grad = True
+        tensor._grad_tensor = None  # a new backward may have made a new tensor: ask again
+    if not keep_graph:
+        for node in nodes:
+            node.inputs = SPENT
 
 
 def _axis(dim, axis):

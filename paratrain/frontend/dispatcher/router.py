@@ -30,7 +30,7 @@ from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.conversions import forget_entered
 from paratrain.frontend.dispatcher.sharding import Placement
 from paratrain.frontend.dispatcher.table import ClientTable, Job, Refused, Routed
-from paratrain.frontend.ops import OPS
+from paratrain.frontend.ops import HANDLE_LISTS, OPS
 from paratrain.frontend.protocol import CLIENT_HANDLES, Instruction
 from paratrain.frontend.protocol.instructions import ITEM_SIZES
 from paratrain.frontend.protocol.records import ErrorReport
@@ -89,7 +89,7 @@ class Router:
 
     def _check(self, table: ClientTable, instruction: Instruction) -> None:
         """What the protocol cannot check: whose handles these are."""
-        if instruction.op == "free":
+        if instruction.op in HANDLE_LISTS:
             return
         for handle in instruction.outs:
             if handle in table.where or handle in table.refused:
@@ -217,6 +217,17 @@ def free(job: Job, instruction: Instruction) -> None:
             job.emit(worker, Instruction(job.seq, "free", [], owned, [], {}))
 
 
+def keep_grads(job: Job, instruction: Instruction) -> None:
+    """Results whose gradient backward keeps (GT's rule): each worker is told of those it holds."""
+    by_worker = defaultdict(list)
+    for handle in instruction.args:
+        placement = job.table.where.get(handle)
+        for worker in placement.workers if placement is not None else ():
+            by_worker[worker].append(handle)
+    for worker, held in by_worker.items():
+        job.emit(worker, Instruction(job.seq, "keep_grads", [], held, [], {}))
+
+
 def optim_create(job: Job, instruction: Instruction) -> None:
     """An optimizer on every worker that holds one of its parameters, over those it holds."""
     table = job.table
@@ -258,7 +269,7 @@ def _forget_graphs_then(handler):
 
 
 _SPECIAL = {
-    "free": free, "optim_create": _forget_graphs_then(optim_create), "manual_seed": manual_seed,
+    "free": free, "keep_grads": keep_grads, "optim_create": _forget_graphs_then(optim_create), "manual_seed": manual_seed,
     "optim_step": _forget_graphs_then(on_optimizer), "optim_zero_grad": _forget_graphs_then(on_optimizer),
     "optim_set_lr": _forget_graphs_then(on_optimizer), "upload": creation.upload,
     "backward": _forget_graphs_then(moves.backward), "cross_backward": _forget_graphs_then(moves.cross_backward),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from paratrain.frontend.ops import CLIENT_OPS, OPS
+from paratrain.frontend.ops import CLIENT_OPS, HANDLE_LISTS, OPS
 from paratrain.frontend.protocol import fields
 from paratrain.frontend.protocol.fields import MalformedMessage
 
@@ -46,7 +46,7 @@ _LIMITS = {True: CLIENT_HANDLES - 1, False: _INT64_MAX}
 # What the one-pass check needs of each operation: (results or None, fewest and most tensor
 # arguments, allowed keywords, whether its arguments are all handles). Uploads always take the
 # careful path (their frame is checked with the message's frames).
-_SHAPES = {name: (op.results, op.inputs[0], op.inputs[1], op.kwargs, name in ("free", "release"))
+_SHAPES = {name: (op.results, op.inputs[0], op.inputs[1], op.kwargs, name in HANDLE_LISTS)
            for name, op in OPS.items() if name != "upload"}
 _BY_SENDER = {True: {name: shape for name, shape in _SHAPES.items() if name in CLIENT_OPS}, False: _SHAPES}
 _new = tuple.__new__
@@ -142,7 +142,7 @@ def _check_carefully(raw, where: str, from_client: bool) -> Instruction:
         raise MalformedMessage(f"{op} makes {spec.results} result(s), the instruction names {len(outs)}", f"{where}.outs")
     if spec.results is None and not outs or len(set(outs)) != len(outs):
         raise MalformedMessage("result handles must be distinct, and at least one", f"{where}.outs")
-    if op in ("free", "release"):
+    if op in HANDLE_LISTS:
         fields.integers(args, f"{where}.args", MAX_FREE, 0, handle_limit)
     else:
         for i, arg in enumerate(fields.items(args, f"{where}.args", MAX_ARGS)):

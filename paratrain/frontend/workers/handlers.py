@@ -33,8 +33,26 @@ def backward(executor, step) -> None:
     loss.backward(gradient, retain_graph=bool(step.instruction.kwargs.get("retain_graph")))
 
 
+def keep_grads(executor, step) -> None:
+    """The client keeps these results' gradients (GT's rule; PyTorch's `retain_grad`)."""
+    for handle in step.args:
+        result = executor.tensors.get(step.base + handle)
+        if isinstance(result, torch.Tensor) and result.grad_fn is not None and not _compiled(result):
+            result.retain_grad()
+
+
+def _compiled(result: torch.Tensor) -> bool:
+    """Made by a compiled region: the gradient it would keep misses the uses inside the region,
+    so it keeps none (`.grad` then says so)."""
+    return "CompiledFunction" in type(result.grad_fn).__name__
+
+
 def grad(executor, step) -> None:
-    gradient = step.args[0].grad
+    tensor = step.args[0]
+    gradient = tensor.grad
+    if gradient is None and tensor.grad_fn is not None:
+        raise RuntimeError("this result kept no gradient: it was made inside a compiled region, or on other "
+                           "workers than the ones backward started on")
     if gradient is None:
         raise RuntimeError("the tensor has no gradient (backward did not reach it)")
     executor.store(step, gradient)
@@ -95,7 +113,7 @@ def _not_on_workers(executor, step) -> None:
 
 
 HANDLERS = {
-    "upload": upload, "free": free, "backward": backward, "grad": grad, "set_grad_none": set_grad_none,
+    "upload": upload, "free": free, "backward": backward, "keep_grads": keep_grads, "grad": grad, "set_grad_none": set_grad_none,
     "set_grad": set_grad, "set_data": set_data, "requires_grad_": requires_grad_, "manual_seed": manual_seed,
     "optim_create": optim_create, "optim_step": optim_step, "optim_zero_grad": optim_zero_grad,
     "optim_set_lr": optim_set_lr, "cross_backward": _not_on_workers, "reshard": _not_on_workers,

@@ -1,0 +1,333 @@
+"""docs/results.md, generated: run a set of benchmark sweeps, keep their JSON, render the page.
+
+    python -m paratrain.bench.results_page            # run every sweep (5 to 10 minutes on 2 cores)
+    python -m paratrain.bench.results_page --render   # only rewrite the page from the JSON already there
+
+`make results` runs the first. Each sweep is one `paratrain bench ... --json FILE` command; the
+page states the date, the machine, every command exactly, and turns each JSON file into a table.
+Nothing on the page is written by hand, so a figure on it always has the command that made it
+beside it. The sweeps are small on purpose: representative of each benchmark, not exhaustive
+(each benchmark's --help says how to run a larger one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paratrain.bench.membw import copy_bandwidth_gbps
+
+RUN_FILE = "run.json"  # the machine, the date and each command's wall time, written by `run_sweeps`
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str  # its JSON file is NAME.json in the results folder
+    bench: str  # the `paratrain bench` subcommand, which also picks the table renderer
+    title: str
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    plot: bool = False  # also --plot NAME.png (collectives only)
+
+
+SWEEPS = (
+    Sweep("collectives-2", "collectives", "Collectives on 2 processes: each algorithm against gloo's own",
+          ("--nproc", "2", "--ops", "all_reduce,reduce_scatter,all_gather", "--algos", "ring,hd,native,auto",
+           "--min-bytes", "16K", "--max-bytes", "16M", "--factor", "4", "--iters", "10"), plot=True),
+    Sweep("collectives-4", "collectives", "Every collective on 4 processes: the default pick (auto) against gloo's own",
+          ("--nproc", "4", "--algos", "auto,native", "--min-bytes", "16K", "--max-bytes", "16M",
+           "--factor", "4", "--iters", "10")),
+    Sweep("collectives-threads", "collectives", "All-reduce on 2 threads (the in-process fabric)",
+          ("--launcher", "threads", "--nproc", "2", "--ops", "all_reduce", "--algos", "ring,hd,native",
+           "--min-bytes", "64K", "--max-bytes", "64M", "--factor", "4", "--iters", "10")),
+    Sweep("p2p-shm", "p2p", "Point-to-point between 2 processes, through shared memory (the default on one host)",
+          ("--nproc", "2", "--min-bytes", "8", "--max-bytes", "16M", "--factor", "8", "--iters", "20")),
+    Sweep("p2p-gloo", "p2p", "Point-to-point between 2 processes, through gloo's sockets",
+          ("--nproc", "2", "--min-bytes", "8", "--max-bytes", "16M", "--factor", "8", "--iters", "20"),
+          env=(("PARATRAIN_SHM", "0"),)),
+    Sweep("ddp", "ddp", "Data parallelism on 2 processes: ours against PyTorch's DDP and ZeroRedundancyOptimizer",
+          ("--nproc", "2", "--models", "mlp16,cnn-small", "--modes", "naive,ddp,torch,zero,torch-zero",
+           "--repeats", "2", "--steps", "10")),
+    Sweep("scaling", "scaling", "Weak and strong scaling of data-parallel training, 1 and 2 processes",
+          ("--model", "mlp", "--max-nproc", "2", "--steps", "10")),
+    Sweep("pipeline", "pipeline", "Pipeline schedules on 2 processes: ours against torch.distributed.pipelining",
+          ("--nproc", "2", "--steps", "10")),
+    Sweep("tp", "tp", "Tensor parallelism: our GPT layers against PyTorch's DTensor tensor parallelism",
+          ("--nprocs", "2,4", "--rounds", "3")),
+    Sweep("frontend", "frontend", "The single-controller frontend (1 worker) against plain PyTorch",
+          ("--repeats", "3",)),
+)
+SWEEP_TIMEOUT_S = 300  # one sweep that hangs must not hold `make results` forever
+
+
+def command(sweep: Sweep, folder: Path) -> list[str]:
+    args = ["paratrain", "bench", sweep.bench, *sweep.args, "--json", str(folder / f"{sweep.name}.json")]
+    return args + (["--plot", str(folder / f"{sweep.name}.png")] if sweep.plot else [])
+
+
+def command_line(sweep: Sweep, folder: Path) -> str:
+    """The command as a person would type it (environment first)."""
+    return " ".join([f"{key}={value}" for key, value in sweep.env] + [shlex.quote(a) for a in command(sweep, folder)])
+
+
+def describe_machine() -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "copy_gbps": copy_bandwidth_gbps("cpu"), "commit": _commit(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _commit() -> str | None:
+    """The code's commit, marked when paratrain/ differs from it (docs/ changing is expected)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "paratrain"]).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + (" with uncommitted changes to paratrain/" if dirty else "")
+
+
+def run_sweeps(folder: Path, sweeps=SWEEPS) -> dict:
+    """Run every sweep (from the repository root: the commands name paths relative to it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    run = {"machine": describe_machine(), "load_before": os.getloadavg()[0], "sweeps": []}
+    started = time.perf_counter()
+    # `auto` reads the algorithm table a user may have tuned; the page shows the built-in defaults.
+    with tempfile.TemporaryDirectory(prefix="paratrain-results-") as empty:
+        for sweep in sweeps:
+            print(f"== {command_line(sweep, folder)}", flush=True)
+            env = {**os.environ, "PARATRAIN_ALGO_TABLE": str(Path(empty) / "no-table.json"), **dict(sweep.env)}
+            argv = [sys.executable, "-m", *command(sweep, folder)]  # "-m paratrain bench ..."
+            began = time.perf_counter()
+            try:
+                status = subprocess.run(argv, env=env, timeout=SWEEP_TIMEOUT_S).returncode
+            except subprocess.TimeoutExpired:
+                status = f"timed out after {SWEEP_TIMEOUT_S} s"
+            run["sweeps"].append({"name": sweep.name, "command": command_line(sweep, folder),
+                                  "seconds": time.perf_counter() - began, "status": status})
+    run["seconds"] = time.perf_counter() - started
+    run["load_after"] = os.getloadavg()[0]
+    (folder / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
+    return run
+
+
+# ---- rendering: one function per benchmark, records in, Markdown lines out ----
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _algo(record: dict) -> str:
+    return "auto" if record["algo"].startswith("auto") else record["algo"]
+
+
+def _time_and_busbw(record: dict | None) -> str:
+    if record is None:
+        return "-"
+    busbw = record["busbw_gbps"]
+    return f"{record['time_us']:.0f}" + (f" ({busbw:.2f})" if busbw is not None else "")
+
+
+def render_collectives(records: list[dict]) -> list[str]:
+    """Per op: each algorithm's time at each size, and auto's pick with its speed against native."""
+    lines = []
+    first = records[0]
+    has_auto = any(r["algo"].startswith("auto") for r in records)
+    lines.append(f"{first['world_size']} ranks, launcher {first['launcher']}, transport "
+                 f"{first.get('transport', '?')}, {first['dtype']}. Time per call in us (slowest rank; "
+                 "bus bandwidth in GB/s in brackets)"
+                 + ("; *auto ran*: the algorithm `auto` picked; *vs native* = native's time / auto's." if has_auto
+                    else "."))
+    for op in dict.fromkeys(r["op"] for r in records):
+        rows = [r for r in records if r["op"] == op]
+        algos = list(dict.fromkeys(_algo(r) for r in rows))
+        table = []
+        for nbytes in dict.fromkeys(r["bytes"] for r in rows):
+            at = {_algo(r): r for r in rows if r["bytes"] == nbytes}
+            cells = [_time_and_busbw(at.get(algo)) for algo in algos]
+            if "auto" in at:
+                cells.append(at["auto"]["algo"][5:-1])  # "auto(ring)" ran the ring
+            if "auto" in at and "native" in at:
+                cells.append(f"{at['native']['time_us'] / at['auto']['time_us']:.2f}x")
+            table.append(["-" if op == "barrier" else _size(nbytes), *cells])
+        extra = (["auto ran"] if "auto" in algos else []) + (["vs native"] if {"auto", "native"} <= set(algos) else [])
+        lines += ["", f"**{op}**", ""] + _table(["size (B)", *algos, *extra], table)
+    wrong = sum(r["wrong"] for r in records)
+    return lines + ["", f"Wrong elements: {wrong}."]
+
+
+def render_p2p(records: list[dict]) -> list[str]:
+    """Per size: medians over links of a message's round (message and 1-byte ack), one-way and
+    two-way bandwidth, and the all-to-all's bandwidth per rank."""
+    def median(test: str, nbytes: int, key: str, digits: int) -> str:
+        values = sorted(r[key] for r in records if r["test"] == test and r["bytes"] == nbytes)
+        return f"{values[len(values) // 2]:.{digits}f}" if values else "-"
+    sizes = sorted({r["bytes"] for r in records})
+    rows = [[_size(n), median("uni", n, "time_us", 1), median("uni", n, "gbps", 3), median("bi", n, "gbps", 3),
+             median("all_to_all", n, "gbps", 3)] for n in sizes]
+    first = records[0]
+    latency = sorted(r["time_us"] / 2 for r in records if r["test"] == "uni" and r["bytes"] == sizes[0])
+    return [f"{first['world_size']} ranks, launcher {first['launcher']}, transport: {first['transport']}. "
+            f"Latency (half the round at {sizes[0]} B): {latency[len(latency) // 2]:.1f} us. Medians over links.",
+            ""] + _table(["size (B)", "round (us)", "one way (GB/s)", "both ways (GB/s)",
+                          "all-to-all (GB/s per rank)"], rows)
+
+
+def render_ddp(records: list[dict]) -> list[str]:
+    first = records[0]
+    rows = [[r["model"], f"{r['params']:,}", r["mode"], f"{_ms(r['step_ms'])} ± {_ms(r['step_ms_stdev'])}",
+             f"{r['ratio_to_torch']:.2f}x" if r.get("ratio_to_torch") else "-", _ms(r["comm_ms"]),
+             _ms(r["exposed_comm_ms"]), f"{r['comm_share']:.0%}"] for r in records]
+    return [f"{first['world_size']} ranks ({first['launcher']}), {first['batch_per_rank']} samples per rank, "
+            f"{first['steps']} timed steps, median of {first['repeats']} runs. *vs torch* = step time / "
+            "PyTorch's (DDP for naive and ddp, DDP + ZeroRedundancyOptimizer for zero); below 1 is faster.", ""] + _table(
+        ["model", "parameters", "mode", "step ms", "vs torch", "comm ms", "exposed comm ms", "comm share"], rows)
+
+
+def render_scaling(records: list[dict]) -> list[str]:
+    rows = [[r["mode"], str(r["world_size"]), str(r["batch_per_rank"]), str(r["global_batch"]),
+             f"{_ms(r['iter_ms'])} ± {_ms(r['iter_ms_stdev'])}", f"{r['samples_per_s']:,.0f}",
+             f"{r['speedup']:.2f}", f"{r['efficiency']:.2f}"] for r in records]
+    first = records[0]
+    return [f"Model {first['model']}, data parallelism {first['dp_mode']} ({first['launcher']}), "
+            f"{first['cpu_count']} cores. Weak: batch per rank fixed; strong: global batch fixed.", ""] + _table(
+        ["mode", "ranks", "batch per rank", "global batch", "step ms", "samples/s", "speedup", "efficiency"], rows)
+
+
+def render_pipeline(records: list[dict]) -> list[str]:
+    def pct(value):
+        return "-" if value is None else f"{value:.1%}"
+    rows = [[r["impl"], r["schedule"], _ms(r["step_ms"]),
+             f"{r['ratio_to_torch']:.2f}x" if r.get("ratio_to_torch") else "-",
+             pct(r.get("bubble_measured")), pct(r.get("bubble_simulated")),
+             pct(r.get("bubble_theoretical_costs")), pct(r.get("bubble_theoretical"))] for r in records]
+    first = records[0]
+    return [f"{first['stages']} stages, {first['microbatches']} microbatches; medians over the timed steps. "
+            "Bubble: *measured* over the step's makespan; *simulated* with the run's own stage times and free "
+            "communication; *F:B:W* equal stages at the run's mean costs; *theory* equal stages, B = 2F.", ""] + _table(
+        ["implementation", "schedule", "step ms", "vs torch", "bubble measured", "simulated", "F:B:W", "theory"], rows)
+
+
+def render_tp(records: list[dict]) -> list[str]:
+    rows = [[str(r["tp"]), _ms(r["ours_ms"]), _ms(r["torch_ms"]), f"{r['ratio']:.2f}x", f"{r['max_loss_diff']:.1e}"]
+            for r in records]
+    first = records[0]
+    return [f"Model {first['model']}, global batch {first['global_batch']}, {first['steps']} steps "
+            f"({first['warmup']} untimed), median of {first['rounds']} alternating rounds.", ""] + _table(
+        ["tp", "ours ms", "PyTorch ms", "ours / PyTorch", "max loss difference"], rows)
+
+
+def render_frontend(records: list[dict]) -> list[str]:
+    rows = [[f"{r['batch']} x {r['hidden']}", _ms(r["frontend_ms"]), _ms(r["torch_ms"]), f"{r['ratio']:.2f}x"]
+            for r in records]
+    first = records[0]
+    return [f"A two-layer MLP's training step, {first['workers']} worker. One streamed instruction: "
+            f"{first['streamed_instruction_us']:.0f} us; one round trip: {first['round_trip_ms']:.2f} ms.", ""] + _table(
+        ["batch x hidden", "frontend ms", "PyTorch ms", "ratio"], rows)
+
+
+RENDERERS = {
+    "collectives": render_collectives, "p2p": render_p2p, "ddp": render_ddp, "scaling": render_scaling,
+    "pipeline": render_pipeline, "tp": render_tp, "frontend": render_frontend,
+}
+
+
+def render(folder: Path, page: Path, sweeps=SWEEPS) -> str:
+    """The whole page, from the run record and the sweeps' JSON in `folder`."""
+    run = json.loads((folder / RUN_FILE).read_text())
+    machine = run["machine"]
+    link = os.path.relpath(folder, page.parent)
+    lines = [
+        "# Results", "",
+        "<!-- Generated by `make results` (python -m paratrain.bench.results_page); do not edit by hand. -->", "",
+        f"Measured {machine['date']}, code at commit {machine['commit'] or 'unknown'}.", "",
+        f"- machine: {machine['cpu']}, {machine['cores']} cores, {machine['platform']}"
+        + (f", GPU {machine['cuda']}" if machine.get("cuda") else ", no GPU"),
+        f"- software: Python {machine['python']}, torch {machine['torch']}",
+        f"- memory copy bandwidth: {machine['copy_gbps']:.1f} GB/s (`dst.copy_(src)` of 256 MiB, best of 10): "
+        "the ceiling for any transport on one host",
+        f"- load average (1 min) before and after: {run['load_before']:.2f} and {run['load_after']:.2f}; "
+        f"all sweeps together took {run['seconds']:.0f} s",
+        "",
+        "Each figure is one run of the command above its table. On a small shared machine two runs of the same "
+        "command can differ by 1.5x at sizes under a few MiB: read ratios near 1 as \"the same\". Every command "
+        "ran with `PARATRAIN_ALGO_TABLE` naming no file, so `auto` used its built-in choices, not a tuned table. "
+        "Run `make results` to measure your own machine; [benchmarks.md](benchmarks.md) explains each benchmark.",
+    ]
+    ran = {entry["name"]: entry for entry in run["sweeps"]}
+    for sweep in sweeps:
+        entry = ran.get(sweep.name)
+        lines += ["", f"## {sweep.title}", ""]
+        if entry is None:
+            lines.append("Not run.")
+            continue
+        lines += ["```", entry["command"], "```", ""]
+        data = folder / f"{sweep.name}.json"
+        if entry["status"] != 0:
+            lines.append(f"Failed (exit status: {entry['status']}); see the command's output.")
+            continue
+        if not data.exists():
+            lines.append(f"It wrote no {data.name}.")
+            continue
+        records = json.loads(data.read_text())
+        lines += RENDERERS[sweep.bench](records)
+        lines += ["", f"{entry['seconds']:.0f} s; records: [{sweep.name}.json]({link}/{sweep.name}.json)"]
+        if sweep.plot and (folder / f"{sweep.name}.png").exists():
+            lines += ["", f"![bus bandwidth against size]({link}/{sweep.name}.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, default=Path("docs/results"), help="where the JSON goes")
+    parser.add_argument("--page", type=Path, default=Path("docs/results.md"), help="the page to write")
+    parser.add_argument("--render", action="store_true", help="only render the page from the JSON there")
+    options = parser.parse_args(argv)
+    failed = []
+    if not options.render:
+        run = run_sweeps(options.folder)
+        failed = [entry["name"] for entry in run["sweeps"] if entry["status"] != 0]
+    options.page.write_text(render(options.folder, options.page))
+    print(f"wrote {options.page}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
