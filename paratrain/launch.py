@@ -115,16 +115,12 @@ def _run_processes(fn, nproc, args, options, max_restarts=0) -> dict[int, object
         with _agent_logs_quiet(unless=bool(options["debug"]) or env_flag("PARATRAIN_DEBUG")), _temp_dir(logs):
             return dict(sorted(elastic_launch(config, _process_main)(fn, args, options).items()))
     except ChildFailedError as failed:
-        error = failed_run_error(failed.failures, nproc, run_id)
+        raise failed_run_error(failed.failures, nproc, run_id) from None
     except SignalException as stopped:  # the agent's handler for SIGTERM, SIGINT, SIGHUP, SIGQUIT
-        error = RunStopped(stopped.sigval)
+        raise RunStopped(stopped.sigval) from None
     finally:
         shutil.rmtree(logs, ignore_errors=True)
         shm_setup.remove_files_of_children(os.getpid())
-    # Raised here, not in the handler: the agent's error would stay its __context__, and its
-    # frames would keep the agent's queues alive until exit (multiprocessing then warns of
-    # leaked semaphores).
-    raise error
 
 
 @contextmanager
