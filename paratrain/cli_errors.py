@@ -22,6 +22,8 @@ import click
 from paratrain.comm.settings import env_flag
 from paratrain.errors import Problems, UserError
 
+_BARE_GROUP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2: `paratrain bench` alone
+
 
 class OneLineErrors:
     """Mixed into the click command a program starts from (`paratrain`, and the commands that
@@ -38,6 +40,9 @@ class OneLineErrors:
         except click.Abort:
             click.echo("Aborted!", err=True)
             sys.exit(1)
+        except _BARE_GROUP as bare:
+            bare.show()  # the group's help, as click shows it
+            sys.exit(bare.exit_code)
         except (UserError, click.ClickException, OSError) as error:
             if isinstance(error, OSError) and error.errno == errno.EPIPE:
                 sys.exit(1)  # the reader of our output went away (`| head`): nothing to say

@@ -159,3 +159,8 @@ def test_a_bug_keeps_its_traceback_and_is_not_made_a_user_error():
     result = CliRunner().invoke(program, ["lookup"])
     assert isinstance(result.exception, KeyError)  # escapes as itself: Python prints its traceback
     assert "error:" not in result.output
+
+
+def test_a_command_group_given_no_command_still_shows_its_help():
+    result = CliRunner().invoke(main, ["bench"])
+    assert result.output.startswith("Usage: paratrain bench [OPTIONS] COMMAND [ARGS]...") and "error:" not in result.output
