@@ -35,7 +35,7 @@ def _seconds(name: str, raw: str) -> float:
     except ValueError:
         raise SettingsError(f"{name} must be a number of seconds, got {raw!r}") from None
     if not value > 0 or value == float("inf"):
-        raise SettingsError(f"{name} must be positive, got {raw!r}")
+        raise SettingsError(f"{name} must be positive and finite, got {raw!r}")
     return value
 
 
