@@ -58,7 +58,7 @@ def test_settings_come_from_defaults_the_environment_and_flags_and_say_so():
     assert Settings.resolve({"PARATRAIN_BACKEND": "cuda", "GT_BACKEND": "cpu"}).backend == "cuda"  # ours wins
     assert Settings.resolve({"PARATRAIN_TIMEOUT": ""}).timeout == Settings.timeout  # empty: unset
     assert not Settings.resolve({}).launch.in_torchrun
-    with pytest.raises(SettingsError, match="PARATRAIN_TIMEOUT must be positive, got 'inf'"):
+    with pytest.raises(SettingsError, match="PARATRAIN_TIMEOUT must be positive and finite, got 'inf'"):
         Settings.resolve({"PARATRAIN_TIMEOUT": "inf"})
     with pytest.raises(TypeError, match="no such setting: colour"):
         settings.with_flags(colour="red")
