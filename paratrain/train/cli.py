@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from paratrain.launch import expected_transport, run
-from paratrain.models import GPTConfig, count_parameters, format_count, gpt_parameter_count, model_config
+from paratrain.models import GPTConfig, count_parameters, format_count, model_config, parameter_count
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.timeline import format_timeline
@@ -20,10 +20,8 @@ from paratrain.train.options import checkpoint_options, training_options, valida
 
 
 def describe_model(config: TrainConfig) -> str:
-    model = model_config(config.model.name, **config.model.overrides)
-    if hasattr(model, "n_layer"):
-        params = gpt_parameter_count(model)
-    else:
+    params = parameter_count(model_config(config.model.name, **config.model.overrides))
+    if params is None:
         from paratrain.train.setup import build_seeded_model
 
         params = count_parameters(build_seeded_model(config.model.name, config.model.overrides, config.seed))

@@ -21,10 +21,11 @@ from torch import nn
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
-from paratrain.parallel.pipeline.split import balanced_partition, layer_cost, pipeline_layers, split_layers
+from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers, split_layers
+from paratrain.parallel.tensor.apply_plan import parallelize
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from paratrain.parallel.tensor.parallelize import gather_full_state, parallelize_gpt
-from paratrain.train.setup import build_seeded_model
+from paratrain.parallel.tensor.parallelize import gather_full_state
+from paratrain.train.setup import build_seeded_model, plan_for
 
 
 @dataclass
@@ -68,24 +69,28 @@ class ParallelModel:
 def build_parallel_model(config, mesh, dataset) -> ParallelModel:
     par = config.parallel
     model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
+    plan = plan_for(config.model.plan, model)  # None for the MLPs: they have no plan
     pp_size, tp_size = mesh.shape["pp"], mesh.shape["tp"]
     schedule = counts = None
     if pp_size > 1:
         schedule = build_schedule(par.schedule, pp_size, par.microbatches, par.virtual_stages)
         # Balance on the unsharded layers: every tensor-parallel rank must cut at the same place.
-        costs = [layer_cost(layer) for layer in pipeline_layers(model)]
+        balance = plan.pipeline.balance if plan is not None else "cost"
+        costs = layer_costs(pipeline_layers(model, plan), balance)
         counts = par.stage_layers or balanced_partition(costs, schedule.num_chunks)
     loss_fn = dataset.loss
     if tp_size > 1:
-        parallelize_gpt(model, mesh.tp, sequence_parallel=par.sequence_parallel)
-        tp_group, vocab_size = mesh.tp, model.config.vocab_size
+        # The flag switches sequence parallelism on; left off, the plan's own setting holds.
+        parallelize(model, plan, mesh.tp, sequence_parallel=True if par.sequence_parallel else None)
+        if any(style.name == "vocab_head" for style in plan.tensor_parallel.values()):
+            tp_group, vocab_size = mesh.tp, dataset.vocab_size
 
-        def loss_fn(logits_shard, targets):
-            return vocab_parallel_cross_entropy(logits_shard, targets, tp_group, vocab_size)
+            def loss_fn(logits_shard, targets):
+                return vocab_parallel_cross_entropy(logits_shard, targets, tp_group, vocab_size)
 
     if pp_size == 1:
         return ParallelModel(model, {0: model}, model, loss_fn, None)
-    all_chunks = split_layers(pipeline_layers(model), schedule.num_chunks, counts)
+    all_chunks = split_layers(pipeline_layers(model, plan), schedule.num_chunks, counts)
     mine = {c: all_chunks[c] for c in schedule.chunks_of(mesh.coords.pp)}
     return ParallelModel(model, mine, nn.ModuleList(mine.values()), loss_fn, schedule)
 
