@@ -1,6 +1,7 @@
 """Llama through its plan trains like one process: tensor parallelism with grouped-query
 attention (n_kv_heads = 2 over tp = 2: one key/value head per rank), the pipeline (1F1B and
-ZB-H1), tp x pp x dp with sequence parallelism, and tied embeddings under tp.
+ZB-H1), tp x pp x dp with sequence parallelism, tied embeddings under tp, and activation
+checkpointing of the blocks the plan names.
 
 As test_parallel_3d.py: 3 steps of SGD with momentum on the threads launcher against the plain
 one-process loop, same weights and batches, fp32. Losses within 1e-5 relative, parameters
@@ -29,6 +30,7 @@ CONFIGS = [
     (1, 2, 1, "zb-h1", 4, {}),
     (2, 2, 2, "1f1b", 4, {"parallel.sequence_parallel": True}),
     (1, 1, 2, None, 1, {"parallel.sequence_parallel": True, "model.tie_embeddings": True}),
+    (1, 2, 2, "zb-h1", 4, {"parallel.checkpoint_activations": True}),
 ]
 
 

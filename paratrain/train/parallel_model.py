@@ -35,6 +35,7 @@ class ParallelModel:
     module: nn.Module  # what data parallelism wraps: this rank's chunks, or the whole model
     loss_fn: object  # (outputs, targets) -> mean loss; vocab-parallel under tensor parallelism
     schedule: object | None  # the pipeline schedule, when pp > 1
+    plan: object | None = None  # the parallelism plan applied (None: the model has none)
 
     def own_parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
@@ -89,10 +90,10 @@ def build_parallel_model(config, mesh, dataset) -> ParallelModel:
                 return vocab_parallel_cross_entropy(logits_shard, targets, tp_group, vocab_size)
 
     if pp_size == 1:
-        return ParallelModel(model, {0: model}, model, loss_fn, None)
+        return ParallelModel(model, {0: model}, model, loss_fn, None, plan)
     all_chunks = split_layers(pipeline_layers(model, plan), schedule.num_chunks, counts)
     mine = {c: all_chunks[c] for c in schedule.chunks_of(mesh.coords.pp)}
-    return ParallelModel(model, mine, nn.ModuleList(mine.values()), loss_fn, schedule)
+    return ParallelModel(model, mine, nn.ModuleList(mine.values()), loss_fn, schedule, plan)
 
 
 def full_state(parallel: ParallelModel, mesh) -> dict[str, torch.Tensor]:
