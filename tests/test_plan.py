@@ -161,3 +161,18 @@ def parallelize_bad_rank(group):
 def test_parallelize_refuses_a_plan_the_world_does_not_divide():
     with pytest.raises(PlanError, match=r"^layers.0.attn: n_kv_heads \(2\) is not divisible by tp \(4\)"):
         run(parallelize_bad_rank, 4)
+
+
+def parallelize_tied_rank(group, embed_style):
+    model = build_seeded_model("llama-tiny", {"tie_embeddings": True}, 0)
+    plan = copy.deepcopy(LLAMA_PLAN)
+    plan["tensor_parallel"]["tok_emb"] = embed_style
+    paratrain.parallelize(model, plan, group)
+    return model.output.weight is model.tok_emb.weight
+
+
+def test_tied_embeddings_stay_tied_when_split_alike_and_are_refused_otherwise():
+    assert run(parallelize_tied_rank, 2, args=("vocab_embed",)) == {0: True, 1: True}
+    with pytest.raises(PlanError, match=r"^plan: tok_emb.weight and output.weight are one tied parameter, "
+                                        r"but the plan splits them differently"):
+        run(parallelize_tied_rank, 2, args=("replicate",))

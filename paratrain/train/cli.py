@@ -89,7 +89,7 @@ def describe_split(config: TrainConfig) -> list[str]:
     with torch.device("meta"):
         model = build_model(config.model.name, **config.model.overrides)
     plan = plan_for(config.model.plan, model)
-    lines = [f"plan: {plan.source if config.model.plan else 'the model' + chr(39) + 's own'}"]
+    lines = [f"plan: {plan.source}" if config.model.plan else "plan: the model's own"]
     if par.tp > 1:
         sp = par.sequence_parallel or plan.sequence_parallel
         lines.append(f"  tensor parallel over {par.tp} ranks" + (", sequence parallel" if sp else "") + ":")

@@ -93,17 +93,23 @@ def _tied_parameters(model: nn.Module, styled: dict) -> list[list[tuple[str, str
 
 
 def _retie(model: nn.Module, tied: list, plan: Plan) -> None:
+    """Make the places of each tied group hold one Parameter again (the first place's)."""
     for group in tied:
         (first_module, first_name), *rest = group
         keep = getattr(model.get_submodule(first_module), first_name)
+        keep_layout = _layout_of(model.get_submodule(first_module), first_name)
         for module_name, name in rest:
             module = model.get_submodule(module_name)
-            if getattr(module, name).shape != keep.shape or \
-                    getattr(module, "shard_layout", {}).get(name, (0,))[0] != getattr(
-                        model.get_submodule(first_module), "shard_layout", {}).get(first_name, (0,))[0]:
+            if getattr(module, name).shape != keep.shape or _layout_of(module, name) != keep_layout:
                 raise PlanError(f"{plan.source}: {first_module}.{first_name} and {module_name}.{name} are one "
                                 "tied parameter, but the plan splits them differently")
             setattr(module, name, keep)
+
+
+def _layout_of(module: nn.Module, name: str):
+    """(dim, fused parts) a sharded layer splits its parameter `name` along; None: not split."""
+    layout = getattr(module, "shard_layout", {}).get(name)
+    return None if layout is None else layout[:2]
 
 
 def _apply_sequence_parallel(model: nn.Module, plan: Plan, group) -> None:
