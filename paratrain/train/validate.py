@@ -205,10 +205,9 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
     if par.pp > 1:
         problems += microbatch_problems(par.schedule, par.pp, par.microbatches, par.virtual_stages)
         layers = _pipeline_layer_count(shape, config)
-        if layers is None and isinstance(shape, CAUSAL_LM_CONFIGS):
-            pass  # the plan's problem, reported above
-        elif layers is None:
-            problems.append(f"parallel.pp: model {model.name!r} cannot be split into pipeline stages")
+        if layers is None:
+            if not isinstance(shape, CAUSAL_LM_CONFIGS):  # a language model's: its plan's problem, above
+                problems.append(f"parallel.pp: model {model.name!r} cannot be split into pipeline stages")
         elif _is_int(par.virtual_stages) and layers < chunks:
             problems.append(
                 f"model {model.name!r} has {layers} pipeline layers, fewer than stages x virtual stages = {chunks}"
