@@ -58,3 +58,19 @@ def test_llama_trains_like_one_process(dp, pp, tp, schedule, microbatches, extra
     assert not report["missing"], f"parameters no rank reported: {report['missing']}"
     assert report["max_loss_diff"] <= LOSS_RTOL, report["loss_diffs"]
     assert report["max_param_diff"] <= PARAM_ATOL, (report["worst_param"], report["max_param_diff"])
+
+
+def test_stages_balanced_by_measured_time_train_like_one_process(tmp_path):
+    import yaml
+
+    from paratrain.models.plans import LLAMA_PLAN
+
+    plan = {**LLAMA_PLAN, "pipeline": {**LLAMA_PLAN["pipeline"], "balance": "measured"}}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    config = llama_config(1, 2, 1, "1f1b", 2, {"model.plan": str(path), "model.n_layer": 4})
+    validate(config, 2)
+    results = run(functools.partial(train_rank, return_state=True), 2, args=(config,))
+    report = compare(config, results, reference_run(config))
+    assert not report["missing"] and report["max_loss_diff"] <= LOSS_RTOL
+    assert report["max_param_diff"] <= PARAM_ATOL

@@ -176,3 +176,14 @@ def test_tied_embeddings_stay_tied_when_split_alike_and_are_refused_otherwise():
     with pytest.raises(PlanError, match=r"^plan: tok_emb.weight and output.weight are one tied parameter, "
                                         r"but the plan splits them differently"):
         run(parallelize_tied_rank, 2, args=("replicate",))
+
+
+def test_measured_costs_time_every_layer_and_leave_no_gradients():
+    from paratrain.parallel.pipeline.split import layer_costs
+
+    model = build_model("llama-tiny", n_layer=3)
+    layers = pipeline_layers(model, load_plan(LLAMA_PLAN))
+    costs = layer_costs(layers, "measured", torch.randint(256, (2, 16)))
+    assert len(costs) == 5 and all(isinstance(c, int) and c >= 1 for c in costs)
+    assert all(p.grad is None for p in model.parameters())
+    assert layer_costs(layers, "count") == [0, 1, 1, 1, 0]

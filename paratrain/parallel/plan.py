@@ -19,7 +19,8 @@ a Python dict or a YAML file of the same keys:
       blocks: layers                     # the ModuleList of blocks, each x_BTD -> x_BTD
       before: [tok_emb]                  # run in order before the first block ...
       after: [norm, output]              # ... and after the last
-      balance: cost                      # contiguous chunks balanced by cost (matmul parameters) or count
+      balance: cost                      # contiguous chunks balanced by cost (matmul parameters), by
+                                         #   count (of blocks), or by measured forward+backward time
 
 Every problem with a plan is a PlanError of one line that names the module (check_plan lists
 them all before any rank starts). Applying tensor parallelism is parallel/tensor/apply_plan.py.
@@ -35,7 +36,7 @@ import yaml
 from torch import nn
 
 STYLES = ("colwise", "rowwise", "vocab_embed", "vocab_head", "replicate")
-BALANCES = ("cost", "count")
+BALANCES = ("cost", "count", "measured")
 _KEYS = ("tensor_parallel", "head_counts", "sequence_parallel", "pipeline")
 
 

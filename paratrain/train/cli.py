@@ -97,7 +97,9 @@ def describe_split(config: TrainConfig) -> list[str]:
             found = [name for name, _ in matching_modules(model, pattern)]
             parts = f" ({style.parts} fused parts)" if style.parts > 1 else ""
             lines.append(f"    {pattern:28s} {style.name}{parts}: {len(found)} module(s)")
-    if par.pp > 1:
+    if par.pp > 1 and plan.pipeline.balance == "measured" and not par.stage_layers:
+        lines.append("  pipeline chunks: balanced by the layers' times, measured when the run starts")
+    elif par.pp > 1:
         layers = pipeline_layers(model, plan)
         chunks = par.pp * (2 if par.schedule == "zb-v" else par.virtual_stages)
         counts = par.stage_layers or balanced_partition(layer_costs(layers, plan.pipeline.balance), chunks)

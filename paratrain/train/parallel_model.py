@@ -77,8 +77,8 @@ def build_parallel_model(config, mesh, dataset) -> ParallelModel:
         schedule = build_schedule(par.schedule, pp_size, par.microbatches, par.virtual_stages)
         # Balance on the unsharded layers: every tensor-parallel rank must cut at the same place.
         balance = plan.pipeline.balance if plan is not None else "cost"
-        costs = layer_costs(pipeline_layers(model, plan), balance)
-        counts = par.stage_layers or balanced_partition(costs, schedule.num_chunks)
+        counts = par.stage_layers or balanced_partition(_costs(model, plan, balance, dataset, config, mesh),
+                                                        schedule.num_chunks)
     loss_fn = dataset.loss
     if tp_size > 1:
         # The flag switches sequence parallelism on; left off, the plan's own setting holds.
@@ -94,6 +94,21 @@ def build_parallel_model(config, mesh, dataset) -> ParallelModel:
     all_chunks = split_layers(pipeline_layers(model, plan), schedule.num_chunks, counts)
     mine = {c: all_chunks[c] for c in schedule.chunks_of(mesh.coords.pp)}
     return ParallelModel(model, mine, nn.ModuleList(mine.values()), loss_fn, schedule, plan)
+
+
+def _costs(model, plan, balance: str, dataset, config, mesh) -> list[int]:
+    """The layers' costs to balance; measured ones are rank 0's, broadcast, so that every rank
+    cuts at the same place."""
+    sample = None
+    if balance == "measured":
+        micro = config.data.global_batch // (mesh.dp.size * config.parallel.microbatches)
+        sample, _ = dataset.global_batch(0, micro)
+    costs = layer_costs(pipeline_layers(model, plan), balance, sample)
+    if balance == "measured":
+        shared = torch.tensor(costs, dtype=torch.float64)
+        mesh.world.broadcast(shared, root=0)
+        costs = [int(c) for c in shared.tolist()]
+    return costs
 
 
 def full_state(parallel: ParallelModel, mesh) -> dict[str, torch.Tensor]:

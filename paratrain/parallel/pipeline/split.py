@@ -12,6 +12,8 @@ backward time follows; an embedding lookup costs next to nothing) or given expli
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,12 +49,37 @@ def pipeline_layers(model: nn.Module, plan=None) -> list[nn.Module]:
     raise ValueError(f"{type(model).__name__} cannot be split into pipeline stages")
 
 
-def layer_costs(layers: list[nn.Module], balance: str = "cost") -> list[int]:
-    """What balanced_partition evens out: each layer's cost, or (balance "count") one per block
-    and nothing for a plan's before/after layers, so chunks get equal numbers of blocks."""
+def layer_costs(layers: list[nn.Module], balance: str = "cost", sample=None) -> list[int]:
+    """What balanced_partition evens out: each layer's cost; or (balance "count") one per block
+    and nothing for a plan's before/after layers, so chunks get equal numbers of blocks; or
+    (balance "measured") each layer's forward and backward time on `sample`, an input batch.
+
+    Measured times differ from rank to rank: a caller whose ranks must cut at the same place
+    broadcasts one rank's (see train/parallel_model.py)."""
     if balance == "count":
         return [0 if isinstance(layer, plans.RunInOrder) else 1 for layer in layers]
+    if balance == "measured":
+        return measured_costs(layers, sample)
     return [layer_cost(layer) for layer in layers]
+
+
+def measured_costs(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[int]:
+    """Microseconds of each layer's forward and backward on what the layers before it make of
+    `sample` (the best of `repeats`, at least 1). Leaves no gradients behind."""
+    costs, x = [], sample
+    for layer in layers:
+        x = x.detach().requires_grad_(x.is_floating_point())
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            y = layer(x)
+            y.float().sum().backward()
+            best = min(best, time.perf_counter() - started)
+        costs.append(max(int(best * 1e6), 1))
+        x = y
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return costs
 
 
 def layer_cost(layer: nn.Module) -> int:
