@@ -187,3 +187,16 @@ def test_measured_costs_time_every_layer_and_leave_no_gradients():
     assert len(costs) == 5 and all(isinstance(c, int) and c >= 1 for c in costs)
     assert all(p.grad is None for p in model.parameters())
     assert layer_costs(layers, "count") == [0, 1, 1, 1, 0]
+
+
+def sequence_parallel_by_plan_rank(group, enabled, flag):
+    plan = copy.deepcopy(LLAMA_PLAN)
+    plan["sequence_parallel"]["enabled"] = enabled
+    model = paratrain.parallelize(build_seeded_model("llama-tiny", {}, 0), plan, group, sequence_parallel=flag)
+    return model.layers[0].attn.wo.sequence_parallel
+
+
+def test_a_plan_may_switch_sequence_parallelism_on_and_a_run_may_too():
+    assert run(sequence_parallel_by_plan_rank, 2, args=(True, None))[0] is True
+    assert run(sequence_parallel_by_plan_rank, 2, args=(False, None))[0] is False
+    assert run(sequence_parallel_by_plan_rank, 2, args=(False, True))[0] is True

@@ -96,21 +96,26 @@ def load_plan(source) -> Plan:
         plan.head_counts[str(pattern)] = attrs
     sp = _mapping(source, "sequence_parallel", name)
     _only_keys(sp, ("gather_inputs", "enabled"), f"{name}: sequence_parallel")
+    if not isinstance(sp.get("enabled", False), bool) or not isinstance(sp.get("gather_inputs", []), list):
+        raise PlanError(f"{name}: sequence_parallel.enabled is true or false; gather_inputs a list of module paths")
     plan.gather_inputs = [str(p) for p in sp.get("gather_inputs", [])]
-    plan.sequence_parallel = bool(sp.get("enabled", False))
+    plan.sequence_parallel = sp.get("enabled", False)
     if source.get("pipeline") is not None:
-        pp = _mapping(source, "pipeline", name)
-        _only_keys(pp, ("blocks", "before", "after", "balance"), f"{name}: pipeline")
-        if not isinstance(pp.get("blocks"), str):
-            raise PlanError(f"{name}: pipeline.blocks must name the module list of blocks, e.g. 'layers'")
-        before, after = pp.get("before", []), pp.get("after", [])
-        for key, value in (("before", before), ("after", after)):
-            if not isinstance(value, list):
-                raise PlanError(f"{name}: pipeline.{key} must be a list of module paths")
-        if pp.get("balance", "cost") not in BALANCES:
-            raise PlanError(f"{name}: pipeline.balance {pp['balance']!r} is not one of {', '.join(BALANCES)}")
-        plan.pipeline = PipelinePlan(pp["blocks"], list(before), list(after), pp.get("balance", "cost"))
+        plan.pipeline = _pipeline(_mapping(source, "pipeline", name), name)
     return plan
+
+
+def _pipeline(pp: dict, name: str) -> PipelinePlan:
+    _only_keys(pp, ("blocks", "before", "after", "balance"), f"{name}: pipeline")
+    if not isinstance(pp.get("blocks"), str):
+        raise PlanError(f"{name}: pipeline.blocks must name the module list of blocks, e.g. 'layers'")
+    before, after = pp.get("before", []), pp.get("after", [])
+    for key, value in (("before", before), ("after", after)):
+        if not isinstance(value, list):
+            raise PlanError(f"{name}: pipeline.{key} must be a list of module paths")
+    if pp.get("balance", "cost") not in BALANCES:
+        raise PlanError(f"{name}: pipeline.balance {pp['balance']!r} is not one of {', '.join(BALANCES)}")
+    return PipelinePlan(pp["blocks"], list(before), list(after), pp.get("balance", "cost"))
 
 
 def _mapping(source: dict, key: str, name: str) -> dict:
