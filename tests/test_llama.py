@@ -92,3 +92,11 @@ def test_llama_tiny_learns_the_token_data():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_llama_samples_text():
+    from paratrain.train.sample import generate
+
+    torch.manual_seed(0)
+    text = generate(build_model("llama-tiny"), b"To be", 5, seed=1)
+    assert text.startswith("To be") and len(text.encode("utf-8", errors="surrogateescape")) >= 5

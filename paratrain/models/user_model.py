@@ -93,6 +93,11 @@ class CausalLMFile:
             raise ValueError(f"model {self.spec}: {type(error).__name__}: {error}") from None
 
 
+def language_model_shape(model: nn.Module) -> tuple[int | None, int | None]:
+    """(vocabulary, context length) read from a language model or its config; None where absent."""
+    return _read(model, ("vocab_size",)), _read(model, CONTEXT_ATTRS)
+
+
 def _read(model: nn.Module, names: tuple[str, ...]):
     for owner in (model, getattr(model, "config", None)):
         for name in names:
