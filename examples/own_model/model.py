@@ -10,7 +10,6 @@ to tensor-parallel styles and says how the pipeline reads it.
 
 import math
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
