@@ -100,3 +100,15 @@ def test_a_llama_samples_text():
     torch.manual_seed(0)
     text = generate(build_model("llama-tiny"), b"To be", 5, seed=1)
     assert text.startswith("To be") and len(text.encode("utf-8", errors="surrogateescape")) >= 5
+
+
+def test_the_memory_estimate_counts_a_llamas_parameters_per_rank():
+    from paratrain.train.config import TrainConfig, apply_overrides
+    from paratrain.train.memory import estimate
+
+    config = apply_overrides(TrainConfig(), {"model.name": "llama-small", "parallel.tp": 2, "parallel.pp": 2,
+                                             "parallel.microbatches": 4})
+    stages = estimate(config, 4)
+    shape = model_config("llama-small")
+    norms = (2 * shape.n_layer + 1) * shape.d_model  # RMSNorm vectors, replicated over tp
+    assert sum(stage.params for stage in stages) == (llama_parameter_count(shape) - norms) // 2 + norms

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from paratrain.launch import expected_transport, run
-from paratrain.models import CAUSAL_LM_CONFIGS, GPTConfig, build_model, count_parameters, format_count, \
+from paratrain.models import CAUSAL_LM_CONFIGS, GPTConfig, LlamaConfig, build_model, count_parameters, format_count, \
     model_config, parameter_count
 from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers
 from paratrain.parallel.plan import matching_modules
@@ -75,7 +75,7 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     shape = model_config(config.model.name, **config.model.overrides)
     if isinstance(shape, CAUSAL_LM_CONFIGS) and par.pp * par.tp > 1:
         lines += describe_split(config)
-    if isinstance(shape, GPTConfig) and par.pp * par.tp > 1:
+    if isinstance(shape, (GPTConfig, LlamaConfig)) and par.pp * par.tp > 1 and not config.model.plan:
         lines.append(format_estimate(estimate(config, world), par.tp))
     return lines
 
