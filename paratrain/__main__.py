@@ -2,4 +2,4 @@
 
 from paratrain.cli import main
 
-main()
+main(prog_name="paratrain")

@@ -17,11 +17,15 @@ talk through shared memory ("shm") unless PARATRAIN_SHM=0.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -32,7 +36,7 @@ from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import FabricAborted, PeerLostError
 from paratrain.comm.flight import FlightRecords
 from paratrain.comm.transport import over_process_group, shm_setup
-from paratrain.failure_report import describe_failed_run
+from paratrain.failure_report import RunStopped, failed_run_error
 from paratrain.settings import Settings, launch_environment
 
 LAUNCHERS = ("threads", "processes")
@@ -124,21 +128,64 @@ def _run_threads(fn, nproc, args, devices, settings: Settings, table: AlgorithmT
 
 
 def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, max_restarts=0) -> dict[int, object]:
+    """Ranks as processes of PyTorch's elastic agent. What the run leaves goes with it: the
+    agent's folder of per-rank logs and error files (else a torchelastic_* folder in the temp
+    directory per run), the file torch.multiprocessing names for each rank's exception
+    (pytorch-errorfile-*.pickle in the temp directory, never removed: so while the agent runs,
+    this process's temp directory is our folder), and the shared-memory files of ranks killed
+    while setting up."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # The ranks inherit this process's environment: torchrun's default; also silences its warning.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_id = f"paratrain-{uuid.uuid4().hex[:8]}"
+    logs = tempfile.mkdtemp(prefix=f"{run_id}-logs-")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-        run_id=f"paratrain-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     try:
-        return dict(sorted(elastic_launch(config, _process_main)(fn, args, settings, table).items()))
+        with _agent_logs_quiet(unless=settings.debug), _temp_dir(logs):
+            return dict(sorted(elastic_launch(config, _process_main)(fn, args, settings, table).items()))
     except ChildFailedError as failed:
-        raise RuntimeError(describe_failed_run(failed.failures, nproc, config.run_id, settings.trace_dir)) from None
+        raise failed_run_error(failed.failures, nproc, run_id, settings.trace_dir) from None
+    except SignalException as stopped:  # the agent's handler for SIGTERM, SIGINT, SIGHUP, SIGQUIT
+        raise RunStopped(stopped.sigval) from None
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+        shm_setup.remove_files_of_children(os.getpid())
+
+
+@contextmanager
+def _temp_dir(folder: str):
+    saved, tempfile.tempdir = tempfile.tempdir, folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+
+
+@contextmanager
+def _agent_logs_quiet(unless: bool):
+    """Keep the elastic agent's own log lines (a failed rank's traceback as it saw it, each
+    process it stops) off the terminal: the error raised for a failed run reports the same,
+    root cause first. Shown in debug mode."""
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    loggers = [logger for name, logger in list(logging.Logger.manager.loggerDict.items())  # each: some set their own level
+               if name.startswith(prefixes) and isinstance(logger, logging.Logger)]
+    levels = [logger.level for logger in loggers]
+    if not unless:
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 @record  # writes the rank's traceback where the elastic agent reports it
@@ -146,7 +193,12 @@ def _process_main(fn, args, settings: Settings, table: AlgorithmTable):
     """One rank of a process world: join the process group, run, leave. `settings` were
     resolved by the launching process; the rank's place in the world is its own."""
     import torch.distributed as dist
+    from tqdm import tqdm
 
+    # tqdm's default lock is a multiprocessing one, a named semaphore in /dev/shm: a rank killed
+    # mid-run would leave it to the launcher's resource tracker, which warns of it at exit.
+    # A rank's progress bar is its own, so a thread lock serves.
+    tqdm.set_lock(threading.RLock())
     group = init_process_group_from_env(settings.in_this_process(), table)
     try:
         return fn(group, *args)

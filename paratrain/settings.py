@@ -19,12 +19,14 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
+from paratrain.errors import UserError
+
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
 
-class SettingsError(ValueError):
-    """An environment variable that does not hold what it must."""
+class SettingsError(UserError, ValueError):
+    """An environment variable that does not hold what it must (one line, as a user's error)."""
 
 
 def _seconds(name: str, raw: str) -> float:
@@ -33,7 +35,7 @@ def _seconds(name: str, raw: str) -> float:
     except ValueError:
         raise SettingsError(f"{name} must be a number of seconds, got {raw!r}") from None
     if not value > 0 or value == float("inf"):
-        raise SettingsError(f"{name} must be positive, got {raw!r}")
+        raise SettingsError(f"{name} must be positive and finite, got {raw!r}")
     return value
 
 

@@ -101,8 +101,10 @@ def test_explicit_timeout_overrides_the_env_var(monkeypatch):
 
 @pytest.mark.parametrize("raw, problem", [
     ("abc", "PARATRAIN_TIMEOUT must be a number of seconds, got 'abc'"),
-    ("0", "PARATRAIN_TIMEOUT must be positive, got '0'"),
-    ("-3", "PARATRAIN_TIMEOUT must be positive, got '-3'"),
+    ("0", "PARATRAIN_TIMEOUT must be positive and finite, got '0'"),
+    ("-3", "PARATRAIN_TIMEOUT must be positive and finite, got '-3'"),
+    ("inf", "PARATRAIN_TIMEOUT must be positive and finite, got 'inf'"),
+    ("nan", "PARATRAIN_TIMEOUT must be positive and finite, got 'nan'"),
 ])
 def test_bad_paratrain_timeout_is_refused_with_its_value(monkeypatch, raw, problem):
     monkeypatch.setenv("PARATRAIN_TIMEOUT", raw)

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 import paratrain
 from paratrain.comm import FabricAborted, Group, PeerLostError, TorchTransport, over_process_group
 from paratrain.comm.flight import FlightRecords
-from paratrain.failure_report import describe_failed_run
+from paratrain.failure_report import RanksFailed, describe_failed_run, failed_run_error
 from paratrain.settings import Settings
 
 # ---- the fabric: one rank's exception fails the calls the others are waiting in -------------
@@ -187,11 +187,11 @@ def test_report_puts_the_rank_that_died_before_the_ranks_that_lost_it(tmp_path):
     }
     # rank 1 was stopped by the launcher before it was reported: its flight record tells
     (tmp_path / "rank1.json").write_text(json.dumps({
-        "rank": 1, "run_id": "run-x", "dumped_at": 50.0, "calls": [],
+        "rank": 1, "run_id": "run-x", "dumped_at": 50.0, "calls": [], "capacity": 64,
         "error": "PeerLostError: rank 1: all_reduce (call #5) lost rank 2: gone",
     }))
     (tmp_path / "rank4.json").write_text(json.dumps({  # another run's record: not ours
-        "rank": 4, "run_id": "run-y", "dumped_at": 50.0, "calls": [], "error": "PeerLostError: old",
+        "rank": 4, "run_id": "run-y", "dumped_at": 50.0, "calls": [], "capacity": 64, "error": "PeerLostError: old",
     }))
     lines = describe_failed_run(failures, 5, "run-x", str(tmp_path)).splitlines()
     heads = [line for line in lines if line.startswith("rank ")]
@@ -209,3 +209,22 @@ def test_report_puts_the_rank_that_died_before_the_ranks_that_lost_it(tmp_path):
     }
     assert "  PeerLostError: gone" in lines  # rank 0's traceback, indented
     assert lines[-1] == f"flight records: {tmp_path} (read them with: paratrain debug hang {tmp_path})"
+
+
+@pytest.mark.parametrize("message, exitcode, users", [
+    (None, -signal.SIGKILL, True),  # killed: by someone, or the out-of-memory killer
+    (None, -signal.SIGSEGV, False),  # a crash: a bug
+    ("CheckpointError: checkpoint file x is corrupted", 1, True),
+    ("PermissionError: [Errno 13] Permission denied: 'ckpt'", 1, True),
+    ("PeerLostError: rank 0: all_reduce (call #5) lost rank 1: gone", 1, True),
+    ("ValueError: boom", 1, False),
+])
+def test_a_failed_run_is_one_line_when_the_user_can_act_on_its_root_cause(tmp_path, message, exitcode, users):
+    import paratrain.train.checkpoint  # noqa: F401 - as `paratrain train` has: the class a rank raised is known
+    error_file = _error_file(tmp_path / "error.json", message, "Traceback ...\n", 100) if message else "<N/A>"
+    failure = ProcessFailure(local_rank=1, pid=11, exitcode=exitcode, error_file=error_file)
+    error = failed_run_error({1: failure}, 2, "run-x")
+    assert isinstance(error, RanksFailed) == users
+    assert str(error).splitlines()[0].startswith("rank 1 of 2 failed (launcher=processes): ")
+    if users:
+        assert error.lines() == [str(error).splitlines()[0]]  # the traceback only with --debug

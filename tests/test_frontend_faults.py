@@ -146,7 +146,7 @@ def test_serve_on_a_port_in_use_says_so_in_one_line():
         done = subprocess.run([*PYTHON_M_PARATRAIN, "serve", "--port", str(port)], capture_output=True, text=True,
                               timeout=60)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
-        f"Error: port {port} on 127.0.0.1 is in use (another `paratrain serve`? try --port 0)"], done.stderr
+        f"paratrain serve: error: port {port} on 127.0.0.1 is in use (another `paratrain serve`? try --port 0)"], done.stderr
 
 
 def test_a_worker_without_a_dispatcher_waits_a_bounded_time_saying_so():
@@ -154,14 +154,14 @@ def test_a_worker_without_a_dispatcher_waits_a_bounded_time_saying_so():
                           capture_output=True, text=True, timeout=60)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and "waiting for the dispatcher at 127.0.0.1:" in lines[0], done.stderr
-    assert lines[-1].startswith("Error: no reply from 127.0.0.1:") and "within 2s" in lines[-1], done.stderr
+    assert lines[-1].startswith("paratrain worker: error: no reply from 127.0.0.1:") and "within 2s" in lines[-1], done.stderr
 
 
 def test_a_worker_given_an_unknown_host_says_so_at_once():
     done = subprocess.run([*PYTHON_M_PARATRAIN, "worker", "--host", "no-such-host.invalid"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
-        f"Error: cannot resolve host 'no-such-host.invalid' ({_resolver_error('no-such-host.invalid')})"], done.stderr
+        f"paratrain worker: error: cannot resolve host 'no-such-host.invalid' ({_resolver_error('no-such-host.invalid')})"], done.stderr
 
 
 def _resolver_error(host: str) -> str:

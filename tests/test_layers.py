@@ -24,7 +24,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "paratrain"
 # settings from it. launch starts worlds of Groups (the mesh's row); models and data know nothing
 # of communication.
 LAYERS = (
-    ("settings", "errors"),  # errors: the user errors any layer may raise (issue 25, part 5)
+    ("settings", "errors", "cli_errors", "paths", "cli_types"),  # the user errors any layer may raise,
+    # how a command reports them, and the command-line types that refuse bad values
     ("comm",),
     ("models", "data"),
     ("mesh", "launch", "failure_report"),
@@ -32,7 +33,7 @@ LAYERS = (
     ("train", "frontend"),
     ("plan",),
     ("bench",),
-    ("cli", "cli_errors", "env_cli", "__main__", ""),  # "": the package's own __init__, which re-exports
+    ("cli", "env_cli", "__main__", ""),  # "": the package's own __init__, which re-exports
 )
 APART = {("train", "frontend"), ("frontend", "train")}
 

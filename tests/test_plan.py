@@ -138,7 +138,7 @@ def test_the_good_plans_have_no_problems():
 def test_a_plan_file_that_is_not_yaml_is_one_line(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text("tensor_parallel: {layers.*.attn.wq: colwise\n")
-    with pytest.raises(PlanError, match=r"plan.yaml: not valid YAML") as error:
+    with pytest.raises(PlanError, match=r"plan.yaml is not valid YAML at line 2") as error:
         load_plan(path)
     assert "\n" not in str(error.value)
 

@@ -230,6 +230,6 @@ def test_cli_bad_input_exits_2_with_one_line_per_problem():
                                        "--microbatches", "6", "--virtual-stages", "1"])
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
-        "error: interleaved-1f1b needs at least 2 virtual stages (model chunks per rank): got 1",
-        "error: interleaved-1f1b needs microbatches to be a multiple of the stages (4): got 6",
+        "paratrain schedule: error: interleaved-1f1b needs at least 2 virtual stages (model chunks per rank): got 1",
+        "paratrain schedule: error: interleaved-1f1b needs microbatches to be a multiple of the stages (4): got 6",
     ]

@@ -237,4 +237,4 @@ def test_sample_command_reports_a_missing_checkpoint_in_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "paratrain.train.checkpoint", fake_checkpoint_module(load_for_inference))
     result = CliRunner().invoke(main, ["sample", "--checkpoint", "nowhere"])
     assert result.exit_code == 2
-    assert result.output.strip() == "error: no checkpoint at nowhere"
+    assert result.output.strip() == "paratrain sample: error: no checkpoint at nowhere"

@@ -27,8 +27,12 @@ def test_default_config_is_valid():
         ({"data.global_batch": 64, "parallel.grad_accum": 3}, 2, "not divisible by data-parallel size 2 x grad_accum 3 = 6"),
         ({"model.name": "resnet"}, 2, "model: unknown model 'resnet'; valid: mlp, mlp16, cnn"),
         ({"model.name": "mlp", "model.widht": 3}, 2, "model 'mlp' has no option 'widht'; valid: in_dim, hidden, classes"),
-        ({"optim.lr": 0.0}, 2, "optim.lr must be positive, got 0.0"),
-        ({"optim.lr": -1.0}, 2, "optim.lr must be positive"),
+        ({"optim.lr": 0.0}, 2, "optim.lr must be a finite number > 0, got 0.0"),
+        ({"optim.lr": -1.0}, 2, "optim.lr must be a finite number > 0"),
+        ({"optim.lr": float("nan")}, 2, "optim.lr must be a finite number > 0, got nan"),
+        ({"optim.lr": float("inf")}, 2, "optim.lr must be a finite number > 0, got inf"),
+        ({"optim.weight_decay": float("inf")}, 2, "optim.weight_decay must be a finite number >= 0, got inf"),
+        ({"parallel.timeout": float("nan")}, 2, "parallel.timeout must be a finite number of seconds > 0, got nan"),
         ({"optim.name": "lamb"}, 2, "optim.name: unknown value 'lamb'; valid: sgd, adamw"),
         ({"optim.momentum": 1.5}, 2, "optim.momentum must be in [0, 1)"),
         ({"optim.schedule": "step"}, 2, "optim.schedule: unknown value 'step'; valid: cosine, constant"),
@@ -37,7 +41,7 @@ def test_default_config_is_valid():
         ({"parallel.launcher": "mpi"}, 2, "parallel.launcher: unknown value 'mpi'; valid: threads, processes"),
         ({"parallel.dp_mode": "fsdp"}, 2, "parallel.dp_mode: unknown value 'fsdp'; valid: naive, ddp, torch"),
         ({"parallel.algo": "bruck"}, 2, "parallel.algo: unknown value 'bruck'; valid: ring, hd, tree, direct, native, auto"),
-        ({"parallel.bucket_mb": 0}, 2, "parallel.bucket_mb must be positive"),
+        ({"parallel.bucket_mb": 0}, 2, "parallel.bucket_mb must be a finite number > 0"),
         ({"parallel.compress": "int8"}, 2, "parallel.compress: unknown compression 'int8'"),
         ({"parallel.compress": "topk:1.5"}, 2, "top-k ratio must be in (0, 1], got 1.5"),
         ({"parallel.zero": 3}, 2, "parallel.zero must be 0 or 1 (ZeRO-1), got 3"),
@@ -76,8 +80,8 @@ def test_yaml_unknown_keys_name_the_valid_ones(tmp_path):
 def test_train_command_rejects_bad_config_before_starting():
     result = CliRunner().invoke(main, ["train", "--nproc", "4", "--global-batch", "30", "--lr", "-1"])
     assert result.exit_code == 2
-    assert "error: optim.lr must be positive" in result.output
-    assert "error: data.global_batch 30 is not divisible by data-parallel size 4" in result.output
+    assert "paratrain train: error: optim.lr must be a finite number > 0" in result.output
+    assert "paratrain train: error: data.global_batch 30 is not divisible by data-parallel size 4" in result.output
 
 
 def test_train_command_writes_metrics(tmp_path):

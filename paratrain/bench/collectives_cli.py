@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 import torch
 
+from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.bench import report
 from paratrain.bench.collectives import DTYPES, Sweep, element_counts, run_sweep
 from paratrain.plan.membw import copy_bandwidth_gbps
@@ -120,10 +121,10 @@ def _thread_devices(nproc: int):
                    "ours and one of the bare replay each.")
 @click.option("--dtype", type=click.Choice(tuple(DTYPES)), default="float32", show_default=True,
               help="Element type of the buffers.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Also write the measurements to this file: a list of records with keys "
                    + ", ".join(report.JSON_KEYS) + ".")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Also draw busbw against size (one subplot per op) into this PNG file.")
 @click.option("--tune", is_flag=True,
               help="Record per (transport, world size, op, size) the algorithm `auto` runs, in the table it "
@@ -142,7 +143,7 @@ def _thread_devices(nproc: int):
               help="The algorithm table --tune writes and `auto` reads. A table named (here or by "
                    "PARATRAIN_ALGO_TABLE) is used as it is; the cached one only where it was written on "
                    "this host for this world size.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True),
+@click.option("--timeout", type=FiniteFloat(min=0, min_open=True),
               help="Seconds any one communication may block before it fails naming the rank and peer. "
                    "[default: $PARATRAIN_TIMEOUT or 300]")
 @click.option("--debug", is_flag=True,
@@ -251,13 +252,8 @@ def _launch(sweep: Sweep | None, nproc: int, launcher: str, settings: Settings,
             function=run_sweep, args: tuple | None = None):
     """Run `function` (the sweep) on every rank; rank 0's result, or None in a process without rank 0."""
     devices = _thread_devices(nproc) if launcher == "threads" else None
-    try:
-        results = run(function, nproc, launcher=launcher, args=args or (sweep,), devices=devices,
-                      settings=settings)
-    except Exception as error:  # noqa: BLE001 - shown as one line; --debug shows the traceback
-        if settings.debug:
-            raise
-        raise click.ClickException(f"benchmark failed: {type(error).__name__}: {error}") from error
+    results = run(function, nproc, launcher=launcher, args=args or (sweep,), devices=devices,
+                  settings=settings)
     if 0 not in results and not in_torchrun():
         raise click.ClickException("benchmark failed: rank 0 returned no measurements")
     return results.get(0)

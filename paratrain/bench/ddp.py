@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 import torch
 
+from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.launch import LAUNCHERS, in_torchrun, run
 from paratrain.settings import launch_environment
 from paratrain.train.config import TrainConfig, apply_overrides
@@ -127,12 +128,9 @@ def run_all(runs: list[Run], nproc: int, launcher: str) -> list[dict] | None:
     Processes: one world trains every run, as starting one costs seconds. Threads: a world per
     run, because a fabric can build PyTorch's gloo group for its threads only once (a second
     TorchDataParallel in the same world hangs), and starting threads costs nothing."""
-    try:
-        if launcher == "processes" or in_torchrun():
-            return run(train_runs, nproc, launcher=launcher, args=(runs,)).get(0)
-        return [m for r in runs for m in run(train_runs, nproc, launcher=launcher, args=([r],))[0]]
-    except Exception as error:  # noqa: BLE001 - one line for the user, not a spawn traceback
-        raise click.ClickException(f"benchmark failed: {type(error).__name__}: {error}") from error
+    if launcher == "processes" or in_torchrun():
+        return run(train_runs, nproc, launcher=launcher, args=(runs,)).get(0)
+    return [m for r in runs for m in run(train_runs, nproc, launcher=launcher, args=([r],))[0]]
 
 
 def parse_names(text: str, valid, what: str, option: str) -> list[str]:
@@ -286,11 +284,11 @@ def _flags(name: str) -> str:
               help="Steps before the timed ones, not counted.")
 @click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True,
               help="Runs per (model, mode), interleaved; each row is the median one.")
-@click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True,
+@click.option("--bucket-mb", type=FiniteFloat(min=0, min_open=True), default=25.0, show_default=True,
               help="Gradient bucket size in MiB for ddp and torch (PyTorch's default).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Also write one record per (model, mode) to this file, with keys " + ", ".join(JSON_KEYS) + ".")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Also draw step time and communication share per model and mode into this PNG file.")
 def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, repeats, bucket_mb,
         json_path, plot_path) -> None:

@@ -25,6 +25,7 @@ import click
 import torch
 
 from paratrain.bench.frontend_steps import ROUND_SECONDS, frontend_step, seconds_per_step, torch_step
+from paratrain.cli_types import OutputPath
 
 SIZES = ((32, 128), (256, 1024), (1024, 2048))
 
@@ -104,7 +105,7 @@ def _report(gt, session, sizes, repeats: int, steps: int | None) -> list[dict]:
               help="Steps per round (default: about 0.4 s of PyTorch per round).")
 @click.option("--compile", "compiled", is_flag=True,
               help="Also run the step with its forward in a compiled region (compile: true), side by side.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write one record per size: batch, hidden, workers, frontend_ms, torch_ms, ratio, ...")
 def frontend(sizes, workers, server, repeats, steps, compiled, json_path):
     """A two-layer MLP training step through the frontend vs plain PyTorch in one process."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
 from paratrain.bench.p2p import P2PSweep, run_p2p
 from paratrain.bench.report import describe_kind
@@ -116,13 +117,13 @@ def write_heatmap(path: Path, records: list[dict], n: int) -> None:
 @click.option("--factor", type=click.IntRange(min=2), default=8, show_default=True, help="Each size is the previous one times this.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed messages first.")
 @click.option("--iters", type=click.IntRange(min=1), default=20, show_default=True, help="Timed rounds per test (the median counts).")
-@click.option("--flag-below", type=click.FloatRange(0, 1), default=0.8, show_default=True,
+@click.option("--flag-below", type=FiniteFloat(0, 1), default=0.8, show_default=True,
               help="Name links below this fraction of the median bandwidth.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Write the records (test, src, dst, bytes, time_us, gbps, ...) to this file.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Draw the bandwidth matrices as heatmaps into this PNG file.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help="Seconds one communication may block.")
+@click.option("--timeout", type=FiniteFloat(min=0, min_open=True), help="Seconds one communication may block.")
 def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below, json_path, plot_path, timeout):
     """Bandwidth and latency of every pair of ranks, one pair at a time, and the all-to-all aggregate.
 
@@ -134,10 +135,7 @@ def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below
     if max_bytes < min_bytes:
         raise click.BadParameter(f"{max_bytes} is smaller than --min-bytes ({min_bytes})", param_hint="'--max-bytes'")
     sweep = P2PSweep(tuple(s for s in sweep_sizes(min_bytes, max_bytes, factor) if s > 0), warmup, iters)
-    try:
-        results = run(run_p2p, nproc, launcher=launcher, args=(sweep,), timeout=timeout)
-    except Exception as error:  # noqa: BLE001 - one line; the launcher has printed the ranks' tracebacks
-        raise click.ClickException(f"benchmark failed: {type(error).__name__}: {error}") from error
+    results = run(run_p2p, nproc, launcher=launcher, args=(sweep,), timeout=timeout)
     result = results.get(0)
     if result is None:
         if not in_torchrun():

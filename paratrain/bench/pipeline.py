@@ -19,6 +19,7 @@ import time
 import click
 import torch
 
+from paratrain.cli_types import OutputPath
 from paratrain.launch import run
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.schedules import SCHEDULES, build_schedule
@@ -140,7 +141,7 @@ def _simulated_bubble(name: str, stages: int, microbatches: int, action_s: torch
 @click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True, help="Timed steps per runner.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps per runner first.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the records as JSON.")
+@click.option("--json", "json_path", type=OutputPath(), help="Write the records as JSON.")
 def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup, json_path):
     """Our pipeline runtime vs torch.distributed.pipelining on the same GPT stages.
 

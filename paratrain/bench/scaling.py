@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 import torch
 
+from paratrain.cli_types import OutputPath
 from paratrain.bench.ddp import Run, check_configs, run_all, training_config, write_json
 from paratrain.launch import LAUNCHERS, in_torchrun
 from paratrain.models import MODEL_NAMES
@@ -169,10 +170,10 @@ def write_plot(path: Path, records: list[dict], title: str) -> None:
               help="Timed steps per run.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
               help="Steps before the timed ones, not counted.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Also write one record per (mode, world size) to this file, with keys "
                    + ", ".join(JSON_KEYS) + ".")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Also draw samples/s and efficiency against world size into this PNG file.")
 def scaling(mode, model, dp_mode, launcher, max_nproc, nprocs_text, batch_size, global_batch, steps,
             warmup, json_path, plot_path) -> None:

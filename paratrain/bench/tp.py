@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.bench.ddp import _quiet
+from paratrain.cli_types import OutputPath
 from paratrain.launch import run
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
@@ -124,7 +125,7 @@ def both_on_this_rank(group, config: TrainConfig, rounds: int, warmup: int) -> d
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed first steps.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Runs of each implementation, alternating; the median is reported.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", type=OutputPath(),
               help="Also write one record per size: model, tp, global_batch, steps, warmup, rounds, "
                    "ours_ms, torch_ms, ratio, max_loss_diff.")
 def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds, json_path) -> None:

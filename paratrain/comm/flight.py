@@ -22,6 +22,8 @@ import threading
 import time
 from collections import deque
 
+from paratrain.errors import UserError
+
 CAPACITY = 64  # enough to see the calls around a hang; small enough to dump in a blink
 
 
@@ -147,14 +149,54 @@ def run_directory(run_id: str | None, trace_dir: str | None = None) -> str | Non
     return None
 
 
+class MalformedRecord(UserError):
+    """A rank<N>.json that is not a flight record (cut short, edited, another program's)."""
+
+
 def read_dumps(directory: str) -> dict[int, dict]:
-    """The flight records in `directory`, by rank."""
+    """The flight records in `directory`, by rank; MalformedRecord names a file that is not one."""
     dumps = {}
     for name in sorted(os.listdir(directory)):
         if name.startswith("rank") and name.endswith(".json") and name[4:-5].isdigit():
-            with open(os.path.join(directory, name)) as file:
-                dumps[int(name[4:-5])] = json.load(file)
+            path = os.path.join(directory, name)
+            try:
+                with open(path) as file:
+                    record = json.load(file)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+                raise MalformedRecord(f"{path} cannot be read as a flight record: {error}") from None
+            problem = _record_problem(record)
+            if problem:
+                raise MalformedRecord(f"{path} is not a flight record: {problem}")
+            dumps[int(name[4:-5])] = record
     return dumps
+
+
+_NUMBER, _MAYBE_STR, _MAYBE_INT = (int, float), (str, type(None)), (int, type(None))
+_RECORD_FIELDS = {"calls": list, "capacity": int, "error": _MAYBE_STR}
+_CALL_FIELDS = {"group": list, "group_index": int, "kind": str, "seq": int, "op": str, "algo": _MAYBE_STR,
+                "peer": _MAYBE_INT, "started": _NUMBER, "finished": (*_NUMBER, type(None)), "state": str,
+                "shape": list, "dtype": _MAYBE_STR}
+
+
+def _record_problem(record) -> str | None:
+    """What is wrong with a decoded flight record (what `paratrain debug hang` reads), or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    for entry, fields, where in [(record, _RECORD_FIELDS, "")] + [
+            (call, _CALL_FIELDS, f"calls[{i}].") for i, call in enumerate(record.get("calls") or [])]:
+        if not isinstance(entry, dict):
+            return f"{where.rstrip('.')} is not an object"
+        for field, kind in fields.items():
+            if field not in entry:
+                return f"{where}{field} is missing"
+            if not isinstance(entry[field], kind):
+                return f"{where}{field} is {entry[field]!r}, expected {_kind_name(kind)}"
+    return None
+
+
+def _kind_name(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
 def dump_flight_record(group, directory: str | None = None) -> list[str]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import click
 
+from paratrain.cli_errors import OneLineCommand
+from paratrain.cli_types import FiniteFloat, OutputPath
+
 _TOKEN = dict(envvar="PARATRAIN_TOKEN", default=None,
               help="Shared secret; required to bind an address other than loopback [PARATRAIN_TOKEN].")
 
@@ -11,7 +14,7 @@ _TOKEN = dict(envvar="PARATRAIN_TOKEN", default=None,
 PORT = click.IntRange(0, 65535)
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("-H", "--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Anything but loopback needs --token.")
 @click.option("-p", "--port", default=29700, show_default=True, type=PORT, help="Port (0: any free port).")
@@ -22,14 +25,14 @@ PORT = click.IntRange(0, 65535)
               help="GT's flag: start N workers here, one per GPU where there are GPUs (--workers N --local-workers).")
 @click.option("--token", **_TOKEN)
 @click.option("--instruction-log", "--log-file", "instruction_log",
-              envvar=["PARATRAIN_INSTRUCTION_LOG", "GT_INSTRUCTION_LOG"], type=click.Path(dir_okay=False), default=None,
+              envvar=["PARATRAIN_INSTRUCTION_LOG", "GT_INSTRUCTION_LOG"], type=OutputPath(), default=None,
               help="Write the instruction log (one line per instruction and message) to this file "
                    "[PARATRAIN_INSTRUCTION_LOG, GT_INSTRUCTION_LOG].")
 @click.option("--threads", type=click.IntRange(1), default=None,
               help="Torch threads per local worker (default: cores / workers).")
-@click.option("--client-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--client-timeout", default=30.0, show_default=True, type=FiniteFloat(min=0, min_open=True),
               help="Seconds without a heartbeat before a client is dropped and its tensors freed.")
-@click.option("--worker-timeout", default=5.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--worker-timeout", default=5.0, show_default=True, type=FiniteFloat(min=0, min_open=True),
               help="Seconds without a heartbeat before a worker is declared lost.")
 @click.option("--max-message-mb", default=1024, show_default=True, type=click.IntRange(1, 2047),
               help="Largest message (one uploaded tensor) accepted, in MiB.")
@@ -72,12 +75,12 @@ def serve(ctx, host, port, workers, local_workers, spawn, token, instruction_log
     raise SystemExit(status)
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--host", default="127.0.0.1", show_default=True, help="The dispatcher's address.")
 @click.option("-p", "--port", default=29700, show_default=True, type=PORT, help="The dispatcher's port.")
 @click.option("--token", **_TOKEN)
 @click.option("--threads", type=click.IntRange(1), default=None, help="Torch threads for this worker.")
-@click.option("--connect-timeout", default=120.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--connect-timeout", default=120.0, show_default=True, type=FiniteFloat(min=0, min_open=True),
               help="Seconds to wait for the dispatcher to answer before giving up.")
 @click.option("--backend", type=click.Choice(["pytorch", "cuda", "cpu", "numpy"]), default=None,
               help="The device: cuda, or cpu (GT's 'numpy'); pytorch: a GPU if there is one "
@@ -117,7 +120,8 @@ def worker(host, port, token, threads, connect_timeout, backend, name, exit_with
 @click.option("--server", envvar="PARATRAIN_SERVER", default="127.0.0.1:29700", show_default=True,
               help="The dispatcher, HOST:PORT [PARATRAIN_SERVER].")
 @click.option("--token", **_TOKEN)
-@click.option("--interval", default=1.0, show_default=True, help="Seconds between updates.")
+@click.option("--interval", default=1.0, show_default=True, type=FiniteFloat(min=0, min_open=True),
+              help="Seconds between updates.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit.")
 def top(server, token, interval, once):
     """Live view of a dispatcher: per worker operations/s, busy %, queue depth and memory held;
@@ -139,17 +143,17 @@ def frontend():
 
 @frontend.command()
 @click.argument("log", required=False, type=click.Path(exists=True, dir_okay=False))
-@click.option("--live", type=click.FloatRange(0, 3600, min_open=True), default=None, metavar="SECONDS",
+@click.option("--live", type=FiniteFloat(0, 3600, min_open=True), default=None, metavar="SECONDS",
               help="Instead of reading LOG, capture SECONDS of a running dispatcher's log (see --server).")
 @click.option("--server", envvar="PARATRAIN_SERVER", default="127.0.0.1:29700", show_default=True,
               help="With --live: the dispatcher, HOST:PORT [PARATRAIN_SERVER].")
 @click.option("--token", **_TOKEN)
 @click.option("-n", "--max-events", type=click.IntRange(1), default=None,
               help="With --live: stop after this many lines.")
-@click.option("--save", type=click.Path(dir_okay=False), default=None,
+@click.option("--save", type=OutputPath(), default=None,
               help="With --live: write the captured log here [default: trace_YYYYmmdd_HHMMSS.log].")
-@click.option("-o", "--output", default="frontend_trace.json", show_default=True, help="Chrome trace to write.")
-@click.option("--png", type=click.Path(dir_okay=False), default=None,
+@click.option("-o", "--output", type=OutputPath(), default="frontend_trace.json", show_default=True, help="Chrome trace to write.")
+@click.option("--png", type=OutputPath(), default=None,
               help="Also draw a timeline here: a lane per worker, a bar per instruction.")
 def trace(log, live, server, token, max_events, save, output, png):
     """Turn an instruction log into a Chrome trace (open it at ui.perfetto.dev): one track per
@@ -203,11 +207,6 @@ def explain(config, workers):
     from paratrain.frontend import signals
     from paratrain.frontend.explain import describe, draw
 
-    try:
-        parsed = signals.parse(signals.load(config), workers)
-    except signals.ConfigError as error:
-        for problem in error.problems:
-            click.echo(f"error: {problem}", err=True)
-        raise SystemExit(2) from None
+    parsed = signals.parse(signals.load(config), workers)  # a signals.ConfigError: one line per problem
     for line in describe(parsed) + draw(parsed):
         click.echo(line)

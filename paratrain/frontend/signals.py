@@ -30,17 +30,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paratrain.errors import Problems, yaml_problem
+
 MAX_RANK = 8  # axes are checked against [-8, 8) when loaded, against the tensor when used
 _SIGNAL_KEYS = {"shard", "workers", "backward", "compile"}
 _SHARD_KEYS = {"axis", "workers", "replicated"}
 
 
-class ConfigError(ValueError):
+class ConfigError(Problems, ValueError):
     """A signal configuration with problems; the message has one line per problem."""
-
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
-        self.problems = problems
 
 
 @dataclass(frozen=True)
@@ -164,5 +162,5 @@ def load(source) -> dict:
     except OSError as error:
         raise ConfigError([f"cannot read signal configuration {source}: {error.strerror}"]) from None
     except yaml.YAMLError as error:
-        raise ConfigError([f"{source} is not valid YAML: {error}"]) from None
+        raise ConfigError([yaml_problem(source, error)]) from None
     return loaded if loaded is not None else {}

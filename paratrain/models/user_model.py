@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from paratrain.errors import UserError
+
 CONTEXT_ATTRS = ("block_size", "max_seq_len", "context_length", "seq_len")
+
+
+class ModelFileError(UserError, ValueError):
+    """A user's model that cannot be loaded or built; one line naming the file or function."""
 
 
 def is_model_file(name) -> bool:
@@ -27,11 +33,11 @@ def is_model_file(name) -> bool:
 
 
 def load_function(spec: str):
-    """The function FILE.py:FUNCTION names; ValueError, one line, if there is none."""
+    """The function FILE.py:FUNCTION names; ModelFileError, one line, if there is none."""
     path_text, _, function_name = spec.rpartition(":")
     path = Path(path_text)
     if not path.is_file():
-        raise ValueError(f"model file {path} not found")
+        raise ModelFileError(f"model file {path} not found")
     key = f"paratrain_user_model_{abs(hash(str(path.resolve())))}"
     module = sys.modules.get(key)
     if module is None or getattr(module, "__paratrain_mtime__", None) != path.stat().st_mtime:
@@ -40,12 +46,12 @@ def load_function(spec: str):
         try:
             module_spec.loader.exec_module(module)
         except Exception as error:  # the user's file: any error it raises is theirs, reported in one line
-            raise ValueError(f"model file {path}: {type(error).__name__}: {error}") from None
+            raise ModelFileError(f"model file {path}: {type(error).__name__}: {error}") from None
         module.__paratrain_mtime__ = path.stat().st_mtime
         sys.modules[key] = module
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise ValueError(f"model file {path} has no function {function_name!r}")
+        raise ModelFileError(f"model file {path} has no function {function_name!r}")
     return function
 
 
@@ -60,7 +66,7 @@ class CausalLMFile:
         """Builds the model on the meta device (no memory, no time) to read what is not given."""
         model = self.build(device="meta")
         if not isinstance(model, nn.Module):
-            raise ValueError(f"model {self.spec} returned a {type(model).__name__}, not an nn.Module")
+            raise ModelFileError(f"model {self.spec} returned a {type(model).__name__}, not an nn.Module")
         if self.vocab_size is None:
             self.vocab_size = _read(model, ("vocab_size",))
         if self.block_size is None:
@@ -68,7 +74,7 @@ class CausalLMFile:
         for name, value, flag in (("vocab size", self.vocab_size, "--vocab-size"),
                                   ("context length", self.block_size, "--block-size")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"model {self.spec}: its {name} is not an attribute of the module "
+                raise ModelFileError(f"model {self.spec}: its {name} is not an attribute of the module "
                                  f"({', '.join(CONTEXT_ATTRS) if flag == '--block-size' else 'vocab_size'}); "
                                  f"give it with {flag}")
 
@@ -82,7 +88,7 @@ class CausalLMFile:
                 kwargs[name] = getattr(self, name)
         unknown = sorted(k for k in kwargs if k not in parameters and not takes_any)
         if unknown:
-            raise ValueError(f"model {self.spec}: the function takes no option {unknown[0]!r}; "
+            raise ModelFileError(f"model {self.spec}: the function takes no option {unknown[0]!r}; "
                              f"it takes: {', '.join(parameters) or 'nothing'}")
         try:
             if device is None:
@@ -90,7 +96,7 @@ class CausalLMFile:
             with torch.device(device):
                 return function(**kwargs)
         except Exception as error:  # the user's code
-            raise ValueError(f"model {self.spec}: {type(error).__name__}: {error}") from None
+            raise ModelFileError(f"model {self.spec}: {type(error).__name__}: {error}") from None
 
 
 def language_model_shape(model: nn.Module) -> tuple[int | None, int | None]:

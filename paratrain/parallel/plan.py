@@ -35,12 +35,14 @@ from pathlib import Path
 import yaml
 from torch import nn
 
+from paratrain.errors import UserError, yaml_problem
+
 STYLES = ("colwise", "rowwise", "vocab_embed", "vocab_head", "replicate")
 BALANCES = ("cost", "count", "measured")
 _KEYS = ("tensor_parallel", "head_counts", "sequence_parallel", "pipeline")
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A plan that cannot be applied; the message is one line naming the module or key."""
 
 
@@ -80,7 +82,7 @@ def load_plan(source) -> Plan:
         except OSError as error:
             raise PlanError(f"cannot read plan {name}: {error.strerror}") from None
         except yaml.YAMLError as error:
-            raise PlanError(f"{name}: not valid YAML: {str(error).splitlines()[0]}") from None
+            raise PlanError(yaml_problem(name, error)) from None
     if not isinstance(source, dict):
         raise PlanError(f"{name}: a plan is a mapping with keys {', '.join(_KEYS)}")
     unknown = sorted(set(source) - set(_KEYS))

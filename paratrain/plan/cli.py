@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from paratrain.cli_types import OutputPath
+from paratrain.errors import Problems
 from paratrain.models import format_count
 from paratrain.plan.cost_model import Prediction, predict
 from paratrain.plan.flops import RECOMPUTE, step_flops
@@ -93,7 +95,7 @@ def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str
 @click.option("--sequence-parallel", is_flag=True, default=None, help="Sequence parallelism (tp > 1).")
 @click.option("--zero", type=click.IntRange(0, 1), help="1: optimizer state sharded over dp (ZeRO-1).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to show when searching.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Write {layout, step_s, memory_gib, bubble, mfu, breakdown} per layout to this file.")
 @click.option("--validate", is_flag=True,
               help="Train small configurations on this machine and print predicted against measured "
@@ -135,22 +137,23 @@ def plan(model, layers, hidden, heads, seq, vocab, mlp, hardware, gpus, global_b
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     explicit = any(layout_flags[name] is not None for name in LAYOUT_FLAGS)
+    if explicit:
+        layout = _layout(layout_flags, gpus)
+        problems = layout_problems(shape, layout, global_batch, profile, gpus)
+        if problems:
+            raise Problems([f"this layout cannot run: {problem}" for problem in problems])
+    elif gpus is None:
+        raise click.UsageError("give --gpus to search, or a layout (--tp/--pp/--dp ...) to predict")
     click.echo(f"{model if not any((layers, hidden, heads, seq, vocab, mlp)) else 'GPT'}: "
                f"{format_count(shape.parameters())} parameters (l={shape.layers} h={shape.hidden} a={shape.heads} "
                f"s={shape.seq} V={shape.vocab} m={shape.mlp}"
                + (f" g={shape.kv_heads}, SwiGLU" if shape.gated else "") + f"); global batch {global_batch}")
     click.echo(f"hardware {profile.name}: {profile.description}")
     if explicit:
-        layout = _layout(layout_flags, gpus)
-        problems = layout_problems(shape, layout, global_batch, profile, gpus)
-        if problems:
-            raise click.UsageError("this layout cannot run:\n  " + "\n  ".join(problems))
         results = [predict(shape, layout, profile, global_batch)]
         for line in describe_prediction(results[0], shape, global_batch, profile):
             click.echo(line)
     else:
-        if gpus is None:
-            raise click.UsageError("give --gpus to search, or a layout (--tp/--pp/--dp ...) to predict")
         results, dropped = search(shape, gpus, global_batch, profile)
         click.echo(f"searched layouts of {gpus} devices, fastest first:")
         for line in search_lines(results, dropped, top):

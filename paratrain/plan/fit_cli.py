@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from paratrain.cli_types import OutputPath
 from paratrain.plan.activations import Software
 from paratrain.plan.calibrate import SHAPES, profile_compute
 from paratrain.plan.fit import chosen_fits, fit_records, load_records, profile_yaml
@@ -59,7 +60,7 @@ def model() -> None:
 @click.option("--compute/--no-compute", default=True, show_default=True,
               help=f"Profile compute here: forward + backward of {len(SHAPES)} GPT block shapes (a few seconds).")
 @click.option("--name", default="local", show_default=True, help="The profile's name.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default="profile.yaml",
+@click.option("-o", "--output", type=OutputPath(path_type=Path), default="profile.yaml",
               show_default=True, help="Where to write the profile.")
 def fit(results, base, compute, name, output):
     """Fit alpha/beta per op, world size and algorithm from bench collectives / bench p2p JSON,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from paratrain.errors import yaml_problem
 from paratrain.plan.activations import Software
 
 PROFILE_DIR = Path(__file__).parent / "hardware"
@@ -140,7 +141,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     except OSError as error:
         raise ValueError(f"cannot read hardware profile {path}: {error.strerror}") from None
     except yaml.YAMLError as error:
-        raise ValueError(f"{path}: not valid YAML: {error}") from None
+        raise ValueError(yaml_problem(path, error)) from None
     return profile_from_dict(raw, str(path))
 
 

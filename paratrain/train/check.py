@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from paratrain.cli_types import FiniteFloat
 from paratrain.launch import run
 from paratrain.settings import Settings
 from paratrain.train.loop import train_rank
@@ -55,9 +56,11 @@ def compare(config, results: dict, reference) -> dict:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @training_options
-@click.option("--loss-rtol", type=float, help="Largest relative loss difference allowed (default 1e-5; bf16 1e-3).")
-@click.option("--param-atol", type=float, help="Largest parameter difference allowed (default 1e-5; bf16 1e-3).")
-@click.option("--progress-rtol", type=float,
+@click.option("--loss-rtol", type=FiniteFloat(min=0),
+              help="Largest relative loss difference allowed (default 1e-5; bf16 1e-3).")
+@click.option("--param-atol", type=FiniteFloat(min=0),
+              help="Largest parameter difference allowed (default 1e-5; bf16 1e-3).")
+@click.option("--progress-rtol", type=FiniteFloat(min=0),
               help="Largest relative difference of the loss decrease over the run (default 1e-3; bf16 5e-2).")
 def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
     """Train a parallel configuration and the single-process reference side by side; exit 0

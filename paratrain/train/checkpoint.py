@@ -34,11 +34,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from paratrain.errors import UserError
+
 MANIFEST, CHECKSUMS, FORMAT = "manifest.json", "checksums.json", 1
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be used, with the reason in one line."""
 
 
@@ -162,8 +164,12 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path / MANIFEST} cannot be read: {error}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has checkpoint format {manifest.get('format')!r}; this paratrain reads {FORMAT}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"{path} has checkpoint format {found!r}; this paratrain reads {FORMAT}")
+    missing = [key for key in ("step", "world_size", "config", "scheduler") if key not in manifest]
+    if missing:
+        raise CheckpointError(f"{path / MANIFEST} has no {', '.join(missing)}: it is damaged")
     return manifest
 
 
@@ -193,6 +199,9 @@ class CheckpointReader:
             expected = json.loads((rank_dir / CHECKSUMS).read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise CheckpointError(f"{rank_dir / CHECKSUMS} cannot be read: {error}") from None
+        if not isinstance(expected, dict) or not all(
+                isinstance(r, dict) and {"size", "crc32"} <= r.keys() for r in expected.values()):
+            raise CheckpointError(f"{rank_dir / CHECKSUMS} is damaged: not a size and crc32 per file")
         for name, recorded in expected.items():
             file = rank_dir / name
             if not file.is_file():

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from paratrain.errors import Problems, yaml_problem
+
 
 @dataclass
 class ModelConfig:
@@ -102,12 +104,8 @@ _SECTIONS = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(Problems, ValueError):
     """One or more problems with a configuration; each is one line of the message."""
-
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
-        self.problems = problems
 
 
 def _field_names(cls) -> list[str]:
@@ -159,7 +157,7 @@ def load_yaml(path: str | Path) -> TrainConfig:
     except OSError as error:
         raise ConfigError([f"cannot read config {path}: {error.strerror}"]) from None
     except yaml.YAMLError as error:
-        raise ConfigError([f"{path}: not valid YAML: {error}"]) from None
+        raise ConfigError([yaml_problem(path, error)]) from None
     return from_dict(raw, str(path))
 
 

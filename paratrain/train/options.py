@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Callable
 
 import click
@@ -112,7 +111,7 @@ TRAINING_FLAGS = [
     Flag("model.vocab_size", "--vocab-size", type=int, help="Vocabulary of a language model (default: the model's)."),
     Flag("model.block_size", "--block-size", type=int, help="Context length of a language model (default: the model's)."),
     Flag("parallel.timeout", "--timeout", type=float, help="Seconds before a blocking communication fails."),
-    Flag("parallel.debug", "--debug", is_flag=True, default=None, help="Check every collective is the same call on all ranks."),
+    Flag("parallel.debug", "--debug", is_flag=True, default=None, help="Check every collective is the same call on all ranks; an error prints its traceback."),
     Flag("log_every", "--log-every", type=int, help="Steps between printed log lines."),
     Flag("eval_every", "--eval-every", type=int,
         help="Steps between validation losses, and one at the end (default 0: none)."),
@@ -167,15 +166,10 @@ def training_options(command):
 
 
 def validated_config(config_path, flags: dict, settings: Settings) -> tuple[TrainConfig, int]:
-    """The configuration (its nproc the world size) and world size, or every problem printed
-    and exit code 2."""
-    try:
-        config = build_config(config_path, flags)
-        world = world_size_of(config, settings.launch)
-        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, nproc=world))
-        validate(config, world)
-    except ConfigError as error:
-        for problem in error.problems:
-            click.echo(f"error: {problem}", err=True)
-        sys.exit(2)
+    """The configuration (its nproc the world size) and world size, or a ConfigError naming
+    every problem."""
+    config = build_config(config_path, flags)
+    world = world_size_of(config, settings.launch)
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, nproc=world))
+    validate(config, world)
     return config, world

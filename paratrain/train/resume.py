@@ -31,17 +31,27 @@ def checkpoint_to_resume(config: TrainConfig, restarted: bool) -> str | None:
     return None
 
 
-def restore(path: str, config: TrainConfig, group, state: TrainState, scheduler) -> int:
-    """Load the checkpoint at `path` into this rank; returns the step to continue from."""
+def checked_reader(path: str | os.PathLike, config: TrainConfig) -> CheckpointReader:
+    """A reader of the checkpoint at `path` (its files checked against their checksums), or a
+    CheckpointError saying why this run cannot continue from it."""
     reader = CheckpointReader(path)
-    saved = reader.manifest["config"]
+    saved = reader.manifest.get("config")
     for section, key in (("model", "name"), ("model", "overrides"), ("optim", "name")):
         ours = getattr(getattr(config, section), key)
-        if saved[section][key] != ours:
-            raise CheckpointError(
-                f"{path} was saved with {section}.{key} = {saved[section][key]!r}, this run has {ours!r}")
+        try:
+            theirs = saved[section][key]
+        except (TypeError, KeyError):
+            raise CheckpointError(f"{path}: its manifest has no {section}.{key}") from None
+        if theirs != ours:
+            raise CheckpointError(f"{path} was saved with {section}.{key} = {theirs!r}, this run has {ours!r}")
     if reader.manifest["step"] >= config.steps:
         raise CheckpointError(f"{path} is at step {reader.manifest['step']}; --steps {config.steps} leaves nothing to train")
+    return reader
+
+
+def restore(path: str, config: TrainConfig, group, state: TrainState, scheduler) -> int:
+    """Load the checkpoint at `path` into this rank; returns the step to continue from."""
+    reader = checked_reader(path, config)
     load_state(state, reader.read)
     scheduler.load_state_dict(reader.manifest["scheduler"])
     for param_group, lr in zip(state.optimizer.param_groups, scheduler.get_last_lr()):

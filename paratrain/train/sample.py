@@ -11,13 +11,17 @@ Shape legend: T sequence position (at most block_size), V vocabulary.
 
 from __future__ import annotations
 
-import sys
-
 import click
 import torch
 
+from paratrain.cli_types import FiniteFloat
 from paratrain.data.text import BYTE_VOCAB, is_text_name
+from paratrain.errors import UserError
 from paratrain.models.user_model import language_model_shape
+
+
+class CannotSample(UserError, ValueError):
+    """A model or an argument `generate` cannot sample with."""
 
 
 def generate(model: torch.nn.Module, prompt: bytes | str, max_new_tokens: int, temperature: float = 1.0,
@@ -26,19 +30,19 @@ def generate(model: torch.nn.Module, prompt: bytes | str, max_new_tokens: int, t
     sequence that is not valid UTF-8 shows as U+FFFD)."""
     vocab_size, block_size = language_model_shape(model)
     if vocab_size is None or block_size is None:
-        raise ValueError(f"sampling needs a language model (a vocab_size and a block_size), got {type(model).__name__}")
+        raise CannotSample(f"sampling needs a language model (a vocab_size and a block_size), got {type(model).__name__}")
     if vocab_size < BYTE_VOCAB:
-        raise ValueError(f"the model's vocab_size is {vocab_size}: byte-level text needs "
-                         f"{BYTE_VOCAB}+ (train it on --data text with a vocab of {BYTE_VOCAB} or more)")
+        raise CannotSample(f"the model's vocab_size is {vocab_size}: byte-level text needs "
+                           f"{BYTE_VOCAB}+ (train it on --data text with a vocab of {BYTE_VOCAB} or more)")
     prompt_bytes = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
     if not prompt_bytes:
-        raise ValueError("the prompt is empty: give at least one byte to continue")
+        raise CannotSample("the prompt is empty: give at least one byte to continue")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+        raise CannotSample(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if not temperature > 0:
-        raise ValueError(f"temperature must be positive, got {temperature!r}")
+        raise CannotSample(f"temperature must be positive, got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+        raise CannotSample(f"top_k must be a positive integer, got {top_k!r}")
 
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -64,10 +68,10 @@ def generate(model: torch.nn.Module, prompt: bytes | str, max_new_tokens: int, t
 @click.option("--checkpoint", "checkpoint_path", required=True, type=click.Path(),
               help="A checkpoint saved by `paratrain train --save-dir` (any dp/tp/pp layout).")
 @click.option("--prompt", default="\n", show_default="a newline", help="Text to continue.")
-@click.option("--max-new-tokens", type=int, default=200, show_default=True, help="Bytes to generate.")
-@click.option("--temperature", type=float, default=1.0, show_default=True,
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=200, show_default=True, help="Bytes to generate.")
+@click.option("--temperature", type=FiniteFloat(min=0, min_open=True), default=1.0, show_default=True,
               help="Below 1: safer, more repetitive text; above 1: more surprising.")
-@click.option("--top-k", type=int, default=None, help="Draw only from the k likeliest bytes.")
+@click.option("--top-k", type=click.IntRange(min=1), default=None, help="Draw only from the k likeliest bytes.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same text.")
 def sample(checkpoint_path, prompt, max_new_tokens, temperature, top_k, seed):
     """Continue a prompt with a GPT trained on text.
@@ -79,12 +83,12 @@ def sample(checkpoint_path, prompt, max_new_tokens, temperature, top_k, seed):
     """
     from paratrain.train.checkpoint import load_for_inference  # imports torch.distributed.checkpoint
 
+    config, model = load_for_inference(checkpoint_path)  # a CheckpointError says what is wrong with it
+    if not is_text_name(config.data.name):
+        click.echo(f"note: this model was trained on {config.data.name or 'tokens'} data, not text: "
+                   "expect noise", err=True)
     try:
-        config, model = load_for_inference(checkpoint_path)
-        if not is_text_name(config.data.name):
-            click.echo(f"note: this model was trained on {config.data.name or 'tokens'} data, not text: "
-                       "expect noise", err=True)
-        click.echo(generate(model, prompt, max_new_tokens, temperature, top_k, seed))
-    except (ValueError, FileNotFoundError) as error:
-        click.echo(f"error: {error}", err=True)
-        sys.exit(2)
+        text = generate(model, prompt, max_new_tokens, temperature, top_k, seed)
+    except CannotSample as error:
+        raise CannotSample(f"{checkpoint_path}: {error}") from None
+    click.echo(text)

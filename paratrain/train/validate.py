@@ -3,6 +3,8 @@ so a user fixes them in one go instead of one failed launch at a time."""
 
 from __future__ import annotations
 
+import math
+
 from paratrain.comm.algorithms import algorithms_for
 from paratrain.data import DATASET_NAMES, dataset_config
 from paratrain.data.text import is_text_name
@@ -18,6 +20,7 @@ from paratrain.parallel.pipeline.schedules import microbatch_problems
 from paratrain.parallel.pipeline.split import pipeline_layers
 from paratrain.parallel.plan import PlanError, pipeline_problems, tp_problems_of
 from paratrain.parallel.tensor.parallelize import tp_problems
+from paratrain.paths import cannot_write
 from paratrain.train.config import ConfigError, TrainConfig
 from paratrain.train.setup import data_choice, plan_for
 
@@ -31,7 +34,8 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float: nan and inf parse as floats (`--lr nan`) and would train to a loss of nan."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _choice(problems, label, value, valid) -> None:
@@ -42,7 +46,8 @@ def _choice(problems, label, value, valid) -> None:
 def _at_least(problems, label, value, low, kind="integer") -> bool:
     ok = (_is_int(value) if kind == "integer" else _is_number(value)) and value >= low
     if not ok:
-        problems.append(f"{label} must be {'an integer' if kind == 'integer' else 'a number'} >= {low}, got {value!r}")
+        problems.append(f"{label} must be {'an integer' if kind == 'integer' else 'a finite number'} >= {low}, "
+                        f"got {value!r}")
     return ok
 
 
@@ -64,11 +69,15 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     _at_least(problems, "eval_every", config.eval_every, 0)
     if not _is_int(config.seed):
         problems.append(f"seed must be an integer, got {config.seed!r}")
+    if config.metrics_out:
+        reason = cannot_write(config.metrics_out)
+        if reason:
+            problems.append(f"metrics_out: cannot write {config.metrics_out}: {reason}")
 
     _choice(problems, "optim.name", optim.name, OPTIMIZERS)
     _choice(problems, "optim.schedule", optim.schedule, SCHEDULES)
     if not _is_number(optim.lr) or optim.lr <= 0:
-        problems.append(f"optim.lr must be positive, got {optim.lr!r}")
+        problems.append(f"optim.lr must be a finite number > 0, got {optim.lr!r}")
     if not _is_number(optim.momentum) or not 0 <= optim.momentum < 1:
         problems.append(f"optim.momentum must be in [0, 1), got {optim.momentum!r}")
     _at_least(problems, "optim.weight_decay", optim.weight_decay, 0, "number")
@@ -102,15 +111,15 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
         problems.append("parallel.algo: PyTorch's DDP uses its own all-reduce; --algo applies to --dp-mode naive or ddp")
     _choice(problems, "parallel.naive_layout", par.naive_layout, LAYOUTS)
     if not _is_number(par.bucket_mb) or par.bucket_mb <= 0:
-        problems.append(f"parallel.bucket_mb must be positive, got {par.bucket_mb!r}")
+        problems.append(f"parallel.bucket_mb must be a finite number > 0, got {par.bucket_mb!r}")
     if not _is_number(par.first_bucket_mb) or par.first_bucket_mb <= 0:
-        problems.append(f"parallel.first_bucket_mb must be positive, got {par.first_bucket_mb!r}")
+        problems.append(f"parallel.first_bucket_mb must be a finite number > 0, got {par.first_bucket_mb!r}")
     accum_ok = _at_least(problems, "parallel.grad_accum", par.grad_accum, 1)
     _at_least(problems, "parallel.local_sgd", par.local_sgd, 0)
     if par.zero not in (0, 1):
         problems.append(f"parallel.zero must be 0 or 1 (ZeRO-1), got {par.zero!r}")
     if par.timeout is not None and (not _is_number(par.timeout) or par.timeout <= 0):
-        problems.append(f"parallel.timeout must be a positive number of seconds, got {par.timeout!r}")
+        problems.append(f"parallel.timeout must be a finite number of seconds > 0, got {par.timeout!r}")
     try:
         build_compressor(par.compress)
     except (ValueError, TypeError, AttributeError) as error:
@@ -278,11 +287,16 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
     if ckpt.dir and par.compress.startswith("topk"):
         problems.append("checkpoint: top-k compression keeps per-rank error-feedback residuals that a "
                         "checkpoint does not hold; use --compress fp16/bf16/none with --save-dir")
-    if ckpt.resume not in (None, "latest"):
+    if ckpt.dir:
+        reason = cannot_write(ckpt.dir, directory=True)
+        if reason:
+            problems.append(f"checkpoint.dir: cannot write {ckpt.dir}: {reason}")
+    if ckpt.resume is not None:
         from paratrain.train.checkpoint import CheckpointError, resolve
+        from paratrain.train.resume import checked_reader
 
         try:
-            resolve(ckpt.resume, ckpt.dir)
+            checked_reader(resolve(ckpt.resume, ckpt.dir), config)  # the whole checkpoint, before any rank reads it
         except CheckpointError as error:
             problems.append(f"checkpoint.resume: {error}")
 

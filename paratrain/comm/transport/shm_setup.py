@@ -2,10 +2,16 @@
 share this host, and a ring to each of them.
 
 Every rank of the group takes part (shm_transport.over_process_group calls `connect`): one
-all-gather of (offers shared memory, host key, process id, random token), then, where any two
-ranks share a host, two barriers. Between them each rank creates its outgoing rings and its
-doorbell under /dev/shm, named by its token, and opens its peers'; after the second every peer
-has opened them, so the names are removed: from then on a crash leaves no file behind.
+all-gather of (offers shared memory, host key, process id, random token, parent's process id),
+then, where any two ranks share a host, two barriers. Between them each rank creates its
+outgoing rings and its doorbell under /dev/shm, and opens its peers'; after the second every
+peer has opened them, so the names are removed: from then on a crash leaves no file behind.
+
+A rank killed between the barriers cannot remove its files, so their names say whose they are:
+/dev/shm/paratrain-<pid namespace>-<parent pid>-<pid>-<token>-to-<peer> (and -bell). Our
+launcher, the parent, removes its ranks' files once they have exited; and every rank setting
+up removes, naming them, the files of a process of its namespace that no longer exists (a run
+under torchrun whose ranks were killed, or whose launcher was).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import secrets
+import sys
 
 import torch
 
@@ -68,51 +76,116 @@ def _host_key() -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def _ring_path(token: int, dst: int) -> str:
-    return f"/dev/shm/paratrain-{token:016x}-to-{dst}"
+SHM_DIR = "/dev/shm"
+_FILE_NAME = re.compile(r"^paratrain-(\d+)-(\d+)-(\d+)-[0-9a-f]{16}-(to-\d+|bell)$")  # namespace, parent, pid
 
 
-def _bell_path(token: int) -> str:
-    return f"/dev/shm/paratrain-{token:016x}-bell"
+def _owner(namespace: int, parent: int, pid: int, token: int) -> str:
+    """The start of the names of a process's files."""
+    return f"{SHM_DIR}/paratrain-{namespace}-{parent}-{pid}-{token:016x}"
+
+
+def _ring_path(owner: str, dst: int) -> str:
+    return f"{owner}-to-{dst}"
+
+
+def _bell_path(owner: str) -> str:
+    return f"{owner}-bell"
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def remove_stale_files() -> None:
+    """Remove the rings and doorbells of processes of this namespace that no longer exist,
+    one line each on stderr. Ranks of a host sweep together: each file is removed (and named)
+    by one of them."""
+    for path, pid, kind in _our_files(lambda parent, pid: not _alive(pid)):
+        if _unlink_one(path):
+            print(f"removed stale shared-memory {kind} {path} left by dead process {pid}", file=sys.stderr)
+
+
+def remove_files_of_children(parent: int) -> None:
+    """Remove the files the ranks that `parent` launched left (they have exited: those killed
+    while setting up could not remove their own)."""
+    for path, _, _ in _our_files(lambda owner_parent, pid: owner_parent == parent):
+        _unlink_one(path)
+
+
+def _our_files(chosen):
+    """(path, pid, "ring" or "doorbell") of each of our files in /dev/shm of this pid
+    namespace for which chosen(parent pid, pid) holds."""
+    if not os.path.isdir(SHM_DIR):
+        return
+    namespace = _pid_namespace()
+    for name in os.listdir(SHM_DIR):
+        match = _FILE_NAME.match(name)
+        if match and int(match[1]) == namespace and chosen(int(match[2]), int(match[3])):
+            yield f"{SHM_DIR}/{name}", int(match[3]), "doorbell" if match[4] == "bell" else "ring"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _unlink_one(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # removed by another rank sweeping
+        return False
+    return True
 
 
 def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     """Set up shared memory among the ranks of `inner` (a TorchTransport) that share a host; every rank
     calls this (one all-gather, and two barriers where any two ranks share a host). Returns
     None where this rank shares a host with none of the others (or offers no shared memory)."""
-    me = torch.zeros(4, dtype=torch.int64)
+    me = torch.zeros(5, dtype=torch.int64)
     offered = enabled(settings)
     token = secrets.randbits(62)
     if offered:
         try:
-            me[:] = torch.tensor([1, _host_key(), os.getpid(), token])
+            me[:] = torch.tensor([1, _host_key(), os.getpid(), token, os.getppid()])
         except OSError:  # no /proc: not a Linux we know how to watch
             offered = False
-    everyone = torch.empty(inner.size * 4, dtype=torch.int64)
+    everyone = torch.empty(inner.size * 5, dtype=torch.int64)
     timeout = inner.own_timeout or settings.timeout
     inner.native_all_gather(everyone, me, timeout)
-    table = everyone.view(inner.size, 4).tolist()
+    table = everyone.view(inner.size, 5).tolist()
     hosts = {}
-    for rank, (offers, key, _, _) in enumerate(table):
+    for rank, (offers, key, *_) in enumerate(table):
         if offers:
             hosts.setdefault(key, []).append(rank)
     if all(len(ranks) < 2 for ranks in hosts.values()):
         return None  # the same answer on every rank: nobody does the barriers below
     neighbours = [r for r in hosts.get(table[inner.rank][1], []) if r != inner.rank] if offered else []
     capacity = ring_bytes(settings, len(neighbours))
-    mine = [_ring_path(token, peer) for peer in neighbours] + [_bell_path(token)]
+    owners, mine = {}, []
+    if neighbours:
+        remove_stale_files()
+        namespace = _pid_namespace()  # the same for the ranks of a host (see _host_key)
+        owners = {r: _owner(namespace, table[r][4], table[r][2], table[r][3]) for r in (inner.rank, *neighbours)}
+        own = owners[inner.rank]
+        mine = [_ring_path(own, peer) for peer in neighbours] + [_bell_path(own)]
     cleanup = functools.partial(_unlink, mine)
     atexit.register(cleanup)  # only if we fail before the second barrier below
     outgoing, incoming, bells, bell = {}, {}, {}, None
     if neighbours:
-        outgoing = {peer: Ring(_ring_path(token, peer), capacity, create=True) for peer in neighbours}
-        os.mkfifo(_bell_path(token), 0o600)
-        bell = (os.open(_bell_path(token), os.O_RDONLY | os.O_NONBLOCK),
-                os.open(_bell_path(token), os.O_WRONLY | os.O_NONBLOCK))
+        outgoing = {peer: Ring(_ring_path(own, peer), capacity, create=True) for peer in neighbours}
+        os.mkfifo(_bell_path(own), 0o600)
+        bell = (os.open(_bell_path(own), os.O_RDONLY | os.O_NONBLOCK),
+                os.open(_bell_path(own), os.O_WRONLY | os.O_NONBLOCK))
     inner.native_barrier(timeout)  # every ring and doorbell exists
     for peer in neighbours:
-        incoming[peer] = Ring(_ring_path(table[peer][3], inner.rank), capacity, create=False)
-        bells[peer] = os.open(_bell_path(table[peer][3]), os.O_WRONLY | os.O_NONBLOCK)
+        incoming[peer] = Ring(_ring_path(owners[peer], inner.rank), capacity, create=False)
+        bells[peer] = os.open(_bell_path(owners[peer]), os.O_WRONLY | os.O_NONBLOCK)
     inner.native_barrier(timeout)  # every peer has opened ours: the names can go
     cleanup()
     atexit.unregister(cleanup)

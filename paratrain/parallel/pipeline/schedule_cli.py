@@ -7,11 +7,12 @@ forward by `simulate` with unit costs.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
+from paratrain.cli_types import OutputPath
+from paratrain.errors import Problems
 from paratrain.parallel.pipeline.schedules import SCHEDULES, Schedule, build_schedule, microbatch_problems
 from paratrain.parallel.pipeline.simulate import Timeline, simulate, theoretical_bubble
 from paratrain.parallel.pipeline.timeline import draw_timeline, format_timeline
@@ -57,9 +58,9 @@ def bubble_line(schedule: Schedule, timeline: Timeline) -> str:
 @click.option("--virtual-stages", type=int, default=None,
               help="Model chunks per rank v. interleaved-1f1b: 2 or more (default 2); "
                    "zb-v: always 2; the others: 1.")
-@click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--png", type=OutputPath(path_type=Path), default=None,
               help="Also draw the timeline as a Gantt chart PNG at this path.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--json", "json_path", type=OutputPath(path_type=Path), default=None,
               help='Write {"schedule", "stages", "microbatches", "virtual_stages", "bubble", "ranks"} '
                    'here; ranks[r] is rank r\'s ordered list of {"op", "microbatch", "stage"}, '
                    "stage being the model chunk.")
@@ -91,9 +92,7 @@ def schedule(name, stages, microbatches, virtual_stages, png, json_path):
         virtual_stages = default_virtual_stages(name)
     problems = microbatch_problems(name, stages, microbatches, virtual_stages)
     if problems:
-        for problem in problems:
-            click.echo(f"error: {problem}", err=True)
-        sys.exit(2)
+        raise Problems(problems)
     built = build_schedule(name, stages, microbatches, virtual_stages)
     timeline = simulate(built)
     chunks = f", {built.virtual_stages} model chunks per stage" if built.virtual_stages > 1 else ""

@@ -1,0 +1,183 @@
+"""Nothing of a run outlives it in /dev/shm or the temporary directory, even when a rank is
+killed: not while setting up shared memory (its ring and doorbell are named then), not while
+training (which also ends the run in one line). Our launcher removes what its ranks left and
+the folder torch's elastic agent keeps its logs in; a run not started by it (torchrun, or raw
+processes as here) leaves its files to the next run on the host, which removes them, naming
+each."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+import paratrain
+from paratrain.comm.transport import shm_setup
+from paratrain.failure_report import RanksFailed
+from paratrain.settings import Settings
+
+pytestmark = pytest.mark.skipif(not shm_setup.enabled(Settings.resolve()), reason="shared memory between processes: x86-64 Linux")
+
+
+def _files_of(pid: int) -> list[str]:
+    return sorted(f"{shm_setup.SHM_DIR}/{name}" for name in os.listdir(shm_setup.SHM_DIR)
+                  if name.startswith("paratrain-") and f"-{pid}-" in name)
+
+
+def _die_once_shared_memory_is_named(record: str) -> None:
+    """In this process: once its rings and doorbell exist (the doorbell comes last), write
+    their names to `record` and die by SIGKILL, before the peers have opened them."""
+    make_fifo = os.mkfifo
+
+    def mkfifo_then_die(path, mode=0o666):
+        make_fifo(path, mode)
+        Path(record).write_text(json.dumps(_files_of(os.getpid())))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    os.mkfifo = mkfifo_then_die
+
+
+# ---- under our launcher: the run removes what its killed rank left ------------------------
+
+
+def _rank1_killed_setting_up_a_second_group(group, record):
+    import torch.distributed as dist
+
+    from paratrain.comm import TorchTransport, over_process_group
+
+    if group.rank == 1:
+        _die_once_shared_memory_is_named(record)
+    over_process_group(TorchTransport(dist.new_group([0, 1])), group.settings)  # shared memory between the two
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_setting_up_shared_memory_leaves_nothing_after_a_processes_run(tmp_path, monkeypatch):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the ranks' temporary directory, and ours:
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    record = tmp_path / "named.json"
+    with pytest.raises(RanksFailed) as failed:
+        paratrain.run(_rank1_killed_setting_up_a_second_group, 2, launcher="processes", args=(str(record),),
+                      timeout=60)
+    assert failed.value.lines()[0] == (
+        "rank 1 of 2 failed (launcher=processes): killed by SIGKILL; no traceback (the process was killed)")
+    named = json.loads(record.read_text())
+    assert any(path.endswith("-bell") for path in named) and any("-to-0" in path for path in named), named
+    assert not [path for path in named if os.path.exists(path)]
+    assert os.listdir(temp) == []  # no torchelastic_* folder, nor ours
+
+
+# ---- without it: the next run on the host removes them, naming them ------------------------
+
+
+def _raw_rank(rank: int, store: str, record: str) -> None:
+    """A rank outside any launcher (as under torchrun): rank 1 dies setting up shared memory."""
+    import torch.distributed as dist
+
+    from paratrain.comm import TorchTransport, over_process_group
+    from paratrain.settings import Settings
+
+    if rank == 1:
+        _die_once_shared_memory_is_named(record)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    over_process_group(TorchTransport(), Settings.resolve())
+
+
+def _nothing(group):
+    return group.rank
+
+
+@pytest.mark.timeout(120)
+def test_the_next_run_removes_what_a_rank_killed_setting_up_left_and_names_it(tmp_path, capfd):
+    record = tmp_path / "named.json"
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=_raw_rank, args=(r, str(tmp_path / "store"), str(record))) for r in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        ranks[1].join(60)
+        assert ranks[1].exitcode == -signal.SIGKILL
+    finally:
+        for process in ranks:  # rank 0 waits for a peer that is gone: stop it too
+            process.kill()
+            process.join(10)
+    named = json.loads(record.read_text())
+    assert named and all(os.path.exists(path) for path in named), named  # left behind
+    capfd.readouterr()
+    assert paratrain.run(_nothing, 2, launcher="processes", timeout=60) == {0: 0, 1: 1}
+    said = capfd.readouterr().err.splitlines()
+    for path in named:
+        assert not os.path.exists(path)
+        kind = "doorbell" if path.endswith("-bell") else "ring"
+        line = f"removed stale shared-memory {kind} {path} left by dead process {ranks[1].pid}"
+        assert said.count(line) == 1, said  # by one of the ranks sweeping
+
+
+# ---- the command: a rank killed while training ---------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_while_training_ends_the_run_in_one_line_and_leaves_nothing(tmp_path):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    run = subprocess.Popen(
+        [sys.executable, "-m", "paratrain", "train", "--launcher", "processes", "--steps", "1000000",
+         "--log-every", "1000000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    ranks = []
+    try:
+        ranks = _children(run.pid, deadline=time.monotonic() + 60)
+        time.sleep(1.0)  # training
+        os.kill(ranks[1], signal.SIGKILL)
+        output = run.communicate(timeout=60)[0]
+    finally:
+        if run.poll() is None:  # the test failed: leave no process behind
+            for pid in [*ranks, run.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            run.wait()
+    lines = output.splitlines()
+    after = lines[lines.index("global batch 64 (32 per replica)") + 1:]
+    after = [line for line in after if not line.startswith("step ")]  # the first step's log line
+    assert run.returncode == 2 and "Traceback" not in output, output
+    assert after[0] == ("paratrain train: error: rank 1 of 2 failed (launcher=processes): killed by SIGKILL; "
+                        "no traceback (the process was killed)"), output
+    assert len(after) <= 2, output  # and where the flight records are, if rank 0 dumped its record
+    assert not _files_of_children_of(run.pid)
+    assert [name for name in os.listdir(temp) if not name.startswith("paratrain-trace-")] == [], os.listdir(temp)
+
+
+def _children(parent: int, deadline: float) -> list[int]:
+    """The rank processes our launcher in `parent` spawned (multiprocessing's resource tracker
+    aside), oldest first: rank order."""
+    while time.monotonic() < deadline:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in command:
+                found.append(int(pid))
+        if len(found) == 2:
+            return sorted(found)
+        time.sleep(0.1)
+    raise AssertionError("the ranks did not start")
+
+
+def _files_of_children_of(parent: int) -> list[str]:
+    return [name for name in os.listdir(shm_setup.SHM_DIR) if name.startswith("paratrain-") and f"-{parent}-" in name]
