@@ -200,3 +200,23 @@ def test_a_plan_may_switch_sequence_parallelism_on_and_a_run_may_too():
     assert run(sequence_parallel_by_plan_rank, 2, args=(True, None))[0] is True
     assert run(sequence_parallel_by_plan_rank, 2, args=(False, None))[0] is False
     assert run(sequence_parallel_by_plan_rank, 2, args=(False, True))[0] is True
+
+
+def test_a_head_count_the_plan_forgets_is_a_problem_unless_it_opts_out():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "own_model"
+    spec = importlib.util.spec_from_file_location("own_model_for_test", path / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torch.device("meta"):
+        model = module.build()
+    plan = load_plan(path / "plan.yaml")
+    assert tp_problems_of(model, plan, 2) == []
+    plan.head_counts = {}
+    assert tp_problems_of(model, plan, 2)[0] == (
+        "blocks.0.attention: has heads (6), a head count the plan does not divide: list it in head_counts "
+        "(or the module with [] if it reads its heads from its input)")
+    plan.head_counts = {"blocks.*.attention": []}
+    assert tp_problems_of(model, plan, 2) == []

@@ -11,7 +11,8 @@ a Python dict or a YAML file of the same keys:
       pos_emb: replicate                 # whole on every rank (an Embedding's output follows the
                                          #   sequence shards under sequence parallelism)
     head_counts:                         # attributes divided by tp, as the heads are split
-      layers.*.attn: [n_heads, n_kv_heads]   # (or the module's own `head_count_attrs`)
+      layers.*.attn: [n_heads, n_kv_heads]   # (or the module's own `head_count_attrs`; [] for a module
+                                         #   that reads its heads from its input)
     sequence_parallel:                   # where activations sharded on the sequence are gathered
       gather_inputs: [layers.*.attn, layers.*.mlp, output]
       enabled: false                     # on for every run of this plan (or --sequence-parallel)
@@ -189,6 +190,25 @@ def head_count_modules(model: nn.Module, plan: Plan, styled: dict) -> dict[str, 
     return found
 
 
+# Names attention modules commonly keep their head counts under: a module holding one, whose
+# projections the plan splits, must say whether tp divides it (a missed one gives wrong heads
+# with no shape error; `head_counts: {module: []}` says the module reads them from its input).
+HEAD_COUNT_NAMES = ("heads", "n_heads", "n_head", "num_heads", "n_kv_heads", "n_kv_head", "kv_heads",
+                    "num_kv_heads", "num_key_value_heads", "num_attention_heads")
+
+
+def _undivided_head_counts(model: nn.Module, styled: dict, heads: dict) -> list[str]:
+    problems = []
+    for name, module in model.named_modules():
+        if name in heads or not any(s.startswith(f"{name}.") for s in styled):
+            continue
+        found = [attr for attr in HEAD_COUNT_NAMES if isinstance(getattr(module, attr, None), int)]
+        if found:
+            problems.append(f"{name}: has {found[0]} ({getattr(module, found[0])}), a head count the plan does not "
+                            f"divide: list it in head_counts (or the module with [] if it reads its heads from its input)")
+    return problems
+
+
 def tp_problems_of(model: nn.Module, plan: Plan, tp: int, sequence_parallel: bool = False,
                    sequence_length: int | None = None) -> list[str]:
     """One line per reason the plan cannot split `model` over `tp` ranks (a model built on the
@@ -214,6 +234,7 @@ def tp_problems_of(model: nn.Module, plan: Plan, tp: int, sequence_parallel: boo
         elif style.name in ("vocab_embed", "replicate") and isinstance(module, nn.Embedding) and (
                 module.padding_idx is not None or module.max_norm is not None or module.sparse):
             problems.append(f"{name}: {style.name} supports plain embeddings only (no padding_idx, max_norm, sparse)")
+    problems += _undivided_head_counts(model, styled, heads)
     for name, (module, attrs) in heads.items():
         for attr in attrs:
             value = getattr(module, attr, None)
