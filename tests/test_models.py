@@ -18,7 +18,8 @@ from paratrain.models.gpt import GPT
 
 
 def test_registry_names_every_preset():
-    assert MODEL_NAMES == ("mlp", "mlp16", "cnn", "gpt-tiny", "gpt-small", "gpt-seed")
+    assert MODEL_NAMES == ("mlp", "mlp16", "cnn", "gpt-tiny", "gpt-small", "gpt-seed",
+                           "llama-tiny", "llama-small", "tinyllama-1.1b")
 
 
 @pytest.mark.parametrize(

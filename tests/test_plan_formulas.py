@@ -173,3 +173,31 @@ def test_memory_per_gpu_shards_parameters_over_tp_and_pp():
     split = memory_per_gpu(shape, Layout(tp=2, pp=2, micro_batch=1, schedule="1f1b"), 8, software)
     assert whole.params == shape.parameters()
     assert shape.parameters() / 4 < split.params < shape.parameters() / 2  # replicated norms, biases
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "llama-small"])
+def test_llama_step_flops_equal_the_matmuls_torch_counts(name):
+    """SwiGLU's three matrices and grouped-query attention's smaller k/v, as torch counts them."""
+    torch.manual_seed(0)
+    model, config = build_model(name), PRESETS[name]
+    batch = 2
+    tokens = torch.randint(0, config.vocab_size, (batch, config.block_size))
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    shape = GPTShape.from_config(config)
+    assert shape.kv_heads < shape.heads and shape.gated
+    assert counter.get_total_flops() == step_flops(shape, batch) + flash_backward_flops(shape, batch)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "llama-small", "tinyllama-1.1b"])
+def test_llama_shape_counts_the_models_parameters(name):
+    from paratrain.models import llama_parameter_count
+
+    shape = named_shape(name)
+    assert shape.parameters() == llama_parameter_count(PRESETS[name])
+    tp = 2
+    per_rank = sum(params for params, _ in layer_parameters(shape, tp))
+    # Everything but the replicated RMSNorm vectors is split over tp.
+    norms = (2 * shape.layers + 1) * shape.hidden
+    assert per_rank == pytest.approx((shape.parameters() - norms) / tp + norms)

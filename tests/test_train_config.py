@@ -121,7 +121,7 @@ def test_train_command_writes_metrics(tmp_path):
          "data.global_batch 20 is not divisible by dp x microbatches = 2 x 4 = 8"),
         ({"model.name": "cnn", "parallel.pp": 2, "parallel.microbatches": 2}, 2,
          "model 'cnn' cannot be split into pipeline stages"),
-        ({"model.name": "mlp", "parallel.tp": 2}, 2, "tensor parallelism shards GPT models; 'mlp' is not one"),
+        ({"model.name": "mlp", "parallel.tp": 2}, 2, "tensor parallelism shards language models (GPT, Llama, FILE.py:FUNCTION with a plan); 'mlp' is not one"),
         ({"model.name": "gpt-tiny", "parallel.tp": 2, "parallel.dp_mode": "torch"}, 2,
          "dp_mode torch is plain data parallelism; with pp or tp > 1 use ddp or naive"),
         ({"model.name": "gpt-tiny", "parallel.precision": "fp8"}, 2, "parallel.precision: unknown value 'fp8'"),

@@ -90,7 +90,7 @@ BAD_INVOCATIONS = [
     (["worker", "--connect-timeout", "nan"], "'nan' is not a finite number"),
     (["worker", "--port", "-1"], "-1 is not in the range 0<=x<=65535"),
     (["sample", "--checkpoint", "{missing}"], "{missing} is not a checkpoint"),
-    (["sample", "--checkpoint", "{ckpt}"], "sampling needs a GPT model, got MLP"),
+    (["sample", "--checkpoint", "{ckpt}"], "sampling needs a language model (a vocab_size and a block_size), got MLP"),
     (["sample", "--checkpoint", "{ckpt}", "--temperature", "nan"], "'nan' is not a finite number"),
     (["debug", "hang", "{missing}"], "Directory '{missing}' does not exist"),
     (["debug", "hang", "{records-empty}"], "no flight records (rank<N>.json)"),

@@ -13,7 +13,9 @@ from torch import nn
 
 from paratrain.models.cnn import CNN, CNNConfig
 from paratrain.models.gpt import GPT, GPTConfig, gpt_parameter_count
+from paratrain.models.llama import Llama, LlamaConfig, llama_parameter_count
 from paratrain.models.mlp import MLP, DeepMLP, DeepMLPConfig, MLPConfig
+from paratrain.models.user_model import CausalLMFile, file_model_config, is_model_file
 
 PRESETS = {
     # The ring-allreduce seed's model, sized for the teacher data set's defaults.
@@ -32,16 +34,33 @@ PRESETS = {
     "gpt-seed": GPTConfig(
         n_layer=8, d_model=1024, n_head=16, d_mlp=4096, vocab_size=50257, block_size=1024
     ),
+    # Llama-family decoders (RMSNorm, rotary positions, SwiGLU, grouped-query attention).
+    # Trains in seconds; 2 key/value heads, so tp = 2 gives each rank one of them.
+    "llama-tiny": LlamaConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_mlp=192, vocab_size=256, block_size=64),
+    # 8 layers, as gpt-small, for tp 2 x pp 4; byte vocabulary with room (512) like gpt-small.
+    "llama-small": LlamaConfig(n_layer=8, d_model=128, n_head=8, n_kv_head=2, d_mlp=384, vocab_size=512, block_size=64),
+    # TinyLlama-1.1B's shape (TinyLlama/TinyLlama-1.1B, a Llama 2 architecture): 22 layers,
+    # 2048 wide, 32 query and 4 key/value heads, SwiGLU 5632, vocabulary 32000, context 2048,
+    # untied: 1,100,048,384 parameters, its published count (llama_parameter_count).
+    "tinyllama-1.1b": LlamaConfig(n_layer=22, d_model=2048, n_head=32, n_kv_head=4, d_mlp=5632,
+                                  vocab_size=32000, block_size=2048),
 }
 MODEL_NAMES = tuple(PRESETS)
 
-_BUILDERS = {MLPConfig: MLP, DeepMLPConfig: DeepMLP, CNNConfig: CNN, GPTConfig: GPT}
+_BUILDERS = {MLPConfig: MLP, DeepMLPConfig: DeepMLP, CNNConfig: CNN, GPTConfig: GPT, LlamaConfig: Llama,
+             CausalLMFile: CausalLMFile.build}
+# Models of token ids (B, T) -> logits (B, T, V), with vocab_size and block_size: they train on
+# tokens or text, and tensor/pipeline parallelism applies to them through a plan.
+CAUSAL_LM_CONFIGS = (GPTConfig, LlamaConfig, CausalLMFile)
 
 
 def model_config(name: str, **overrides):
-    """The preset config for `name` with `overrides` applied, validated."""
+    """The preset config for `name` with `overrides` applied, validated; for a user's model
+    (FILE.py:FUNCTION) its options, vocabulary and context length."""
+    if is_model_file(name):
+        return file_model_config(name, overrides)
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}")
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)} or FILE.py:FUNCTION")
     preset = PRESETS[name]
     valid = [field.name for field in dataclasses.fields(preset)]
     unknown = sorted(set(overrides) - set(valid))
@@ -61,6 +80,12 @@ def build_model(name: str, **overrides) -> nn.Module:
     return _BUILDERS[type(config)](config)
 
 
+def parameter_count(config) -> int | None:
+    """Parameters of the model `config` builds, computed without building it (None: unknown)."""
+    counts = {GPTConfig: gpt_parameter_count, LlamaConfig: llama_parameter_count}
+    return counts[type(config)](config) if type(config) in counts else None
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -74,7 +99,7 @@ def format_count(n: int) -> str:
 
 
 __all__ = [
-    "CNN", "CNNConfig", "DeepMLP", "DeepMLPConfig", "GPT", "GPTConfig", "MLP", "MLPConfig",
-    "MODEL_NAMES", "PRESETS", "build_model", "count_parameters", "format_count",
-    "gpt_parameter_count", "model_config",
+    "CAUSAL_LM_CONFIGS", "CNN", "CNNConfig", "CausalLMFile", "DeepMLP", "DeepMLPConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP",
+    "MLPConfig", "MODEL_NAMES", "PRESETS", "build_model", "count_parameters", "format_count",
+    "gpt_parameter_count", "llama_parameter_count", "is_model_file", "model_config", "parameter_count",
 ]

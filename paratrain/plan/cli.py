@@ -25,7 +25,7 @@ LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch", "virtual_stages", "schedule", "
 def build_shape(model: str, overrides: dict) -> GPTShape:
     base = named_shape(model)
     values = {"layers": base.layers, "hidden": base.hidden, "heads": base.heads, "seq": base.seq,
-              "vocab": base.vocab, "mlp": base.mlp}
+              "vocab": base.vocab, "mlp": base.mlp, "kv_heads": base.kv_heads, "gated": base.gated}
     values.update({k: v for k, v in overrides.items() if v is not None})
     if overrides.get("hidden") is not None and overrides.get("mlp") is None:
         values["mlp"] = 0  # 4h of the new width
@@ -146,7 +146,8 @@ def plan(model, layers, hidden, heads, seq, vocab, mlp, hardware, gpus, global_b
         raise click.UsageError("give --gpus to search, or a layout (--tp/--pp/--dp ...) to predict")
     click.echo(f"{model if not any((layers, hidden, heads, seq, vocab, mlp)) else 'GPT'}: "
                f"{format_count(shape.parameters())} parameters (l={shape.layers} h={shape.hidden} a={shape.heads} "
-               f"s={shape.seq} V={shape.vocab} m={shape.mlp}); global batch {global_batch}")
+               f"s={shape.seq} V={shape.vocab} m={shape.mlp}"
+               + (f" g={shape.kv_heads}, SwiGLU" if shape.gated else "") + f"); global batch {global_batch}")
     click.echo(f"hardware {profile.name}: {profile.description}")
     if explicit:
         results = [predict(shape, layout, profile, global_batch)]

@@ -32,9 +32,10 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def layer_matmul_flops(shape: GPTShape, batch: int) -> float:
-    """Forward FLOPs of one layer's weight matmuls (QKV, projection, MLP) for `batch` sequences."""
-    h, m = shape.hidden, shape.mlp
-    return 2 * batch * shape.seq * (3 * h * h + h * h + 2 * h * m)
+    """Forward FLOPs of one layer's weight matmuls (QKV, projection, MLP) for `batch` sequences:
+    2 per weight element and token. A Llama's are its smaller k/v and SwiGLU's three matrices;
+    grouped-query attention does not change the attention core (each query head still attends)."""
+    return 2 * batch * shape.seq * (shape.attention_weights() + shape.mlp_weights())
 
 
 def layer_attention_flops(shape: GPTShape, batch: int) -> float:

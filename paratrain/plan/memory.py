@@ -83,6 +83,9 @@ def layer_parameters(shape: GPTShape, tp: int) -> list[tuple[float, int]]:
     every block, then the final norm with the head. Matrices are split over tp as Megatron and
     paratrain split them; biases of row-parallel layers, norms and positions are replicated."""
     h, m, v = shape.hidden, shape.mlp, shape.vocab
+    if shape.gated:  # a Llama: no biases, no positions, one-vector RMSNorms
+        block = (shape.attention_weights() + shape.mlp_weights()) / tp + 2 * h
+        return [(v * h / tp, 1)] + [(block, 9)] * shape.layers + [(h * v / tp + h, 2)]
     sharded = (3 * h * h + 3 * h) + h * h + (h * m + m) + m * h
     block = sharded / tp + 2 * h + 4 * h
     return [(v * h / tp + shape.seq * h, 2)] + [(block, 12)] * shape.layers + [(h * v / tp + 2 * h, 3)]
@@ -98,8 +101,8 @@ def chunk_layers(shape: GPTShape, chunks: int, software: Software) -> list[range
         per = shape.layers // chunks
         counts = [per + 1] + [per] * (chunks - 2) + [per + 1]
     else:
-        h, m = shape.hidden, shape.mlp
-        counts = balanced_partition([1] + [4 * h * h + 2 * h * m] * shape.layers + [h * shape.vocab], chunks)
+        block = shape.attention_weights() + shape.mlp_weights()
+        counts = balanced_partition([1] + [block] * shape.layers + [shape.hidden * shape.vocab], chunks)
     starts = [sum(counts[:c]) for c in range(chunks)]
     return [range(start, start + count) for start, count in zip(starts, counts)]
 

@@ -34,6 +34,8 @@ def layout_problems(shape: GPTShape, layout: Layout, global_batch: int, profile:
         problems.append(f"tp x pp x dp = {layout.gpus}, not the {gpus} GPUs given")
     if shape.heads % layout.tp or shape.mlp % layout.tp:
         problems.append(f"tp {layout.tp} must divide the heads ({shape.heads}) and the MLP width ({shape.mlp})")
+    elif shape.kv_heads % layout.tp:
+        problems.append(f"tp {layout.tp} must divide the key/value heads ({shape.kv_heads})")
     if global_batch % layout.dp or (global_batch // layout.dp) % layout.micro_batch:
         problems.append(f"global batch {global_batch} must split into dp {layout.dp} replicas of whole "
                         f"micro-batches of {layout.micro_batch}")

@@ -71,6 +71,8 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
     \b
     Example:
       paratrain check --model gpt-small --tp 2 --pp 4 --schedule 1f1b --microbatches 8
+      paratrain check --model llama-tiny --tp 2 --pp 2 --dp 2 --microbatches 4 --sequence-parallel
+      paratrain check --model my_model.py:build --plan my_plan.yaml --tp 2 --pp 2 --dp 2 --microbatches 4
     """
     if flags.get("steps") is None and not config_path:
         flags["steps"] = 5

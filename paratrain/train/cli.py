@@ -8,7 +8,10 @@ from pathlib import Path
 import click
 
 from paratrain.launch import expected_transport, run
-from paratrain.models import GPTConfig, count_parameters, format_count, gpt_parameter_count, model_config
+from paratrain.models import CAUSAL_LM_CONFIGS, GPTConfig, LlamaConfig, build_model, count_parameters, format_count, \
+    model_config, parameter_count
+from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers
+from paratrain.parallel.plan import matching_modules
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.timeline import format_timeline
@@ -17,13 +20,12 @@ from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate, format_estimate
 from paratrain.train.options import checkpoint_options, training_options, validated_config
+from paratrain.train.setup import plan_for
 
 
 def describe_model(config: TrainConfig) -> str:
-    model = model_config(config.model.name, **config.model.overrides)
-    if hasattr(model, "n_layer"):
-        params = gpt_parameter_count(model)
-    else:
+    params = parameter_count(model_config(config.model.name, **config.model.overrides))
+    if params is None:
         from paratrain.train.setup import build_seeded_model
 
         params = count_parameters(build_seeded_model(config.model.name, config.model.overrides, config.seed))
@@ -70,15 +72,60 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     else:
         lines.append(f"global batch {config.data.global_batch} ({config.data.global_batch // dp} per replica"
                      + (f", {par.grad_accum} micro-batches" if par.grad_accum > 1 else "") + ")")
-    if isinstance(model_config(config.model.name, **config.model.overrides), GPTConfig) and par.pp * par.tp > 1:
+    shape = model_config(config.model.name, **config.model.overrides)
+    if isinstance(shape, CAUSAL_LM_CONFIGS) and par.pp * par.tp > 1:
+        lines += describe_split(config)
+    if isinstance(shape, (GPTConfig, LlamaConfig)) and par.pp * par.tp > 1 and not config.model.plan:
         lines.append(format_estimate(estimate(config, world), par.tp))
     return lines
+
+
+def describe_split(config: TrainConfig) -> list[str]:
+    """How the plan splits the model: each tensor-parallel pattern with its style and the modules
+    it matched, and the pipeline chunks' layers (built on the meta device: nothing allocated)."""
+    import torch
+
+    par = config.parallel
+    with torch.device("meta"):
+        model = build_model(config.model.name, **config.model.overrides)
+    plan = plan_for(config.model.plan, model)
+    lines = [f"plan: {plan.source}" if config.model.plan else "plan: the model's own"]
+    if par.tp > 1:
+        sp = par.sequence_parallel or plan.sequence_parallel
+        lines.append(f"  tensor parallel over {par.tp} ranks" + (", sequence parallel" if sp else "") + ":")
+        for pattern, style in plan.tensor_parallel.items():
+            found = [name for name, _ in matching_modules(model, pattern)]
+            parts = f" ({style.parts} fused parts)" if style.parts > 1 else ""
+            lines.append(f"    {pattern:28s} {style.name}{parts}: {len(found)} module(s)")
+    if par.pp > 1 and plan.pipeline.balance == "measured" and not par.stage_layers:
+        lines.append("  pipeline chunks: balanced by the layers' times, measured when the run starts")
+    elif par.pp > 1:
+        layers = pipeline_layers(model, plan)
+        chunks = par.pp * (2 if par.schedule == "zb-v" else par.virtual_stages)
+        counts = par.stage_layers or balanced_partition(layer_costs(layers, plan.pipeline.balance), chunks)
+        names = ["before: " + ", ".join(_part_name(model, p) for p in layers[0].parts)]
+        names += [f"{plan.pipeline.blocks}.{i}" for i in range(len(layers) - 2)]
+        names += ["after: " + ", ".join(_part_name(model, p) for p in layers[-1].parts)]
+        schedule = build_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+        start = 0
+        for chunk, count in enumerate(counts):
+            held = names[start:start + count]
+            shown = held if len(held) <= 3 else [held[0], "...", held[-1]]
+            owner = next(r for r in range(par.pp) if chunk in schedule.chunks_of(r))
+            lines.append(f"  pipeline chunk {chunk} (stage {owner}): {len(held)} layer(s): {'; '.join(shown)}")
+            start += count
+    return lines
+
+
+def _part_name(model, part) -> str:
+    return next((name for name, module in model.named_modules() if module is part), type(part).__name__)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @training_options
 @checkpoint_options
-@click.option("--plan-only", is_flag=True, help="Print the model, mesh, schedule and memory per rank; do not train.")
+@click.option("--plan-only", is_flag=True,
+              help="Print the model, mesh, schedule, the plan's split and memory per rank; do not train.")
 @click.option("--benchmark", is_flag=True,
               help="Measure instead of train: `paratrain bench train` with these options.")
 @click.option("--max-nproc", type=click.IntRange(min=1),
@@ -93,6 +140,8 @@ def train(ctx, config_path, plan_only, benchmark, max_nproc, **flags):
       paratrain train --model cnn --channels 32 64 128 --hidden 512 --launcher processes
       paratrain train --model gpt-small --tp 2 --pp 4 --schedule 1f1b --microbatches 8
       paratrain train --model gpt-seed --tp 2 --pp 4 --schedule 1f1b --microbatches 8 --plan-only
+      paratrain train --model llama-small --data text --tp 2 --pp 2 --microbatches 4
+      paratrain train --model my_model.py:build --plan my_plan.yaml --tp 2 --pp 2 --dp 2 --microbatches 4
       torchrun --nproc-per-node 4 -m paratrain train --model mlp16
       paratrain train --model gpt-tiny --tp 2 --save-dir ckpt --save-every 10
       paratrain train --model gpt-tiny --nproc 4 --save-dir ckpt --resume --steps 100

@@ -26,8 +26,9 @@ from paratrain.errors import Problems, yaml_problem
 
 @dataclass
 class ModelConfig:
-    name: str = "mlp"
+    name: str = "mlp"  # a preset, or a user's model as FILE.py:FUNCTION
     overrides: dict = field(default_factory=dict)  # preset fields to change, e.g. {"hidden": 512}
+    plan: str | None = None  # parallelism plan (YAML); None: the model's own (GPT, Llama)
 
 
 @dataclass

@@ -35,7 +35,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     parallel = build_parallel_model(config, mesh, dataset)  # the model itself when pp x tp = 1
     parallel.model.to(device)
     if par.checkpoint_activations:  # every layout, pp = 1 included (the pipeline's chunks share the layers)
-        recompute_in_backward(parallel.model)
+        recompute_in_backward(parallel.model, parallel.plan)
     dp = build_data_parallel(
         parallel.module, mesh.dp, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
         bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb, compress=par.compress,

@@ -1,4 +1,5 @@
-"""Parameters and estimated memory per rank of a GPT on a dp x pp x tp mesh, before it starts.
+"""Parameters and estimated memory per rank of a GPT or Llama on a dp x pp x tp mesh, before it
+starts.
 
 Computed from the configuration alone (nothing is allocated), so it works for the seed's
 204.7M-parameter GPT on a laptop. Weights and gradients are fp32; optimizer state is one
@@ -6,14 +7,16 @@ fp32 copy per parameter for SGD with momentum and two for AdamW. Activations fol
 Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models"):
 a block stores s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit precision (doubled here for
 fp32), or only its input with activation checkpointing, and the head its logits shard; times
-the microbatches the schedule keeps in flight on that rank at its peak.
+the microbatches the schedule keeps in flight on that rank at its peak. A Llama's parameters are
+exact (grouped-query k/v, SwiGLU's three matrices, RMSNorm vectors); its activations use the same
+GPT-layer formula, an approximation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.models import GPTConfig, model_config
+from paratrain.models import GPTConfig, LlamaConfig, model_config
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import simulate
 from paratrain.parallel.pipeline.split import balanced_partition
@@ -37,9 +40,13 @@ class StageMemory:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def _layer_params(config: GPTConfig, tp: int) -> list[float]:
+def _layer_params(config: GPTConfig | LlamaConfig, tp: int) -> list[float]:
     """Per-rank parameters of each pipeline layer: embeddings, blocks, head."""
     d, m, v, t = config.d_model, config.d_mlp, config.vocab_size, tp
+    if isinstance(config, LlamaConfig):  # no biases or positions; RMSNorms replicated
+        block = _llama_block_matrices(config) / t + 2 * d
+        head = d if config.tie_embeddings else d * v / t + d  # a tied head's table is the embedding's
+        return [v * d / t] + [block] * config.n_layer + [head]
     embedding = v * d / t + config.block_size * d  # token table sharded by vocab; positions replicated
     sharded = (3 * d * d + 3 * d) + d * d + (d * m + m) + m * d  # qkv, proj.w, up, down.w
     replicated = 2 * d + 4 * d  # row-parallel biases, two layer norms
@@ -48,17 +55,23 @@ def _layer_params(config: GPTConfig, tp: int) -> list[float]:
     return [embedding] + [block] * config.n_layer + [head]
 
 
-def _layer_costs(config: GPTConfig) -> list[int]:
+def _llama_block_matrices(config: LlamaConfig) -> int:
+    d, kv = config.d_model, config.n_kv_head * config.head_dim
+    return 2 * d * d + 2 * d * kv + 3 * d * config.d_mlp  # wq, wo; wk, wv; w1, w2, w3
+
+
+def _layer_costs(config: GPTConfig | LlamaConfig) -> list[int]:
     """Matmul parameters: what split.balanced_partition balances (the same cut as training)."""
     d, m, v = config.d_model, config.d_mlp, config.vocab_size
-    return [1] + [4 * d * d + 2 * d * m] * config.n_layer + [d * v]
+    block = _llama_block_matrices(config) if isinstance(config, LlamaConfig) else 4 * d * d + 2 * d * m
+    return [1] + [block] * config.n_layer + [d * v]
 
 
 def estimate(config, world: int) -> list[StageMemory]:
     par = config.parallel
     gpt = model_config(config.model.name, **config.model.overrides)
-    if not isinstance(gpt, GPTConfig):
-        raise ValueError("the memory estimate covers GPT models")
+    if not isinstance(gpt, (GPTConfig, LlamaConfig)):
+        raise ValueError("the memory estimate covers GPT and Llama models")
     pp, tp = par.pp, par.tp
     dp = world // (pp * tp)
     params = _layer_params(gpt, tp)

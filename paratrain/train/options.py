@@ -67,7 +67,9 @@ def _channels(values: list[str]) -> tuple[int, ...]:
 # Every flag defaults to None, so only what was typed overrides the YAML file.
 TRAINING_FLAGS = [
     Flag(None, "--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it."),
-    Flag("model.name", "--model", help="mlp, mlp16, cnn, gpt-tiny, gpt-small or gpt-seed."),
+    Flag("model.name", "--model", help="mlp, mlp16, cnn, gpt-tiny, gpt-small, gpt-seed, llama-tiny, llama-small, "
+                                       "tinyllama-1.1b, or your own: FILE.py:FUNCTION (returns ids -> logits)."),
+    Flag("model.plan", "--plan", type=click.Path(dir_okay=False), help="Parallelism plan (YAML) for --model FILE.py:FUNCTION."),
     Flag("data.name", "--data", help="Data set (default: the one the model is made for); GPTs also take text "
                                      "(the shipped Shakespeare) or text:PATH (any file, one token per byte)."),
     Flag("parallel.nproc", "--nproc", type=int, help="Ranks to start (default 2; torchrun decides under torchrun)."),
@@ -105,7 +107,9 @@ TRAINING_FLAGS = [
     Flag("model.hidden", "--hidden", type=int, help="Hidden width (mlp, cnn)."),
     Flag("model.width", "--width", type=int, help="Width of mlp16."),
     Flag("model.depth", "--depth", type=int, help="Layers of mlp16."),
-    Flag("model.n_layer", "--n-layer", type=int, help="Layers of a GPT."),
+    Flag("model.n_layer", "--n-layer", type=int, help="Layers of a GPT or Llama."),
+    Flag("model.vocab_size", "--vocab-size", type=int, help="Vocabulary of a language model (default: the model's)."),
+    Flag("model.block_size", "--block-size", type=int, help="Context length of a language model (default: the model's)."),
     Flag("parallel.timeout", "--timeout", type=float, help="Seconds before a blocking communication fails."),
     Flag("parallel.debug", "--debug", is_flag=True, default=None, help="Check every collective is the same call on all ranks; an error prints its traceback."),
     Flag("log_every", "--log-every", type=int, help="Steps between printed log lines."),

@@ -21,10 +21,11 @@ from torch import nn
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
-from paratrain.parallel.pipeline.split import balanced_partition, layer_cost, pipeline_layers, split_layers
+from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers, split_layers
+from paratrain.parallel.tensor.apply_plan import parallelize
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from paratrain.parallel.tensor.parallelize import gather_full_state, parallelize_gpt
-from paratrain.train.setup import build_seeded_model
+from paratrain.parallel.tensor.parallelize import gather_full_state
+from paratrain.train.setup import build_seeded_model, plan_for
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ParallelModel:
     module: nn.Module  # what data parallelism wraps: this rank's chunks, or the whole model
     loss_fn: object  # (outputs, targets) -> mean loss; vocab-parallel under tensor parallelism
     schedule: object | None  # the pipeline schedule, when pp > 1
+    plan: object | None = None  # the parallelism plan applied (None: the model has none)
 
     def own_parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
@@ -68,26 +70,45 @@ class ParallelModel:
 def build_parallel_model(config, mesh, dataset) -> ParallelModel:
     par = config.parallel
     model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
+    plan = plan_for(config.model.plan, model)  # None for the MLPs: they have no plan
     pp_size, tp_size = mesh.shape["pp"], mesh.shape["tp"]
     schedule = counts = None
     if pp_size > 1:
         schedule = build_schedule(par.schedule, pp_size, par.microbatches, par.virtual_stages)
         # Balance on the unsharded layers: every tensor-parallel rank must cut at the same place.
-        costs = [layer_cost(layer) for layer in pipeline_layers(model)]
-        counts = par.stage_layers or balanced_partition(costs, schedule.num_chunks)
+        balance = plan.pipeline.balance if plan is not None else "cost"
+        counts = par.stage_layers or balanced_partition(_costs(model, plan, balance, dataset, config, mesh),
+                                                        schedule.num_chunks)
     loss_fn = dataset.loss
     if tp_size > 1:
-        parallelize_gpt(model, mesh.tp, sequence_parallel=par.sequence_parallel)
-        tp_group, vocab_size = mesh.tp, model.config.vocab_size
+        # The flag switches sequence parallelism on; left off, the plan's own setting holds.
+        parallelize(model, plan, mesh.tp, sequence_parallel=True if par.sequence_parallel else None)
+        if any(style.name == "vocab_head" for style in plan.tensor_parallel.values()):
+            tp_group, vocab_size = mesh.tp, dataset.vocab_size
 
-        def loss_fn(logits_shard, targets):
-            return vocab_parallel_cross_entropy(logits_shard, targets, tp_group, vocab_size)
+            def loss_fn(logits_shard, targets):
+                return vocab_parallel_cross_entropy(logits_shard, targets, tp_group, vocab_size)
 
     if pp_size == 1:
-        return ParallelModel(model, {0: model}, model, loss_fn, None)
-    all_chunks = split_layers(pipeline_layers(model), schedule.num_chunks, counts)
+        return ParallelModel(model, {0: model}, model, loss_fn, None, plan)
+    all_chunks = split_layers(pipeline_layers(model, plan), schedule.num_chunks, counts)
     mine = {c: all_chunks[c] for c in schedule.chunks_of(mesh.coords.pp)}
-    return ParallelModel(model, mine, nn.ModuleList(mine.values()), loss_fn, schedule)
+    return ParallelModel(model, mine, nn.ModuleList(mine.values()), loss_fn, schedule, plan)
+
+
+def _costs(model, plan, balance: str, dataset, config, mesh) -> list[int]:
+    """The layers' costs to balance; measured ones are rank 0's, broadcast, so that every rank
+    cuts at the same place."""
+    sample = None
+    if balance == "measured":
+        micro = config.data.global_batch // (mesh.dp.size * config.parallel.microbatches)
+        sample, _ = dataset.global_batch(0, micro)
+    costs = layer_costs(pipeline_layers(model, plan), balance, sample)
+    if balance == "measured":
+        shared = torch.tensor(costs, dtype=torch.float64)
+        mesh.world.broadcast(shared, root=0)
+        costs = [int(c) for c in shared.tolist()]
+    return costs
 
 
 def full_state(parallel: ParallelModel, mesh) -> dict[str, torch.Tensor]:

@@ -12,14 +12,17 @@ from __future__ import annotations
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from paratrain.models import CNN, GPT, MLP, DeepMLP
+from paratrain.models import CNN, MLP, DeepMLP
+from paratrain.models.plans import default_plan
+from paratrain.parallel.plan import load_plan
 
 
-def layers_to_recompute(model: nn.Module) -> list[nn.Module]:
-    """The repeated layers whose activations dominate: a GPT's blocks, a CNN's conv blocks,
-    the MLPs' linear layers."""
-    if isinstance(model, GPT):
-        return list(model.blocks)
+def layers_to_recompute(model: nn.Module, plan=None) -> list[nn.Module]:
+    """The repeated layers whose activations dominate: a language model's blocks (the block
+    list its plan names: the GPT's, Llama's, a user's), a CNN's conv blocks, the MLPs' linear layers."""
+    plan = plan if plan is not None else default_plan(model)
+    if plan is not None and load_plan(plan).pipeline is not None:
+        return list(model.get_submodule(load_plan(plan).pipeline.blocks))
     if isinstance(model, CNN):
         return list(model.blocks)
     if isinstance(model, DeepMLP):
@@ -29,9 +32,9 @@ def layers_to_recompute(model: nn.Module) -> list[nn.Module]:
     raise ValueError(f"activation checkpointing does not know the layers of {type(model).__name__}")
 
 
-def recompute_in_backward(model: nn.Module) -> int:
+def recompute_in_backward(model: nn.Module, plan=None) -> int:
     """Checkpoint each layer of `model` in place; returns how many layers."""
-    layers = layers_to_recompute(model)
+    layers = layers_to_recompute(model, plan)
     for layer in layers:
         layer.forward = _checkpointed(layer.forward)
     return len(layers)

@@ -17,6 +17,7 @@ import torch
 from paratrain.cli_types import FiniteFloat
 from paratrain.data.text import BYTE_VOCAB, is_text_name
 from paratrain.errors import UserError
+from paratrain.models.user_model import language_model_shape
 
 
 class CannotSample(UserError, ValueError):
@@ -27,11 +28,11 @@ def generate(model: torch.nn.Module, prompt: bytes | str, max_new_tokens: int, t
              top_k: int | None = None, seed: int = 0) -> str:
     """The prompt followed by `max_new_tokens` sampled bytes, decoded as UTF-8 (a byte
     sequence that is not valid UTF-8 shows as U+FFFD)."""
-    config = getattr(model, "config", None)
-    if not hasattr(config, "vocab_size") or not hasattr(config, "block_size"):
-        raise CannotSample(f"sampling needs a GPT model, got {type(model).__name__}")
-    if config.vocab_size < BYTE_VOCAB:
-        raise CannotSample(f"the model's vocab_size is {config.vocab_size}: byte-level text needs "
+    vocab_size, block_size = language_model_shape(model)
+    if vocab_size is None or block_size is None:
+        raise CannotSample(f"sampling needs a language model (a vocab_size and a block_size), got {type(model).__name__}")
+    if vocab_size < BYTE_VOCAB:
+        raise CannotSample(f"the model's vocab_size is {vocab_size}: byte-level text needs "
                            f"{BYTE_VOCAB}+ (train it on --data text with a vocab of {BYTE_VOCAB} or more)")
     prompt_bytes = prompt.encode("utf-8") if isinstance(prompt, str) else bytes(prompt)
     if not prompt_bytes:
@@ -51,7 +52,7 @@ def generate(model: torch.nn.Module, prompt: bytes | str, max_new_tokens: int, t
     try:
         with torch.no_grad():
             for _ in range(max_new_tokens):
-                context_1T = torch.tensor([tokens[-config.block_size:]], device=device)
+                context_1T = torch.tensor([tokens[-block_size:]], device=device)
                 logits_V = model(context_1T)[0, -1, :BYTE_VOCAB].float() / temperature
                 if top_k is not None and top_k < BYTE_VOCAB:
                     kth_largest = torch.topk(logits_V, top_k).values[-1]

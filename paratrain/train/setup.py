@@ -9,7 +9,9 @@ import torch
 
 from paratrain.data import build_dataset
 from paratrain.data.text import is_text_name, text_path_of
-from paratrain.models import CNNConfig, DeepMLPConfig, GPTConfig, MLPConfig, build_model, model_config
+from paratrain.models import CAUSAL_LM_CONFIGS, CNNConfig, DeepMLPConfig, MLPConfig, build_model, model_config
+from paratrain.models.plans import default_plan
+from paratrain.parallel.plan import Plan, load_plan
 
 # torch's default RNG is one per process, but the threads launcher runs many ranks in one
 # process: model initialisation is serialised so each rank draws exactly the seed's weights.
@@ -29,6 +31,14 @@ def build_seeded_model(name: str, overrides: dict, seed: int) -> torch.nn.Module
         return build_model(name, **overrides)
 
 
+def plan_for(plan_path: str | None, model: torch.nn.Module) -> Plan | None:
+    """The plan the run applies: the one given (YAML), else the model's own (None: it has none)."""
+    if plan_path:
+        return load_plan(plan_path)
+    own = default_plan(model)
+    return None if own is None else load_plan(own)
+
+
 def dataset_for(model_name: str, overrides: dict, data_name: str | None, seed: int):
     """The data set a model is made for, shaped to fit it (or the one named, if given)."""
     name, options = data_choice(model_name, overrides, data_name)
@@ -45,17 +55,17 @@ def data_choice(model_name: str, overrides: dict, data_name: str | None) -> tupl
         natural, options = "regression", {"in_dim": config.width}
     elif isinstance(config, CNNConfig):
         natural, options = "digits", {}
-    elif isinstance(config, GPTConfig):
+    elif isinstance(config, CAUSAL_LM_CONFIGS):
         natural, options = "tokens", {"vocab_size": config.vocab_size, "block_size": config.block_size}
     else:
         raise ValueError(f"no data set known for model {model_name!r}")
     if data_name is None or data_name == natural:
         return natural, options
     if not is_text_name(data_name):
-        also = " or on text ('text' or 'text:PATH')" if isinstance(config, GPTConfig) else ""
+        also = " or on text ('text' or 'text:PATH')" if isinstance(config, CAUSAL_LM_CONFIGS) else ""
         raise ValueError(f"model {model_name!r} trains on '{natural}' data{also}, not {data_name!r}")
-    if not isinstance(config, GPTConfig):
-        raise ValueError(f"model {model_name!r} cannot train on text: byte-level text is for the GPT models "
-                         f"(gpt-tiny, gpt-small, gpt-seed), which predict the next byte")
+    if not isinstance(config, CAUSAL_LM_CONFIGS):
+        raise ValueError(f"model {model_name!r} cannot train on text: byte-level text is for the language "
+                         f"models (GPT, Llama, FILE.py:FUNCTION), which predict the next byte")
     return "text", {"path": text_path_of(data_name), "block_size": config.block_size,
                     "vocab_size": config.vocab_size}

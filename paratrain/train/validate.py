@@ -9,15 +9,20 @@ from paratrain.comm.algorithms import algorithms_for
 from paratrain.data import DATASET_NAMES, dataset_config
 from paratrain.data.text import is_text_name
 from paratrain.launch import LAUNCHERS
-from paratrain.models import MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, model_config
+import torch
+
+from paratrain.models import CAUSAL_LM_CONFIGS, MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, build_model, \
+    is_model_file, model_config
 from paratrain.parallel.data import DP_MODES
 from paratrain.parallel.data.compression import build_compressor
 from paratrain.parallel.data.naive import LAYOUTS
 from paratrain.parallel.pipeline.schedules import microbatch_problems
+from paratrain.parallel.pipeline.split import pipeline_layers
+from paratrain.parallel.plan import PlanError, pipeline_problems, tp_problems_of
 from paratrain.parallel.tensor.parallelize import tp_problems
 from paratrain.paths import cannot_write
 from paratrain.train.config import ConfigError, TrainConfig
-from paratrain.train.setup import data_choice
+from paratrain.train.setup import data_choice, plan_for
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
@@ -50,8 +55,8 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     problems: list[str] = []
     model, data, optim, par = config.model, config.data, config.optim, config.parallel
 
-    if model.name not in MODEL_NAMES:
-        problems.append(f"model: unknown model {model.name!r}; valid: {', '.join(MODEL_NAMES)}")
+    if model.name not in MODEL_NAMES and not is_model_file(model.name):
+        problems.append(f"model: unknown model {model.name!r}; valid: {', '.join(MODEL_NAMES)} or FILE.py:FUNCTION")
     else:
         try:
             model_config(model.name, **model.overrides)
@@ -192,23 +197,26 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
             problems.append("parallel: zero, local_sgd and compress work with data parallelism alone (pp = tp = 1)")
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs tp > 1")
-    if model.name not in MODEL_NAMES:
+    if model.name not in MODEL_NAMES and not is_model_file(model.name):
         return False, dp_size
     try:
         shape = model_config(model.name, **model.overrides)
     except (ValueError, TypeError):
         return False, dp_size  # already reported
-    if par.tp > 1:
-        if not isinstance(shape, GPTConfig):
-            problems.append(f"parallel.tp: tensor parallelism shards GPT models; {model.name!r} is not one")
-        else:
-            problems += [f"parallel.tp: {line}" for line in tp_problems(shape, par.tp)]
+    chunks = par.pp * (2 if par.schedule == "zb-v" else par.virtual_stages) if _is_int(par.virtual_stages) else par.pp
+    if par.tp > 1 and not isinstance(shape, CAUSAL_LM_CONFIGS):
+        problems.append(f"parallel.tp: tensor parallelism shards language models (GPT, Llama, FILE.py:FUNCTION "
+                        f"with a plan); {model.name!r} is not one")
+    elif par.tp > 1 and isinstance(shape, GPTConfig) and tp_problems(shape, par.tp):
+        problems += [f"parallel.tp: {line}" for line in tp_problems(shape, par.tp)]
+    elif par.tp > 1 or (par.pp > 1 and isinstance(shape, CAUSAL_LM_CONFIGS)):
+        problems += _plan_problems(config, shape, chunks)
     if par.pp > 1:
         problems += microbatch_problems(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-        layers = _pipeline_layer_count(shape)
-        chunks = par.pp * (2 if par.schedule == "zb-v" else par.virtual_stages)
+        layers = _pipeline_layer_count(shape, config)
         if layers is None:
-            problems.append(f"parallel.pp: model {model.name!r} cannot be split into pipeline stages")
+            if not isinstance(shape, CAUSAL_LM_CONFIGS):  # a language model's: its plan's problem, above
+                problems.append(f"parallel.pp: model {model.name!r} cannot be split into pipeline stages")
         elif _is_int(par.virtual_stages) and layers < chunks:
             problems.append(
                 f"model {model.name!r} has {layers} pipeline layers, fewer than stages x virtual stages = {chunks}"
@@ -221,10 +229,39 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
     return layout_ok, dp_size
 
 
-def _pipeline_layer_count(shape) -> int | None:
+def _meta_model_and_plan(config: TrainConfig):
+    """The model built on the meta device (shapes only: no memory, no time) and its plan."""
+    with torch.device("meta"):
+        model = build_model(config.model.name, **config.model.overrides)
+    return model, plan_for(config.model.plan, model)
+
+
+def _plan_problems(config: TrainConfig, shape, chunks: int) -> list[str]:
+    """The plan's problems with this model and layout, each one line naming the module."""
+    par = config.parallel
+    try:
+        model, plan = _meta_model_and_plan(config)
+    except (PlanError, ValueError) as error:
+        return [f"model.plan: {error}"]
+    if plan is None:
+        return [f"model.plan: {config.model.name} has no parallelism plan of its own; give one with --plan"]
+    problems = []
+    if par.tp > 1:
+        sp = par.sequence_parallel or plan.sequence_parallel
+        problems += tp_problems_of(model, plan, par.tp, sp, shape.block_size)
+    if par.pp > 1:
+        problems += pipeline_problems(model, plan, chunks)
+    return [f"model.plan: {line}" for line in problems]
+
+
+def _pipeline_layer_count(shape, config: TrainConfig) -> int | None:
     """How many layers pipeline_layers() would make of the model (see parallel/pipeline/split.py)."""
-    if isinstance(shape, GPTConfig):
-        return shape.n_layer + 2  # embeddings, blocks, final norm and head
+    if isinstance(shape, CAUSAL_LM_CONFIGS):
+        try:
+            model, plan = _meta_model_and_plan(config)
+            return len(pipeline_layers(model, plan))
+        except (PlanError, ValueError):
+            return None
     if isinstance(shape, DeepMLPConfig):
         return shape.depth
     if isinstance(shape, MLPConfig):

@@ -1,7 +1,8 @@
 """Cut a model into pipeline chunks: a list of layers, then contiguous runs of them.
 
-The models know nothing of pipelines; this module knows how each one reads as a sequence of
-layers (a GPT: embeddings, the blocks, the final norm and head; an MLP: its linears). The
+The models know nothing of pipelines. A language model reads as a sequence of layers by its
+plan (parallel/plan.py: what runs before the blocks, the blocks, what runs after; the GPT's and
+Llama's plans are in models/plans.py); the MLPs, which have no plan, as their linears. The
 layers wrap the model's own modules, so a chunk holds the very parameters of the model it
 was cut from, and their names stay the model's names.
 
@@ -11,34 +12,15 @@ backward time follows; an embedding lookup costs next to nothing) or given expli
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.models import GPT, MLP, DeepMLP
-
-
-class GPTEmbedding(nn.Module):
-    """Token plus position embedding: the GPT's first layer."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.tok_emb, self.pos_emb, self.emb_drop = gpt.tok_emb, gpt.pos_emb, gpt.emb_drop
-
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        pos_T = torch.arange(idx_BT.shape[1], device=idx_BT.device)
-        return self.emb_drop(self.tok_emb(idx_BT) + self.pos_emb(pos_T))
-
-
-class GPTHead(nn.Module):
-    """Final norm and the vocabulary projection: the GPT's last layer."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.ln_f, self.head = gpt.ln_f, gpt.head
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x_BTD))
+from paratrain.models import MLP, DeepMLP
+from paratrain.models.plans import default_plan
+from paratrain.parallel import plan as plans
 
 
 class Activated(nn.Module):
@@ -53,16 +35,51 @@ class Activated(nn.Module):
         return self.activation(y) if self.activation is not None else y
 
 
-def pipeline_layers(model: nn.Module) -> list[nn.Module]:
-    """The model as an ordered list of layers whose composition is its forward."""
-    if isinstance(model, GPT):
-        return [GPTEmbedding(model), *model.blocks, GPTHead(model)]
+def pipeline_layers(model: nn.Module, plan=None) -> list[nn.Module]:
+    """The model as an ordered list of layers whose composition is its forward: by `plan`
+    (a Plan, dict or YAML path), else by the model's own plan, else (the MLPs) its linears."""
+    plan = plan if plan is not None else default_plan(model)
+    if plan is not None:
+        return plans.pipeline_layers(model, plans.load_plan(plan))
     if isinstance(model, DeepMLP):
         last = len(model.layers) - 1
         return [Activated(layer, F.relu if i < last else None) for i, layer in enumerate(model.layers)]
     if isinstance(model, MLP):
         return [Activated(model.fc1, F.gelu), Activated(model.fc2, None)]
     raise ValueError(f"{type(model).__name__} cannot be split into pipeline stages")
+
+
+def layer_costs(layers: list[nn.Module], balance: str = "cost", sample=None) -> list[int]:
+    """What balanced_partition evens out: each layer's cost; or (balance "count") one per block
+    and nothing for a plan's before/after layers, so chunks get equal numbers of blocks; or
+    (balance "measured") each layer's forward and backward time on `sample`, an input batch.
+
+    Measured times differ from rank to rank: a caller whose ranks must cut at the same place
+    broadcasts one rank's (see train/parallel_model.py)."""
+    if balance == "count":
+        return [0 if isinstance(layer, plans.RunInOrder) else 1 for layer in layers]
+    if balance == "measured":
+        return measured_costs(layers, sample)
+    return [layer_cost(layer) for layer in layers]
+
+
+def measured_costs(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[int]:
+    """Microseconds of each layer's forward and backward on what the layers before it make of
+    `sample` (the best of `repeats`, at least 1). Leaves no gradients behind."""
+    costs, x = [], sample
+    for layer in layers:
+        x = x.detach().requires_grad_(x.is_floating_point())
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            y = layer(x)
+            y.float().sum().backward()
+            best = min(best, time.perf_counter() - started)
+        costs.append(max(int(best * 1e6), 1))
+        x = y
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    return costs
 
 
 def layer_cost(layer: nn.Module) -> int:

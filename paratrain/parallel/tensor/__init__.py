@@ -1,6 +1,7 @@
 """Tensor parallelism (Megatron-style): each layer's weights split over the tp ranks.
 
-    parallelize.py    parallelize_gpt: which GPT layer becomes which sharded layer; tp_problems;
+    apply_plan.py     parallelize: a plan's styles applied to any model (../plan.py reads plans)
+    parallelize.py    parallelize_gpt: the GPT's plan through that same path; tp_problems;
                       gather_full_state (the unsharded weights, for parity checks)
     layers.py         column-/row-parallel linears and the vocab-parallel embedding, each
                       built from an existing layer by slicing its weights for this rank
@@ -11,6 +12,7 @@
     loss = vocab_parallel_cross_entropy(model(idx_BT), targets_BT, mesh.tp)
 """
 
+from paratrain.parallel.tensor.apply_plan import parallelize, sequence_sharded_parameters
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratrain.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -22,7 +24,6 @@ from paratrain.parallel.tensor.layers import (
 from paratrain.parallel.tensor.parallelize import (
     gather_full_state,
     parallelize_gpt,
-    sequence_sharded_parameters,
     tp_problems,
 )
 from paratrain.parallel.tensor.tp_comms import (
@@ -37,6 +38,6 @@ from paratrain.parallel.tensor.tp_comms import (
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "SequenceShardedEmbedding", "VocabParallelEmbedding",
     "all_gather_along", "copy_to_parallel", "gather_full_state", "gather_sequence",
-    "parallelize_gpt", "reduce_from_parallel", "reduce_scatter_sequence", "scatter_sequence",
+    "parallelize", "parallelize_gpt", "reduce_from_parallel", "reduce_scatter_sequence", "scatter_sequence",
     "sequence_sharded_parameters", "shard", "tp_problems", "vocab_parallel_cross_entropy",
 ]

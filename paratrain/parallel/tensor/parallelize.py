@@ -1,4 +1,5 @@
-"""Apply tensor parallelism to a GPT from outside it, in place (torchtitan's parallelize.py).
+"""Apply tensor parallelism to a GPT from outside it, in place (torchtitan's parallelize.py),
+by its plan (models/plans.py: GPT_PLAN), which says:
 
     tok_emb            -> VocabParallelEmbedding   (vocabulary ranges; sum over ranks)
     blocks[i].attn.qkv -> ColumnParallelLinear     (whole heads: each rank its heads' q, k, v)
@@ -30,20 +31,12 @@ mask on every tp rank, and nothing here keeps the ranks' random number generator
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
-from paratrain.parallel.tensor.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    SequenceShardedEmbedding,
-    VocabParallelEmbedding,
-)
-from paratrain.parallel.tensor.tp_comms import all_gather_along, all_reduce_copy, gather_sequence
-
-QKV_PARTS = 3  # attn.qkv's output is [q | k | v]
+from paratrain.models.plans import GPT_PLAN
+from paratrain.parallel.tensor.apply_plan import parallelize
+from paratrain.parallel.tensor.tp_comms import all_gather_along
 
 
 def tp_problems(config, tp: int) -> list[str]:
@@ -71,7 +64,8 @@ def tp_problems(config, tp: int) -> list[str]:
 
 
 def parallelize_gpt(model: nn.Module, tp_group, sequence_parallel: bool = False) -> nn.Module:
-    """Shard `model`'s layers over `tp_group`, in place; returns the model.
+    """Shard `model`'s layers over `tp_group`, in place, by the GPT's plan (models/plans.py)
+    through the one path every model's plan takes (apply_plan.parallelize); returns the model.
 
     Every rank must pass the same unsharded weights (build the model from one seed).
     Submodules a pipeline stage does not use are still sharded; parameter names are unchanged.
@@ -79,46 +73,7 @@ def parallelize_gpt(model: nn.Module, tp_group, sequence_parallel: bool = False)
     problems = tp_problems(model.config, tp_group.size)
     if problems:
         raise ValueError("cannot apply tensor parallelism:\n  " + "\n  ".join(problems))
-    tp, sp = tp_group, sequence_parallel and tp_group.size > 1
-    model.tok_emb = VocabParallelEmbedding(model.tok_emb, tp, sequence_parallel=sp)
-    for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(attn.qkv, tp, fused_parts=QKV_PARTS, sequence_parallel=sp)
-        attn.proj = RowParallelLinear(attn.proj, tp, sequence_parallel=sp)
-        mlp.up = ColumnParallelLinear(mlp.up, tp, sequence_parallel=sp)
-        mlp.down = RowParallelLinear(mlp.down, tp, sequence_parallel=sp)
-    model.head = ColumnParallelLinear(model.head, tp, sequence_parallel=sp)
-    if sp:
-        _apply_sequence_parallel(model, tp)
-    return model
-
-
-def _apply_sequence_parallel(model: nn.Module, tp_group) -> None:
-    model.pos_emb = SequenceShardedEmbedding(model.pos_emb, tp_group)
-    gather_input = partial(_gather_sequence_input, group=tp_group)
-    for block in model.blocks:
-        block.attn.register_forward_pre_hook(gather_input)
-        block.mlp.register_forward_pre_hook(gather_input)
-    model.head.register_forward_pre_hook(gather_input)
-    for param in sequence_sharded_parameters(model):
-        param.register_hook(partial(all_reduce_copy, group=tp_group))
-
-
-def _gather_sequence_input(module, args, group):
-    x_BTD_shard, *rest = args
-    return (gather_sequence(x_BTD_shard, group), *rest)
-
-
-def sequence_sharded_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Replicated parameters that, under sequence parallelism, see only this rank's tokens:
-    the layer norms and the row-parallel biases. Their gradients must be summed over tp."""
-    params = []
-    for module in model.modules():
-        if isinstance(module, nn.LayerNorm):
-            params += [p for p in (module.weight, module.bias) if p is not None]
-        elif isinstance(module, RowParallelLinear) and module.bias is not None:
-            params.append(module.bias)
-    return params
+    return parallelize(model, GPT_PLAN, tp_group, sequence_parallel=sequence_parallel)
 
 
 @torch.no_grad()
