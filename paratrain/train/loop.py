@@ -39,7 +39,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     dp = build_data_parallel(
         parallel.module, mesh.dp, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
         bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb, compress=par.compress,
-        local_sgd=par.local_sgd, zero=par.zero,
+        local_sgd=par.local_sgd, zero=par.zero, model=parallel.model,
+        reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch,
     )
     optimizer = dp.make_optimizer(lambda params: build_optimizer(config.optim, params))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
@@ -106,7 +107,9 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     summary = summarize(log, config, group.size, params, tokens_per_sample) | parallel.pipeline_summary(log)
     result = {"log": log, "summary": summary}
     if return_state:
-        result["state"] = full_state(parallel, mesh)
+        with dp.gathered():
+            result["state"] = full_state(parallel, mesh)
+    dp.close()
     mesh.close()
     return result
 

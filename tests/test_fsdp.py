@@ -1,0 +1,126 @@
+"""ZeRO-2 and ZeRO-3 / FSDP: parity with the single-process reference, and what each rank holds.
+
+Tolerances are those of test_data_parallel (fp32: losses 1e-5 relative, parameters 1e-5
+absolute): sharding changes only the order in which per-rank gradients are summed. The GPT
+runs use SGD: AdamW at lr 1e-2 divides by the square root of tiny second moments, which turns
+that ~1e-7 reordering into ~4e-5 on a few biases for every data-parallel mode, DDP included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain import run
+from paratrain.parallel.data import build_data_parallel
+from paratrain.parallel.data.fsdp import FullyShardedDataParallel
+from paratrain.train.config import ConfigError
+from paratrain.train.loop import train_rank
+from paratrain.train.validate import validate
+from tests.test_data_parallel import assert_matches_reference, make_config
+
+ADAMW = {"optim.name": "adamw", "optim.lr": 0.01, "optim.weight_decay": 0.1}
+MODELS = {
+    "mlp": {"model.name": "mlp", "data.global_batch": 48, "steps": 5, **ADAMW},
+    "cnn": {"model.name": "cnn", "model.channels": (8, 16), "model.hidden": 32, "data.global_batch": 48, "steps": 4},
+    "gpt-tiny": {"model.name": "gpt-tiny", "data.global_batch": 12, "steps": 3},
+}
+SMALL_BUCKETS = {"parallel.bucket_mb": 0.01, "parallel.first_bucket_mb": 0.001}  # several buckets in flight
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_zero_two_matches_single_process(model, world_size):
+    assert_matches_reference(make_config(**{"parallel.zero": 2, **SMALL_BUCKETS, **MODELS[model]}), world_size)
+
+
+ZERO3 = [
+    pytest.param({}, [2, 3, 4], id="default"),  # 3 ranks: no unit of these models divides evenly by 3
+    pytest.param({"parallel.reshard_after_forward": False}, [4], id="no-reshard"),
+    pytest.param({"parallel.prefetch": 0}, [4], id="no-prefetch"),
+    pytest.param({"parallel.prefetch": 2, "parallel.reshard_after_forward": False}, [2], id="prefetch-2-no-reshard"),
+]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("overrides, worlds", ZERO3)
+def test_zero_three_matches_single_process(model, overrides, worlds):
+    for world_size in worlds:
+        assert_matches_reference(make_config(**{"parallel.zero": 3, **MODELS[model], **overrides}), world_size)
+
+
+def test_fsdp_mode_with_gradient_accumulation_and_recompute_matches_single_process():
+    config = make_config(**{"parallel.dp_mode": "fsdp", "parallel.grad_accum": 2,
+                            "parallel.checkpoint_activations": True, **MODELS["gpt-tiny"]})
+    assert_matches_reference(config, 2)
+
+
+def _gathered_during_a_step(group, prefetch, reshard):
+    """How many units are gathered at each unit's forward and backward, and after the step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(5)])
+    dp = build_data_parallel(model, group, mode="fsdp", prefetch=prefetch, reshard_after_forward=reshard)
+    seen = []
+    for layer in model:
+        layer.register_forward_pre_hook(lambda *_: seen.append(sum(u.is_gathered for u in dp.units)))
+    dp.module(torch.ones(2, 6)).sum().backward()
+    dp.finish_gradients()
+    at_rest = sum(u.is_gathered for u in dp.units)
+    shard_sizes = [u.shard.numel() for u in dp.units]
+    dp.close()
+    return seen, at_rest, shard_sizes, [p.grad is None for p in model.parameters()]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_a_unit_is_gathered_only_around_its_use(prefetch):
+    results = run(_gathered_during_a_step, 3, args=(prefetch, True))
+    seen, at_rest, shard_sizes, grads_dropped = results[0]
+    # At a unit's forward: the units before it are freed; it and `prefetch` more are coming.
+    assert max(seen) <= 1 + prefetch, seen
+    assert at_rest == 0 and all(grads_dropped)
+    # 42 elements per unit over 3 ranks: parts 14 each; the world's shards add up to the unit.
+    assert sum(results[r][2][0] for r in results) == 42
+
+
+def test_without_resharding_every_unit_stays_gathered_until_its_backward():
+    seen, at_rest, _, _ = run(_gathered_during_a_step, 2, args=(0, False))[0]
+    assert seen == [1, 2, 3, 4, 5] and at_rest == 0
+
+
+def test_zero_two_keeps_no_whole_gradient():
+    def step(group):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+        dp = build_data_parallel(model, group, zero=2, bucket_mb=1e-4, first_bucket_mb=1e-4)
+        dp.module(torch.ones(2, 8)).sum().backward()
+        dp.finish_gradients()
+        return [p.grad for p in model.parameters()], dp.shard.grad.numel(), dp.flat_grads
+
+    grads, shard, flat_grads = run(step, 2)[0]
+    assert all(g is None for g in grads) and flat_grads is None
+    assert shard == pytest.approx((8 * 8 + 8 + 8 * 3 + 3) / 2, abs=len(grads))
+
+
+def test_reduce_scatters_start_during_backward(monkeypatch):
+    started_early, original = [], FullyShardedDataParallel.finish_gradients
+
+    def recorded(self):
+        started_early.append((self._order.started, len(self.units)))
+        return original(self)
+
+    monkeypatch.setattr(FullyShardedDataParallel, "finish_gradients", recorded)
+    run(train_rank, 2, args=(make_config(**{"parallel.zero": 3, **MODELS["gpt-tiny"]}),))
+    # Backward ends with the embeddings: every other unit's reduce-scatter is already in flight.
+    assert all(started >= units - 1 for started, units in started_early), started_early
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel.zero": 4}, "parallel.zero must be 0, 1"),
+    ({"parallel.dp_mode": "fsdp", "parallel.zero": 1}, "is ZeRO-3"),
+    ({"parallel.dp_mode": "torch-fsdp"}, "needs a default process group"),
+    ({"parallel.zero": 3, "parallel.prefetch": -1}, "parallel.prefetch"),
+    ({"parallel.dp_mode": "fsdp", "model.name": "gpt-tiny", "parallel.tp": 2}, "work with data parallelism alone"),
+])
+def test_bad_sharding_options_are_named(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate(make_config(**overrides), 4)
+    assert message in str(error.value)
