@@ -17,7 +17,8 @@ from paratrain.parallel.data.fsdp import FullyShardedDataParallel
 from paratrain.train.config import ConfigError
 from paratrain.train.loop import train_rank
 from paratrain.train.validate import validate
-from tests.test_data_parallel import assert_matches_reference, make_config
+from tests.test_data_parallel import (assert_matches_reference, assert_results_match_reference, make_config,
+                                      train_each_and_return_state)
 
 ADAMW = {"optim.name": "adamw", "optim.lr": 0.01, "optim.weight_decay": 0.1}
 MODELS = {
@@ -124,3 +125,17 @@ def test_bad_sharding_options_are_named(overrides, message):
     with pytest.raises(ConfigError) as error:
         validate(make_config(**overrides), 4)
     assert message in str(error.value)
+
+
+# One world of 2 processes (gloo) trains both, one after the other: start-up costs seconds.
+ON_PROCESSES = {
+    "fsdp": make_config(**{"parallel.zero": 3, "parallel.launcher": "processes", **MODELS["gpt-tiny"]}),
+    "torch-fsdp": make_config(**{"parallel.dp_mode": "torch-fsdp", "parallel.launcher": "processes",
+                                 **MODELS["gpt-tiny"]}),
+}
+
+
+def test_ours_and_pytorch_fsdp2_match_single_process_on_processes():
+    by_rank = run(train_each_and_return_state, 2, launcher="processes", args=(ON_PROCESSES,))
+    for name, config in ON_PROCESSES.items():
+        assert_results_match_reference(config, {rank: result[name] for rank, result in by_rank.items()})
