@@ -139,3 +139,27 @@ def test_ours_and_pytorch_fsdp2_match_single_process_on_processes():
     by_rank = run(train_each_and_return_state, 2, launcher="processes", args=(ON_PROCESSES,))
     for name, config in ON_PROCESSES.items():
         assert_results_match_reference(config, {rank: result[name] for rank, result in by_rank.items()})
+
+
+def _memory(world_size, **overrides):
+    config = make_config(**{**MODELS["gpt-tiny"], **ADAMW, "optim.lr": 1e-3, "steps": 2, **overrides})
+    return run(train_rank, world_size, args=(config,))[0]["summary"]["memory"]
+
+
+def test_held_memory_per_rank_shrinks_with_each_zero_stage():
+    """Measured from the tensors held, on every rank: ZeRO-1 shards the optimizer state, ZeRO-2
+    the gradients too, ZeRO-3 the parameters too (1/4 each on 4 ranks, to within uneven parts)."""
+    ddp, zero1, zero2, zero3 = (_memory(4, **{"parallel.zero": z, **SMALL_BUCKETS}) for z in (0, 1, 2, 3))
+    for memory in (ddp, zero1, zero2, zero3):
+        assert set(memory) == {"params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes"}
+        assert all(len(values) == 4 for values in memory.values())
+    at_rest = lambda m: max(sum(row) for row in zip(m["params_bytes"], m["grads_bytes"], m["optimizer_bytes"]))  # noqa: E731
+    # AdamW: two moments per parameter, and a 4-byte step count per tensor
+    assert max(ddp["optimizer_bytes"]) == pytest.approx(2 * max(ddp["params_bytes"]), rel=1e-3)
+    assert max(zero1["optimizer_bytes"]) <= 0.26 * max(ddp["optimizer_bytes"])
+    assert max(zero2["grads_bytes"]) <= 0.26 * max(ddp["grads_bytes"])
+    assert at_rest(zero3) <= 0.26 * at_rest(ddp)
+    # At its peak ZeRO-3 holds gathered units besides its shards: on gpt-tiny's four units, about
+    # as much as ZeRO-2's whole parameters; both stay well below DDP's.
+    assert max(zero3["peak_bytes"]) < 0.6 * max(ddp["peak_bytes"])
+    assert max(zero2["peak_bytes"]) < 0.6 * max(ddp["peak_bytes"])
