@@ -19,6 +19,7 @@ from paratrain.train.loop import train_rank
 from paratrain.train.validate import validate
 from tests.test_data_parallel import (assert_matches_reference, assert_results_match_reference, make_config,
                                       train_each_and_return_state)
+from tests.test_parallel_3d import assert_same_as_one_process
 
 ADAMW = {"optim.name": "adamw", "optim.lr": 0.01, "optim.weight_decay": 0.1}
 MODELS = {
@@ -54,6 +55,22 @@ def test_fsdp_mode_with_gradient_accumulation_and_recompute_matches_single_proce
     config = make_config(**{"parallel.dp_mode": "fsdp", "parallel.grad_accum": 2,
                             "parallel.checkpoint_activations": True, **MODELS["gpt-tiny"]})
     assert_matches_reference(config, 2)
+
+
+# FSDP over the data axis of the mesh: each tensor-parallel shard of a unit is sharded again over
+# dp; each pipeline stage's units over its dp group, gathered for every microbatch's forward and
+# backward (with resharding on: memory over fewer collectives, as FSDP2 does by default).
+WITH_TP_AND_PP = [
+    pytest.param({"parallel.tp": 2}, id="tp2"),
+    pytest.param({"parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.microbatches": 2}, id="pp2-1f1b"),
+    pytest.param({"parallel.pp": 2, "parallel.schedule": "zb-h1", "parallel.microbatches": 4}, id="pp2-zb-h1"),
+]
+
+
+@pytest.mark.parametrize("overrides", WITH_TP_AND_PP)
+def test_fsdp_with_tensor_or_pipeline_parallelism_matches_single_process(overrides):
+    config = make_config(**{"parallel.zero": 3, **MODELS["gpt-tiny"], "data.global_batch": 8, **overrides})
+    assert_same_as_one_process(config, 4)
 
 
 def _gathered_during_a_step(group, prefetch, reshard):
@@ -119,7 +136,7 @@ def test_reduce_scatters_start_during_backward(monkeypatch):
     ({"parallel.dp_mode": "fsdp", "parallel.zero": 1}, "is ZeRO-3"),
     ({"parallel.dp_mode": "torch-fsdp"}, "needs a default process group"),
     ({"parallel.zero": 3, "parallel.prefetch": -1}, "parallel.prefetch"),
-    ({"parallel.dp_mode": "fsdp", "model.name": "gpt-tiny", "parallel.tp": 2}, "work with data parallelism alone"),
+    ({"parallel.zero": 2, "model.name": "gpt-tiny", "parallel.tp": 2}, "our FSDP (--zero 3) works with both"),
 ])
 def test_bad_sharding_options_are_named(overrides, message):
     with pytest.raises(ConfigError) as error:

@@ -190,8 +190,10 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
     if par.pp * par.tp > 1:
         if par.dp_mode == "torch":
             problems.append("parallel: dp_mode torch is plain data parallelism; with pp or tp > 1 use ddp or naive")
-        if any((par.zero, par.local_sgd, par.compress not in ("none", "", None), par.dp_mode in ("fsdp", "torch-fsdp"))):
-            problems.append("parallel: zero, local_sgd and compress work with data parallelism alone (pp = tp = 1)")
+        if any((par.zero in (1, 2), par.local_sgd, par.compress not in ("none", "", None), par.dp_mode == "torch-fsdp",
+                par.dp_mode == "torch" and par.zero)):
+            problems.append("parallel: zero 1 and 2, local_sgd, compress and PyTorch's FSDP work with data parallelism "
+                            "alone (pp = tp = 1); our FSDP (--zero 3) works with both")
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs tp > 1")
     if model.name not in MODEL_NAMES:
