@@ -17,6 +17,7 @@ from paratrain.parallel.data.fsdp import FullyShardedDataParallel
 from paratrain.train.config import ConfigError
 from paratrain.train.loop import train_rank
 from paratrain.train.validate import validate
+from tests.test_checkpoint import RESHARD_ATOL, RESHARD_RTOL, interrupted_and_resumed, losses_of, merged_state
 from tests.test_data_parallel import (assert_matches_reference, assert_results_match_reference, make_config,
                                       train_each_and_return_state)
 from tests.test_parallel_3d import assert_same_as_one_process
@@ -180,3 +181,34 @@ def test_held_memory_per_rank_shrinks_with_each_zero_stage():
     # as much as ZeRO-2's whole parameters; both stay well below DDP's.
     assert max(zero3["peak_bytes"]) < 0.6 * max(ddp["peak_bytes"])
     assert max(zero2["peak_bytes"]) < 0.6 * max(ddp["peak_bytes"])
+
+
+# Checkpoints hold whole tensors under the single-device names, whatever the sharding: FSDP
+# gathers each unit's parameters and optimizer state to save, and keeps its own part on load.
+GPT_ADAMW = {"model.name": "gpt-tiny", "optim.name": "adamw", "optim.lr": 1e-3, "data.global_batch": 8}
+
+
+@pytest.mark.parametrize("world, overrides", [
+    pytest.param(2, {"parallel.zero": 3, **GPT_ADAMW}, id="fsdp2"),
+    pytest.param(2, {"parallel.zero": 2, **GPT_ADAMW}, id="zero2"),
+    pytest.param(4, {"parallel.zero": 3, "parallel.tp": 2, **GPT_ADAMW}, id="tp2xfsdp2"),
+])
+def test_a_sharded_run_resumes_bit_for_bit(tmp_path, world, overrides):
+    whole, resumed = interrupted_and_resumed(tmp_path, world, **overrides)
+    assert losses_of(resumed) == losses_of(whole)[3:]
+    for name, value in merged_state(whole).items():
+        assert torch.equal(merged_state(resumed)[name], value), name
+
+
+@pytest.mark.parametrize("saved, world, resumed_as, resumed_world", [
+    pytest.param({"parallel.zero": 3}, 4, {}, 2, id="fsdp4-to-fsdp2"),
+    pytest.param({"parallel.zero": 3}, 2, {"parallel.zero": 0}, 2, id="fsdp-to-ddp"),
+    pytest.param({"parallel.zero": 3, "parallel.tp": 2}, 4, {"parallel.zero": 0, "parallel.tp": 1}, 2,
+                 id="tp2xfsdp2-to-tp1"),
+])
+def test_a_sharded_checkpoint_loads_into_another_layout(tmp_path, saved, world, resumed_as, resumed_world):
+    whole, resumed = interrupted_and_resumed(
+        tmp_path, world, resume_overrides=resumed_as, resume_world=resumed_world, **{**GPT_ADAMW, **saved})
+    assert losses_of(resumed) == pytest.approx(losses_of(whole)[3:], rel=RESHARD_RTOL)
+    for name, value in merged_state(whole).items():
+        assert torch.allclose(merged_state(resumed)[name], value, rtol=0, atol=RESHARD_ATOL), name

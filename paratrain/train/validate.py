@@ -245,9 +245,9 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
         problems.append("checkpoint: --save-every and --max-restarts need --save-dir (where checkpoints go)")
     if ckpt.max_restarts and par.launcher != "processes":
         problems.append("checkpoint.max_restarts needs --launcher processes (ranks on threads cannot restart)")
-    if ckpt.dir and (par.zero == 3 or par.dp_mode in ("fsdp", "torch-fsdp")):
-        problems.append("checkpoint: ZeRO-3 / FSDP runs cannot save checkpoints yet (issue 26); "
-                        "use --zero 1 or 2 with --save-dir")
+    if ckpt.dir and par.dp_mode == "torch-fsdp":
+        problems.append("checkpoint: PyTorch's FSDP2 keeps its state as DTensors, which our checkpoints do not "
+                        "read; use --zero 3 (ours) to save checkpoints")
     elif ckpt.dir and par.zero and par.dp_mode == "torch":
         problems.append("checkpoint: PyTorch's ZeroRedundancyOptimizer keeps its state its own way; "
                         "use --dp-mode ddp with --zero 1 (ours) to save checkpoints")
