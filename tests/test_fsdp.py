@@ -14,12 +14,14 @@ import torch
 from paratrain import run
 from paratrain.parallel.data import build_data_parallel
 from paratrain.parallel.data.fsdp import FullyShardedDataParallel
+from paratrain.train.check import BF16_LOSS_RTOL, BF16_PARAM_ATOL, BF16_PROGRESS_RTOL, compare
 from paratrain.train.config import ConfigError
 from paratrain.train.loop import train_rank
+from paratrain.train.reference import reference_run
 from paratrain.train.validate import validate
 from tests.test_checkpoint import RESHARD_ATOL, RESHARD_RTOL, interrupted_and_resumed, losses_of, merged_state
 from tests.test_data_parallel import (assert_matches_reference, assert_results_match_reference, make_config,
-                                      train_each_and_return_state)
+                                      train_and_return_state, train_each_and_return_state)
 from tests.test_parallel_3d import assert_same_as_one_process
 
 ADAMW = {"optim.name": "adamw", "optim.lr": 0.01, "optim.weight_decay": 0.1}
@@ -212,3 +214,25 @@ def test_a_sharded_checkpoint_loads_into_another_layout(tmp_path, saved, world, 
     assert losses_of(resumed) == pytest.approx(losses_of(whole)[3:], rel=RESHARD_RTOL)
     for name, value in merged_state(whole).items():
         assert torch.allclose(merged_state(resumed)[name], value, rtol=0, atol=RESHARD_ATOL), name
+
+
+def test_bf16_fsdp_stays_close_to_the_bf16_reference():
+    """bf16 gathers and reduce-scatters, fp32 master shards: `paratrain check`'s bf16 rule (losses
+    1e-3 relative, parameters 1e-3 absolute, the loss decrease 5e-2 relative)."""
+    config = make_config(**{"parallel.zero": 3, "parallel.precision": "bf16", **MODELS["gpt-tiny"], "steps": 4})
+    report = compare(config, run(train_and_return_state, 2, args=(config,)), reference_run(config))
+    assert report["max_loss_diff"] <= BF16_LOSS_RTOL and report["max_param_diff"] <= BF16_PARAM_ATOL, report
+    assert report["progress_diff"] <= BF16_PROGRESS_RTOL, report
+
+
+def _bf16_unit(group):
+    dp = build_data_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)), group, mode="fsdp", precision="bf16")
+    with dp.gathered():
+        whole = dp.module[0].weight.dtype
+    dp.module(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()
+    dp.finish_gradients()
+    return dp.units[0].full.dtype, whole, dp.units[0].shard.dtype, dp.units[0].shard.grad.dtype
+
+
+def test_bf16_fsdp_gathers_bf16_and_keeps_fp32_master_shards():
+    assert run(_bf16_unit, 2)[0] == (torch.bfloat16, torch.float32, torch.float32, torch.float32)

@@ -42,7 +42,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         parallel.module, mesh.dp, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
         bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb, compress=par.compress,
         local_sgd=par.local_sgd, zero=par.zero, model=parallel.model,
-        reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch,
+        reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch, precision=par.precision,
     )
     optimizer = dp.make_optimizer(lambda params: build_optimizer(config.optim, params))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)

@@ -7,6 +7,8 @@ DDP), plus compression, local SGD and ZeRO-1.
 
 from __future__ import annotations
 
+import torch
+
 from paratrain.parallel.data.base import DataParallel
 from paratrain.parallel.data.compression import build_compressor
 from paratrain.parallel.data.ddp import BucketedDataParallel
@@ -21,14 +23,17 @@ DP_MODES = ("naive", "ddp", "torch", "fsdp", "torch-fsdp")
 
 def build_data_parallel(module, group, *, mode="ddp", algo="auto", naive_layout="flat",
                         bucket_mb=25.0, first_bucket_mb=1.0, compress="none", local_sgd=0,
-                        zero=0, model=None, reshard_after_forward=True, prefetch=1) -> DataParallel:
-    """`model`: the whole model `module` was cut from (FSDP reads its units from it)."""
+                        zero=0, model=None, reshard_after_forward=True, prefetch=1,
+                        precision="fp32") -> DataParallel:
+    """`model`: the whole model `module` was cut from (FSDP reads its units from it); `precision`
+    bf16: FSDP gathers parameters and reduce-scatters gradients in bf16."""
     if mode == "torch-fsdp" or (mode == "torch" and zero == 3):
         from paratrain.parallel.data.torch_fsdp import TorchFullyShardedDataParallel
 
         return TorchFullyShardedDataParallel(module, group, model, reshard_after_forward)
     if mode == "fsdp" or zero == 3:
-        return FullyShardedDataParallel(module, group, algo, model, reshard_after_forward, prefetch)
+        compute_dtype = torch.bfloat16 if precision == "bf16" else None
+        return FullyShardedDataParallel(module, group, algo, model, reshard_after_forward, prefetch, compute_dtype)
     if zero and mode == "torch":  # PyTorch's own: DDP with ZeroRedundancyOptimizer
         return TorchDataParallel(module, group, group.transport.torch_process_group(group.timeout), bucket_mb, zero=True)
     if zero == 2:

@@ -23,7 +23,7 @@ reduce-scatters start strictly in reverse unit order (`StartInOrder`).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 
 import torch
@@ -35,9 +35,11 @@ from paratrain.parallel.data.fsdp_units import ShardedUnit, unit_modules
 
 
 class FullyShardedDataParallel(DataParallel):
-    def __init__(self, module, group, algo="auto", model=None, reshard_after_forward=True, prefetch=1):
+    def __init__(self, module, group, algo="auto", model=None, reshard_after_forward=True, prefetch=1,
+                 compute_dtype=None):
         """`model`: the whole model the units are read from (default `module`); only the units
-        whose parameters `module` holds are sharded (a pipeline rank's chunks)."""
+        whose parameters `module` holds are sharded (a pipeline rank's chunks). `compute_dtype`
+        (bf16): the gathered parameters' and the gradients' precision (see fsdp_units.py)."""
         super().__init__(module, group, algo)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.gather_group = group.split([list(range(group.size))])
@@ -49,7 +51,7 @@ class FullyShardedDataParallel(DataParallel):
             params = [p for p in params if id(p) not in covered]
             if params:
                 covered.update(id(p) for p in params)
-                self.units.append(ShardedUnit(len(self.units), modules, params, group, algo))
+                self.units.append(ShardedUnit(len(self.units), modules, params, group, algo, compute_dtype))
         left = [name for name, p in module.named_parameters() if id(p) in held and id(p) not in covered]
         if left:
             raise ValueError(f"fsdp: parameters in no unit: {', '.join(left)}")
@@ -96,17 +98,15 @@ class FullyShardedDataParallel(DataParallel):
 
     @contextmanager
     def gathered(self):
-        """Every unit's parameters whole inside the block (to read or load them); a collective."""
-        for unit in self.units:
-            if not unit.is_gathered:
-                unit.start_gather(self.gather_group)
-            unit.wait_gathered(self.timer)
-        try:
-            yield
-        finally:
+        """Every unit's parameters whole, in fp32, inside the block (to read or load them); what
+        is written into them is kept. A collective."""
+        with ExitStack() as stack:
             for unit in self.units:
-                unit.shard.data.copy_(unit.full[unit.own])  # what was written into them, if anything
-                unit.free()
+                unit.wait_gathered(self.timer)
+                stack.enter_context(unit.whole(self.gather_group))
+            yield
+        for unit in self.units:
+            unit.free()
 
     # ---- gradients ------------------------------------------------------------------------
 
@@ -122,7 +122,7 @@ class FullyShardedDataParallel(DataParallel):
         self._grad_ready(param)
 
     def _start_reduce(self, unit: ShardedUnit) -> None:
-        self._pending.append(Pending([unit.start_reduce_scatter(self.group)]))
+        self._pending.append(unit.start_reduce_scatter(self.group))
 
     def finish_gradients(self) -> None:
         # Units with a parameter that got no gradient this step never started: they start now.

@@ -10,14 +10,22 @@ view back to life at once, autograd's saved references to them included.
 
 Gradients go the other way: once backward has written every parameter's gradient, they are
 laid end to end and reduce-scattered (averaged) into `shard.grad`, then dropped.
+
+Mixed precision (`compute_dtype` bf16): `full` is bf16, so the forward and backward compute
+with bf16 parameters and produce bf16 gradients; the all-gather and the reduce-scatter move
+bf16 (half the bytes), while the shard, its gradient and the optimizer state stay fp32: each
+step updates the fp32 master weights, and the next gather rounds them to bf16 again.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from paratrain.comm.ops import part_bounds
+from paratrain.parallel.data.compression import Pending
 from paratrain.models import CNN, GPT, MLP, DeepMLP
 
 
@@ -36,26 +44,28 @@ def unit_modules(model: nn.Module) -> list[list[nn.Module]]:
 
 
 class ShardedUnit:
-    def __init__(self, index: int, modules: list[nn.Module], params: list[nn.Parameter], group, algo: str):
+    def __init__(self, index: int, modules: list[nn.Module], params: list[nn.Parameter], group, algo: str,
+                 compute_dtype: torch.dtype | None = None):
         self.index, self.modules, self.params, self.algo = index, modules, params, algo
-        first = params[0]
-        count = sum(p.numel() for p in params)
-        self.full = torch.empty(count, dtype=first.dtype, device=first.device)
-        offset = 0
-        for param in params:
-            end = offset + param.numel()
-            self.full[offset:end].copy_(param.detach().reshape(-1))
-            param.data = self.full[offset:end].view_as(param)
-            offset = end
-        self.own = slice(*part_bounds(count, group.size)[group.rank])  # this rank's part of `full`
-        self.shard = nn.Parameter(self.full[self.own].clone())
+        whole = torch.cat([p.detach().reshape(-1) for p in params])  # every rank starts from the same weights
+        self.own = slice(*part_bounds(whole.numel(), group.size)[group.rank])  # this rank's part of `full`
+        self.shard = nn.Parameter(whole[self.own].clone())
         self.shard.grad = torch.zeros_like(self.shard)
+        self.full = torch.empty(whole.numel(), dtype=compute_dtype or whole.dtype, device=whole.device)
+        self._point_params_into(self.full)
         self._full_bytes = self.full.untyped_storage().nbytes()
         self.gathering = None  # the all-gather in flight, until waited on
         self.is_gathered = True
         self.in_backward = False  # its backward has begun (a recompute's forward must not free it)
         self.waiting: set[int] = set()  # ids of the parameters whose gradient this backward has not written
         self.free()
+
+    def _point_params_into(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for param in self.params:
+            end = offset + param.numel()
+            param.data = flat[offset:end].view(param.shape)
+            offset = end
 
     def free(self) -> None:
         """Drop the gathered parameters (their views stay, holding nothing)."""
@@ -65,7 +75,8 @@ class ShardedUnit:
 
     def start_gather(self, group) -> None:
         self.full.untyped_storage().resize_(self._full_bytes)
-        self.gathering = group.all_gather(self.full, self.shard.detach(), self.algo, async_op=True)
+        shard = self.shard.detach().to(self.full.dtype)  # a copy in bf16; kept by the call until it has run
+        self.gathering = group.all_gather(self.full, shard, self.algo, async_op=True)
         self.is_gathered = True
 
     def wait_gathered(self, timer) -> None:
@@ -75,11 +86,30 @@ class ShardedUnit:
             timer.ran(self.gathering.started, self.gathering.finished)
             self.gathering = None
 
-    def start_reduce_scatter(self, group):
+    def start_reduce_scatter(self, group) -> Pending:
         """Average every rank's gradients into `shard.grad`; the parameters' own are dropped.
         A parameter that got no gradient counts as zero."""
-        flat = torch.cat([torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if p.grad is None
+        flat = torch.cat([torch.zeros(p.numel(), dtype=self.full.dtype, device=p.device) if p.grad is None
                           else p.grad.reshape(-1) for p in self.params])
         for param in self.params:
             param.grad = None
-        return group.reduce_scatter(self.shard.grad, flat, "avg", self.algo, async_op=True)
+        if flat.dtype == self.shard.dtype:
+            return Pending([group.reduce_scatter(self.shard.grad, flat, "avg", self.algo, async_op=True)])
+        part = torch.empty(self.shard.numel(), dtype=flat.dtype, device=flat.device)
+        handle = group.reduce_scatter(part, flat, "avg", self.algo, async_op=True)
+        return Pending([handle], lambda: self.shard.grad.copy_(part))
+
+    @contextmanager
+    def whole(self, group):
+        """The parameters whole in the shard's precision (fp32) inside the block, for reading or
+        loading them; what the block leaves in them becomes this rank's shard. A collective."""
+        master = torch.empty(self.full.numel(), dtype=self.shard.dtype, device=self.shard.device)
+        group.all_gather(master, self.shard.detach(), self.algo)
+        self._point_params_into(master)
+        try:
+            yield
+        finally:
+            self.shard.data.copy_(master[self.own])
+            self.full.untyped_storage().resize_(self._full_bytes)  # views are cut from a live buffer
+            self._point_params_into(self.full)
+            self.is_gathered = True  # with nothing gathered: the caller frees it
