@@ -17,6 +17,7 @@ from paratrain.parallel.data.fsdp import FullyShardedDataParallel
 from paratrain.train.check import BF16_LOSS_RTOL, BF16_PARAM_ATOL, BF16_PROGRESS_RTOL, compare
 from paratrain.train.config import ConfigError
 from paratrain.train.loop import train_rank
+from paratrain.train.memory import estimate
 from paratrain.train.reference import reference_run
 from paratrain.train.validate import validate
 from tests.test_checkpoint import RESHARD_ATOL, RESHARD_RTOL, interrupted_and_resumed, losses_of, merged_state
@@ -163,7 +164,14 @@ def test_ours_and_pytorch_fsdp2_match_single_process_on_processes():
 
 def _memory(world_size, **overrides):
     config = make_config(**{**MODELS["gpt-tiny"], **ADAMW, "optim.lr": 1e-3, "steps": 2, **overrides})
-    return run(train_rank, world_size, args=(config,))[0]["summary"]["memory"]
+    memory = run(train_rank, world_size, args=(config,))[0]["summary"]["memory"]
+    # --plan-only's prediction, from the configuration alone, agrees with what was measured
+    # (to within uneven parts and AdamW's 4-byte step counts).
+    (predicted,) = estimate(config, world_size)
+    for key, value in (("params_bytes", predicted.weights), ("grads_bytes", predicted.grads),
+                       ("optimizer_bytes", predicted.optimizer)):
+        assert max(memory[key]) == pytest.approx(value, rel=2e-3), (key, overrides)
+    return memory
 
 
 def test_held_memory_per_rank_shrinks_with_each_zero_stage():
