@@ -55,6 +55,12 @@ def test_zero_three_matches_single_process(model, overrides, worlds):
         assert_matches_reference(make_config(**{"parallel.zero": 3, **MODELS[model], **overrides}), world_size)
 
 
+def test_zero_two_with_gradient_accumulation_matches_single_process():
+    """Gradients of the micro-batches that do not communicate stay whole until the last one's."""
+    config = make_config(**{"parallel.zero": 2, "parallel.grad_accum": 2, **SMALL_BUCKETS, **MODELS["mlp"]})
+    assert_matches_reference(config, 2)
+
+
 def test_fsdp_mode_with_gradient_accumulation_and_recompute_matches_single_process():
     config = make_config(**{"parallel.dp_mode": "fsdp", "parallel.grad_accum": 2,
                             "parallel.checkpoint_activations": True, **MODELS["gpt-tiny"]})
