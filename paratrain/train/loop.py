@@ -89,6 +89,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
             entry["bubble"] = bubble
         if evaluator.due(step):
             entry.update(evaluator.run())
+            dp.timer.take()  # FSDP's gathers for evaluation: not the next step's communication
         log.append(entry)
         progress.update(1)
         progress.set_postfix(loss=f"{entry['loss']:.4f}", ms=f"{step_ms:.0f}")
