@@ -187,7 +187,9 @@ def test_held_memory_per_rank_shrinks_with_each_zero_stage():
     for memory in (ddp, zero1, zero2, zero3):
         assert set(memory) == {"params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes"}
         assert all(len(values) == 4 for values in memory.values())
-    at_rest = lambda m: max(sum(row) for row in zip(m["params_bytes"], m["grads_bytes"], m["optimizer_bytes"]))  # noqa: E731
+    def at_rest(memory):
+        return max(sum(row) for row in zip(memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]))
+
     # AdamW: two moments per parameter, and a 4-byte step count per tensor
     assert max(ddp["optimizer_bytes"]) == pytest.approx(2 * max(ddp["params_bytes"]), rel=1e-3)
     assert max(zero1["optimizer_bytes"]) <= 0.26 * max(ddp["optimizer_bytes"])

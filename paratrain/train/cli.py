@@ -81,7 +81,8 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
         lines.append(f"global batch {config.data.global_batch} ({config.data.global_batch // dp} per replica"
                      + (f", {par.grad_accum} micro-batches" if par.grad_accum > 1 else "") + ")")
     sharded = par.zero or par.dp_mode == "fsdp"
-    if isinstance(model_config(config.model.name, **config.model.overrides), GPTConfig) and (par.pp * par.tp > 1 or sharded):
+    is_gpt = isinstance(model_config(config.model.name, **config.model.overrides), GPTConfig)
+    if is_gpt and (par.pp * par.tp > 1 or sharded):
         lines.append(format_estimate(estimate(config, world), par.tp))
     return lines
 
