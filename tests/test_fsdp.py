@@ -159,13 +159,21 @@ ON_PROCESSES = {
     "fsdp": make_config(**{"parallel.zero": 3, "parallel.launcher": "processes", **MODELS["gpt-tiny"]}),
     "torch-fsdp": make_config(**{"parallel.dp_mode": "torch-fsdp", "parallel.launcher": "processes",
                                  **MODELS["gpt-tiny"]}),
+    # FSDP2's MixedPrecisionPolicy, as ours: bf16 gathers and reduce-scatters, fp32 shards
+    "torch-fsdp-bf16": make_config(**{"parallel.dp_mode": "torch-fsdp", "parallel.launcher": "processes",
+                                      "parallel.precision": "bf16", **MODELS["gpt-tiny"]}),
 }
 
 
 def test_ours_and_pytorch_fsdp2_match_single_process_on_processes():
     by_rank = run(train_each_and_return_state, 2, launcher="processes", args=(ON_PROCESSES,))
     for name, config in ON_PROCESSES.items():
-        assert_results_match_reference(config, {rank: result[name] for rank, result in by_rank.items()})
+        results = {rank: result[name] for rank, result in by_rank.items()}
+        if config.parallel.precision == "bf16":
+            report = compare(config, results, reference_run(config))
+            assert report["max_loss_diff"] <= BF16_LOSS_RTOL and report["max_param_diff"] <= BF16_PARAM_ATOL, report
+        else:
+            assert_results_match_reference(config, results)
 
 
 def _memory(world_size, **overrides):

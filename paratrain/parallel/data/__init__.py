@@ -27,12 +27,12 @@ def build_data_parallel(module, group, *, mode="ddp", algo="auto", naive_layout=
                         precision="fp32") -> DataParallel:
     """`model`: the whole model `module` was cut from (FSDP reads its units from it); `precision`
     bf16: FSDP gathers parameters and reduce-scatters gradients in bf16."""
+    compute_dtype = torch.bfloat16 if precision == "bf16" else None
     if mode == "torch-fsdp" or (mode == "torch" and zero == 3):
         from paratrain.parallel.data.torch_fsdp import TorchFullyShardedDataParallel
 
-        return TorchFullyShardedDataParallel(module, group, model, reshard_after_forward)
+        return TorchFullyShardedDataParallel(module, group, model, reshard_after_forward, compute_dtype)
     if mode == "fsdp" or zero == 3:
-        compute_dtype = torch.bfloat16 if precision == "bf16" else None
         return FullyShardedDataParallel(module, group, algo, model, reshard_after_forward, prefetch, compute_dtype)
     if zero and mode == "torch":  # PyTorch's own: DDP with ZeroRedundancyOptimizer
         return TorchDataParallel(module, group, group.transport.torch_process_group(group.timeout), bucket_mb, zero=True)
