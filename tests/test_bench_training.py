@@ -75,7 +75,7 @@ def test_bench_scaling_measures_both_modes_against_one_rank(tmp_path):
     (["scaling", "--nprocs", "1,two"], "'1,two' is not a comma-separated list of integers"),
     (["scaling", "--nprocs", "0,2"], "world sizes must be positive integers"),
     (["ddp", "--models", "cnn-tiny,resnet"], "unknown model 'resnet'; valid: mlp, cnn-tiny"),
-    (["ddp", "--modes", "ddp,fsdp"], "unknown mode 'fsdp'; valid: naive, ddp, torch"),
+    (["ddp", "--modes", "ddp,zero3"], "unknown mode 'zero3'; valid: naive, ddp, torch"),
     (["ddp", "--models", ","], "no model given"),
     (["ddp", "--batch-size", "0"], "0 is not in the range x>=1"),
 ])
@@ -151,3 +151,15 @@ def test_benchmark_flops_are_the_models_matmuls():
     assert flops_per_step(config) == 2 * B * (i * h + h * c) + 2 * B * (i * h + h * c) + 2 * B * h * c
     gpt = apply_overrides(TrainConfig(), {"model.name": "gpt-tiny", "data.global_batch": 8})
     assert flops_per_step(gpt) == step_flops(GPTShape.from_config(model_config("gpt-tiny")), 8)
+
+
+def test_bench_ddp_times_our_fsdp_against_pytorch_fsdp2_and_our_ddp(tmp_path):
+    out = tmp_path / "fsdp.json"
+    result = invoke("ddp", "--launcher", "processes", "--steps", "2", "--warmup", "1", "--models", "gpt-tiny",
+                    "--modes", "ddp,zero2,fsdp,torch-fsdp", "--repeats", "1", "--batch-size", "2", "--json", out)
+    assert result.exit_code == 0, result.output
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert rows["fsdp"]["ratio_to_torch"] == pytest.approx(rows["fsdp"]["step_ms"] / rows["torch-fsdp"]["step_ms"])
+    assert rows["fsdp"]["ratio_to_ddp"] == pytest.approx(rows["fsdp"]["step_ms"] / rows["ddp"]["step_ms"])
+    assert rows["zero2"]["ratio_to_torch"] is None  # its peer, PyTorch's ZeRO-1, was not run
+    assert rows["fsdp"]["comm_ms"] > 0

@@ -201,3 +201,30 @@ def test_llama_shape_counts_the_models_parameters(name):
     # Everything but the replicated RMSNorm vectors is split over tp.
     norms = (2 * shape.layers + 1) * shape.hidden
     assert per_rank == pytest.approx((shape.parameters() - norms) / tp + norms)
+
+
+def _sharded_rank(group, zero):
+    torch.manual_seed(0)
+    model, config = build_model("gpt-tiny"), PRESETS["gpt-tiny"]
+    dp = build_data_parallel(model, group, mode="ddp", zero=zero)
+    optimizer = dp.make_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-3))
+    tokens = torch.randint(0, config.vocab_size, (2, config.block_size))
+    F.cross_entropy(dp.module(tokens).flatten(0, 1), tokens.flatten()).backward()
+    dp.finish_gradients()
+    dp.step(optimizer)
+    dp.zero_grad()
+    shards = [dp.shard] if zero < 3 else [unit.shard for unit in dp.units]
+    held = [p for p in model.parameters() if p.untyped_storage().nbytes()]  # FSDP's are freed at rest
+    dp.close()
+    return _state_bytes_allocated(held + shards, optimizer)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_two_and_three_state_memory_equals_what_each_rank_holds(zero):
+    """At rest, after a step: ZeRO-2 without the whole gradients, ZeRO-3 (FSDP) only shards.
+    FSDP's shards are per unit, so their sizes round per unit and its step counters count units,
+    not parameter tensors: within 0.1%."""
+    held = run(_sharded_rank, 3, launcher="threads", args=(zero,))
+    count = gpt_parameter_count(PRESETS["gpt-tiny"])
+    predicted = sum(state_bytes(count, 17, 3, zero, "fp32"))
+    assert max(held.values()) == pytest.approx(predicted, rel=1e-3)

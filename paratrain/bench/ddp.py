@@ -1,4 +1,4 @@
-"""`paratrain bench ddp`: naive, our DDP and PyTorch's DDP side by side, same model, same world.
+"""`paratrain bench ddp`: naive, our DDP, ZeRO and FSDP and PyTorch's side by side, same model, same world.
 
 Every (model, mode) trains for a few steps through `train_rank`, with the same seed and data.
 Modes run interleaved per model (naive, ddp, torch, naive, ddp, torch, ...) so that whatever
@@ -38,16 +38,21 @@ MODELS = {
     "cnn-small": ("cnn", {"channels": (32, 64, 128), "hidden": 512}),
     "cnn-medium": ("cnn", {"channels": (64, 128, 256), "hidden": 2048}),
     "mlp16": ("mlp16", {}),  # 16 x Linear(1024, 1024): 16.8M parameters, 67 MB of gradients
+    "gpt-tiny": ("gpt-tiny", {}),
+    "gpt-small": ("gpt-small", {}),  # 8 blocks: FSDP's units
 }
 DEFAULT_MODELS = ("cnn-tiny", "cnn-small", "cnn-medium", "mlp16")
 # bench mode -> (training's dp_mode, zero), and the PyTorch mode each is measured against
 BENCH_MODES = {"naive": ("naive", 0), "ddp": ("ddp", 0), "torch": ("torch", 0),
-               "zero": ("ddp", 1), "torch-zero": ("torch", 1)}
-PEER = {"naive": "torch", "ddp": "torch", "torch": "torch", "zero": "torch-zero", "torch-zero": "torch-zero"}
+               "zero": ("ddp", 1), "torch-zero": ("torch", 1), "zero2": ("ddp", 2),
+               "fsdp": ("fsdp", 0), "torch-fsdp": ("torch-fsdp", 0)}
+# PyTorch has no ZeRO-2 of its own: ours is measured against its ZeRO-1.
+PEER = {"naive": "torch", "ddp": "torch", "torch": "torch", "zero": "torch-zero", "torch-zero": "torch-zero",
+        "zero2": "torch-zero", "fsdp": "torch-fsdp", "torch-fsdp": "torch-fsdp"}
 DEFAULT_MODES = ("naive", "ddp", "torch")
 JSON_KEYS = (
     "model", "params", "mode", "world_size", "launcher", "batch_per_rank", "global_batch", "steps",
-    "warmup", "repeats", "step_ms", "step_ms_stdev", "ratio_to_torch", "compute_ms", "comm_ms",
+    "warmup", "repeats", "step_ms", "step_ms_stdev", "ratio_to_torch", "ratio_to_ddp", "compute_ms", "comm_ms",
     "exposed_comm_ms", "comm_share", "samples_per_s", "repeat_step_ms",
 )
 
@@ -164,12 +169,14 @@ def build_records(models, modes, measured, *, launcher, batch_per_rank, steps, w
         for mode in modes:
             row = median_repeat(by_key[(model, mode)])
             torch_row = median_repeat(by_key[(model, PEER[mode])]) if PEER[mode] in modes else None
+            ddp_row = median_repeat(by_key[(model, "ddp")]) if "ddp" in modes else None
             world = row["world_size"]
             values = {
                 **row, "model": model, "mode": mode, "launcher": launcher,
                 "batch_per_rank": batch_per_rank, "global_batch": batch_per_rank * world,
                 "steps": steps, "warmup": warmup, "repeats": repeats,
                 "ratio_to_torch": row["step_ms"] / torch_row["step_ms"] if torch_row else None,
+                "ratio_to_ddp": row["step_ms"] / ddp_row["step_ms"] if ddp_row else None,
                 "comm_share": row["comm_ms"] / row["step_ms"],
                 "samples_per_s": batch_per_rank * world / (row["step_ms"] / 1e3),
                 "repeat_step_ms": [m["step_ms"] for m in by_key[(model, mode)]],
@@ -181,24 +188,27 @@ def build_records(models, modes, measured, *, launcher, batch_per_rank, steps, w
 def table_lines(records: list[dict]) -> list[str]:
     lines = [
         f"# {'model':<11} {'params':>11}  {'mode':<10} {'world':>5}  {'step_ms (mean ± stdev)':>22}"
-        f"  {'vs torch':>8}  {'comm_ms':>8}  {'exposed_ms':>10}  {'comm share':>10}",
+        f"  {'vs torch':>8}  {'vs ddp':>6}  {'comm_ms':>8}  {'exposed_ms':>10}  {'comm share':>10}",
     ]
     for r in records:
         ratio = f"{r['ratio_to_torch']:.2f}x" if r["ratio_to_torch"] is not None else "-"
+        to_ddp = f"{r['ratio_to_ddp']:.2f}x" if r["ratio_to_ddp"] is not None else "-"
         step = f"{r['step_ms']:.1f} ± {r['step_ms_stdev']:.1f}"
         lines.append(
             f"  {r['model']:<11} {r['params']:>11,}  {r['mode']:<10} {r['world_size']:>5}  {step:>22}"
-            f"  {ratio:>8}  {r['comm_ms']:>8.1f}  {r['exposed_comm_ms']:>10.1f}  {r['comm_share']:>10.0%}"
+            f"  {ratio:>8}  {to_ddp:>6}  {r['comm_ms']:>8.1f}  {r['exposed_comm_ms']:>10.1f}  {r['comm_share']:>10.0%}"
         )
     return lines
 
 
 FOOTER = [
     "# vs torch   = step_ms / PyTorch's step_ms on the same model and world (below 1: faster): DDP for",
-    "#              naive and ddp, DDP + ZeroRedundancyOptimizer for zero",
-    "# comm_ms    = time the gradient all-reduces ran (summed over buckets; on the communication",
-    "#              thread when they overlap backward); exposed_ms = time the training thread",
-    "#              waited for them; comm share = comm_ms / step_ms. All measured, none estimated.",
+    "#              naive and ddp, DDP + ZeroRedundancyOptimizer for zero and zero2, FSDP2 (fully_shard)",
+    "#              for fsdp; vs ddp = step_ms / our ddp's step_ms",
+    "# comm_ms    = time the collectives ran (all-reduces; reduce-scatters and all-gathers for zero",
+    "#              and fsdp; summed; on a communication thread when they overlap compute);",
+    "#              exposed_ms = time the training thread waited for them; comm share =",
+    "#              comm_ms / step_ms. All measured, none estimated; PyTorch's FSDP2 is not timed (0).",
     "#              PyTorch DDP's all-reduces are timed by a communication hook (start to completion,",
     "#              as ours), but its exposed_ms differs in method: its reducer waits inside backward,",
     "#              so it is the time from its last gradient to the end of backward.",
@@ -275,7 +285,9 @@ def _flags(name: str) -> str:
 @click.option("--modes", "modes_text", default=",".join(DEFAULT_MODES), show_default=True,
               help="Comma-separated data-parallel modes: naive (average after backward), ddp (ours: "
                    "buckets overlapping backward), torch (PyTorch's DistributedDataParallel), zero (our "
-                   "ZeRO-1) and torch-zero (PyTorch DDP + ZeroRedundancyOptimizer; processes only).")
+                   "ZeRO-1), torch-zero (PyTorch DDP + ZeroRedundancyOptimizer; processes only), zero2 "
+                   "(ours), fsdp (our ZeRO-3) and torch-fsdp (PyTorch's FSDP2; processes only; its "
+                   "communication is not timed).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Samples per rank per step (the global batch is this times the world size).")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,

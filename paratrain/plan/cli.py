@@ -93,7 +93,8 @@ def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str
 @click.option("--schedule", help="gpipe, 1f1b (default), interleaved-1f1b, zb-h1 or zb-v.")
 @click.option("--recompute", type=click.Choice(RECOMPUTE), help="Activation recomputation (default none).")
 @click.option("--sequence-parallel", is_flag=True, default=None, help="Sequence parallelism (tp > 1).")
-@click.option("--zero", type=click.IntRange(0, 1), help="1: optimizer state sharded over dp (ZeRO-1).")
+@click.option("--zero", type=click.IntRange(0, 3),
+              help="ZeRO stage over dp: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to show when searching.")
 @click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Write {layout, step_s, memory_gib, bubble, mfu, breakdown} per layout to this file.")

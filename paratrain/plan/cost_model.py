@@ -205,14 +205,19 @@ def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_ba
 
 
 def _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, last_backward) -> tuple[float, float]:
-    """Exposed gradient reduction (ZeRO-1: reduce-scatter then all-gather, not hidden) and the
+    """Exposed gradient reduction (ZeRO-1/2: reduce-scatter then all-gather, not hidden; ZeRO-3:
+    two all-gathers and a reduce-scatter, hidden as DDP's all-reduce is) and the
     Adam step, for the pipeline rank holding most parameters."""
     params = layer_parameters(shape, layout.tp)
     held = max(sum(params[i][0] for c in mine for i in chunks[c]) for mine in rank_chunks)
     tensors = max(sum(params[i][1] for c in mine for i in chunks[c]) for mine in rank_chunks)
     grad_bytes = (4 if profile.software.precision == "fp32" else 2) * held
     across = spans_nodes(profile, layout.tp, layout.pp, layout.dp)["dp"]
-    if layout.zero:
+    if layout.zero == 3:  # per unit: all-gathers before forward and backward, a reduce-scatter after
+        moved = (collective_seconds(profile, "reduce_scatter", grad_bytes, layout.dp, across)
+                 + 2 * collective_seconds(profile, "all_gather", grad_bytes, layout.dp, across))
+        dp_s = moved - min(moved, profile.dp_overlap * last_backward)  # prefetch hides what it can
+    elif layout.zero:
         dp_s = (collective_seconds(profile, "reduce_scatter", grad_bytes, layout.dp, across)
                 + collective_seconds(profile, "all_gather", grad_bytes, layout.dp, across))
     else:

@@ -7,7 +7,10 @@ Trillion Parameter Models", Section 3.1): mixed-precision Adam keeps 2 bytes of 
 parameter; ZeRO stage 1 divides the 12 by the data-parallel size. paratrain trains in fp32: 4 + 4
 bytes, Adam's 8, and a 4-byte step counter per parameter tensor; its ZeRO-1
 (parallel/data/zero.py) keeps on each rank its shard of the parameters and of their gradient
-(4 + 4 bytes) beside that shard's Adam state.
+(4 + 4 bytes) beside that shard's Adam state; its ZeRO-2 the same without the whole gradients;
+its ZeRO-3 / FSDP (parallel/data/fsdp.py) only the shards: 4 + 4 + 8 bytes per parameter over dp,
+and a step counter per unit (taken as one per parameter tensor here: a few bytes more). FSDP's
+gathered units are transient (one or two units at a time) and not in these figures.
 
 Activations are activations.py's per-layer bytes, summed over what a pipeline rank holds at
 worst, found by walking the rank's list of the actual schedule (and, when the schedule splits
@@ -41,7 +44,7 @@ class Layout:
     virtual_stages: int = 1
     recompute: str = "none"      # none | selective | full
     sequence_parallel: bool = False
-    zero: int = 0                # 0 or 1
+    zero: int = 0                # ZeRO stage 0-3 (3: FSDP)
 
     @property
     def gpus(self) -> int:
@@ -54,7 +57,7 @@ class Layout:
         text = f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch}"
         if self.pp > 1:
             text += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
-        text += f" rc:{self.recompute}" + (" sp" if self.sequence_parallel else "") + (" zero1" if self.zero else "")
+        text += f" rc:{self.recompute}" + (" sp" if self.sequence_parallel else "") + (f" zero{self.zero}" if self.zero else "")
         return text
 
 
@@ -109,12 +112,15 @@ def chunk_layers(shape: GPTShape, chunks: int, software: Software) -> list[range
 
 def state_bytes(params: float, tensors: int, dp: int, zero: int, precision: str) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes for `params` parameters in `tensors` tensors."""
+    shard = math.ceil(params / dp)
     if precision == "fp32":
+        if zero == 3:
+            return 4 * shard, 4 * shard, 8 * shard + 4 * tensors
         if zero:
-            shard = math.ceil(params / dp)
-            return 4 * params, 4 * params, (4 + 4 + 8) * shard + 4
+            return 4 * params, 4 * params * (zero == 1), (4 + 4 + 8) * shard + 4
         return 4 * params, 4 * params, 8 * params + 4 * tensors
-    return 2 * params, 2 * params, 12 * params / (dp if zero else 1)
+    return (2 * params / (dp if zero == 3 else 1), 2 * params / (dp if zero >= 2 else 1),
+            12 * params / (dp if zero else 1))
 
 
 def peak_activation_bytes(order, per_chunk: dict[int, float], kept_for_w: dict[int, float] | None = None) -> float:

@@ -42,8 +42,8 @@ def layout_problems(shape: GPTShape, layout: Layout, global_batch: int, profile:
         return problems
     if layout.recompute not in RECOMPUTE:
         problems.append(f"recompute must be one of {', '.join(RECOMPUTE)}: got {layout.recompute!r}")
-    if layout.zero not in (0, 1):
-        problems.append(f"zero must be 0 or 1: got {layout.zero}")
+    if layout.zero not in (0, 1, 2, 3):
+        problems.append(f"zero must be 0, 1, 2 or 3: got {layout.zero}")
     if layout.sequence_parallel and layout.tp == 1:
         problems.append("sequence parallelism needs tp > 1")
     if layout.pp > 1:

@@ -44,12 +44,22 @@ def print_summary(summary: dict) -> None:
     if "val_loss" in summary:
         accuracy = f", accuracy {summary['val_accuracy']:.1%}" if "val_accuracy" in summary else ""
         rows.insert(1, ("validation", f"loss {summary['val_loss']:.5f}{accuracy} (last evaluation)"))
+    if "memory" in summary:
+        rows.append(("memory", _memory_line(summary["memory"])))
     if "bubble" in summary:
         rows.append(("bubble", f"{summary['bubble']:.1%} measured on rank 0 (time not computing), "
                                f"{summary['theoretical_bubble']:.1%} in the schedule"))
     click.echo("summary (means over steps after the first):")
     for name, value in rows:
         click.echo(f"  {name:14s} {value}")
+
+
+def _memory_line(memory: dict[str, list[int]]) -> str:
+    """Held per rank (largest over ranks): parameters, gradients and optimizer state at rest, and
+    their peak during a step."""
+    mib = lambda key: f"{max(memory[key]) / 2**20:.2f}"  # noqa: E731
+    return (f"per rank, MiB: params {mib('params_bytes')}, grads {mib('grads_bytes')}, optimizer "
+            f"{mib('optimizer_bytes')} at rest; peak in a step {mib('peak_bytes')} (largest over ranks)")
 
 
 def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[str]:
@@ -75,7 +85,8 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     shape = model_config(config.model.name, **config.model.overrides)
     if isinstance(shape, CAUSAL_LM_CONFIGS) and par.pp * par.tp > 1:
         lines += describe_split(config)
-    if isinstance(shape, (GPTConfig, LlamaConfig)) and par.pp * par.tp > 1 and not config.model.plan:
+    sharded = par.zero or par.dp_mode == "fsdp"
+    if isinstance(shape, (GPTConfig, LlamaConfig)) and (par.pp * par.tp > 1 or sharded) and not config.model.plan:
         lines.append(format_estimate(estimate(config, world), par.tp))
     return lines
 

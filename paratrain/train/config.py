@@ -52,7 +52,7 @@ class OptimConfig:
 class ParallelConfig:
     nproc: int | None = None  # ranks to start: None means dp x pp x tp, or 2 (ignored under torchrun)
     launcher: str = "threads"  # threads: in-process fabric; processes: torch's elastic launcher
-    dp_mode: str = "ddp"  # naive | ddp (ours) | torch (PyTorch's DDP)
+    dp_mode: str = "ddp"  # naive | ddp (ours) | torch (PyTorch's DDP) | fsdp (ours, = zero 3) | torch-fsdp
     algo: str = "auto"  # all-reduce algorithm for our modes
     naive_layout: str = "flat"  # naive: one flat buffer, or one all-reduce per parameter
     bucket_mb: float = 25.0  # ddp/torch bucket size; PyTorch's default
@@ -60,7 +60,9 @@ class ParallelConfig:
     grad_accum: int = 1  # micro-batches per step; only the last one communicates
     compress: str = "none"  # none | fp16 | bf16 | topk:RATIO (naive and ddp)
     local_sgd: int = 0  # K > 0: no gradient all-reduce, average parameters every K steps
-    zero: int = 0  # 1: ZeRO-1, optimizer state sharded across ranks
+    zero: int = 0  # ZeRO stage: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP) sharded
+    reshard_after_forward: bool = True  # zero 3: free a unit's gathered parameters after its forward
+    prefetch: int = 1  # zero 3: units whose all-gather starts ahead of their use (0: none)
     pp: int = 1  # pipeline stages; data-parallel size = world / (pp * tp)
     tp: int = 1  # tensor-parallel ranks per stage (adjacent ranks, as in Megatron)
     dp: int | None = None  # if given, must equal world / (pp * tp): a check on the arithmetic

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 from tqdm import tqdm
 
@@ -19,6 +20,7 @@ from paratrain.mesh import Mesh
 from paratrain.parallel.data import build_data_parallel
 from paratrain.train.config import TrainConfig
 from paratrain.train.evaluate import Evaluator, format_validation
+from paratrain.train.held_memory import HeldMemory, per_rank
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.parallel_model import build_parallel_model, full_state
 from paratrain.train.recompute import recompute_in_backward
@@ -39,10 +41,12 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     dp = build_data_parallel(
         parallel.module, mesh.dp, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
         bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb, compress=par.compress,
-        local_sgd=par.local_sgd, zero=par.zero,
+        local_sgd=par.local_sgd, zero=par.zero, model=parallel.model,
+        reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch, precision=par.precision,
     )
     optimizer = dp.make_optimizer(lambda params: build_optimizer(config.optim, params))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
+    held = HeldMemory(parallel.module, optimizer)  # its peak is sampled during the last step
     forward_backward = parallel.step_function(mesh, dp, par, device)
     tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
     evaluator = Evaluator(config, dataset, parallel.module, parallel.loss_fn, mesh.dp, mesh, parallel, device)
@@ -67,11 +71,12 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         # This rank's rows only, drawn before the clock starts: a step's time is training.
         inputs, targets = rank_batch(dataset, step, config.data.global_batch, mesh.dp.rank, mesh.dp.size)
         started = time.perf_counter()
-        loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
-        dp.finish_gradients()
-        dp.step(optimizer)
-        scheduler.step()
-        dp.zero_grad()
+        with held.watching() if step == config.steps - 1 else nullcontext():
+            loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
+            dp.finish_gradients()
+            dp.step(optimizer)
+            scheduler.step()
+            dp.zero_grad()
         step_ms = (time.perf_counter() - started) * 1e3
         comm_ms, exposed_ms = dp.timer.take()
 
@@ -84,6 +89,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
             entry["bubble"] = bubble
         if evaluator.due(step):
             entry.update(evaluator.run())
+            dp.timer.take()  # FSDP's gathers for evaluation: not the next step's communication
         log.append(entry)
         progress.update(1)
         progress.set_postfix(loss=f"{entry['loss']:.4f}", ms=f"{step_ms:.0f}")
@@ -104,9 +110,12 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
 
     params = sum(p.numel() for p in parallel.model.parameters())
     summary = summarize(log, config, group.size, params, tokens_per_sample) | parallel.pipeline_summary(log)
+    summary["memory"] = per_rank({**held.measure(), "peak_bytes": held.peak_bytes}, group)
     result = {"log": log, "summary": summary}
     if return_state:
-        result["state"] = full_state(parallel, mesh)
+        with dp.gathered():
+            result["state"] = full_state(parallel, mesh)
+    dp.close()
     mesh.close()
     return result
 

@@ -10,6 +10,11 @@ fp32), or only its input with activation checkpointing, and the head its logits 
 the microbatches the schedule keeps in flight on that rank at its peak. A Llama's parameters are
 exact (grouped-query k/v, SwiGLU's three matrices, RMSNorm vectors); its activations use the same
 GPT-layer formula, an approximation.
+
+With `--zero`, data parallelism divides what it shards by the dp size: ZeRO-1 the optimizer
+state, ZeRO-2 the gradients too, ZeRO-3 the parameters too. ZeRO-1 and 2 keep, besides the
+whole parameters, this rank's 1/dp of them as the optimizer's own tensor (ZeRO-1 the same of the
+gradients besides the whole ones), as ours does.
 """
 
 from __future__ import annotations
@@ -92,6 +97,10 @@ def estimate(config, world: int) -> list[StageMemory]:
     else:
         per_block = 2 * s * microbatch * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     optimizer_copies = 2 if config.optim.name == "adamw" else (1 if config.optim.momentum else 0)
+    zero = 3 if par.dp_mode == "fsdp" else par.zero
+    weight_share = 1 / dp if zero == 3 else (1 + 1 / dp if zero else 1)
+    grad_share = 1 / dp if zero >= 2 else (1 + 1 / dp if zero else 1)
+    optimizer_share = 1 / dp if zero else 1
     stages = []
     for rank in range(max(pp, 1)):
         layer_ids = [i for c in chunks_of(rank) for i in range(starts[c], starts[c] + counts[c])]
@@ -103,8 +112,8 @@ def estimate(config, world: int) -> list[StageMemory]:
         if gpt.n_layer + 1 in layer_ids:  # the head keeps its fp32 logits shard (and their grad)
             activations += peaks[rank] * 2 * 4 * s * microbatch * gpt.vocab_size / tp
         stages.append(StageMemory(
-            rank, _describe_layers(layer_ids, gpt.n_layer), int(rank_params), 4 * rank_params,
-            4 * rank_params, 4 * rank_params * optimizer_copies, activations, peaks[rank],
+            rank, _describe_layers(layer_ids, gpt.n_layer), int(rank_params), 4 * rank_params * weight_share,
+            4 * rank_params * grad_share, 4 * rank_params * optimizer_copies * optimizer_share, activations, peaks[rank],
         ))
     return stages
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.schedules import build_schedule
@@ -122,8 +123,13 @@ def full_state(parallel: ParallelModel, mesh) -> dict[str, torch.Tensor]:
     if mesh.shape["tp"] > 1:
         state = gather_full_state(parallel.model, mesh.tp)
     else:
-        state = {name: p.detach().clone() for name, p in parallel.model.named_parameters()}
+        state = {name: _whole(p).detach().clone() for name, p in parallel.model.named_parameters()}
     return {name: value for name, value in state.items() if name in owned}
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as one tensor: PyTorch's FSDP2 holds DTensors (gathering one is a collective)."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
 
 
 def _accumulation_step(dp, loss_fn, inputs, targets, par, autocast):

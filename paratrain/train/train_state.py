@@ -6,7 +6,8 @@ is written is the single-device model's state under its own names, whole:
     model/<name>            a parameter, tensor-parallel shards gathered into one tensor
     optim/<name>/<key>      its optimizer state (momentum_buffer; AdamW's step, exp_avg,
                             exp_avg_sq), in the parameter's full shape; ZeRO-1's flat shards
-                            are gathered over data parallelism and cut back into parameters
+                            are gathered over data parallelism and cut back into parameters,
+                            and so are FSDP's per-unit shards (of parameters too)
 
 Each tensor has one owner that writes it: data-parallel rank 0 and tensor-parallel rank 0 of
 the pipeline stage that holds the parameter. Loading is the reverse: every rank reads the
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paratrain.parallel.data.fsdp import FullyShardedDataParallel
 from paratrain.parallel.data.zero import ZeroOneDataParallel
 from paratrain.parallel.tensor.layers import shard
 from paratrain.parallel.tensor.tp_comms import all_gather_along
@@ -54,6 +56,12 @@ def owned_state(state: TrainState) -> dict[str, torch.Tensor]:
     """The tensors this rank writes (empty on non-owners). A collective over tp and dp."""
     per_param = _optimizer_state_by_param(state)
     out = {}
+    with state.dp.gathered():  # FSDP's parameters, whole for the while
+        _write_owned(state, per_param, out)
+    return out
+
+
+def _write_owned(state: TrainState, per_param: dict, out: dict) -> None:
     for name, layout, param in state.parameters():
         tensors = {"model": param.detach(), **{f"optim/{key}": v for key, v in per_param.get(id(param), {}).items()}}
         for label, value in tensors.items():
@@ -63,11 +71,12 @@ def owned_state(state: TrainState) -> dict[str, torch.Tensor]:
             if state.owner:
                 key = f"model/{name}" if label == "model" else f"optim/{name}/{label.removeprefix('optim/')}"
                 out[key] = value.detach().clone()
-    return out
 
 
 def _optimizer_state_by_param(state: TrainState) -> dict[int, dict[str, torch.Tensor]]:
     """id(parameter) -> its optimizer state, in the parameter's (tensor-parallel local) shape."""
+    if isinstance(state.dp, FullyShardedDataParallel):
+        return _fsdp_state_by_param(state)
     if not isinstance(state.dp, ZeroOneDataParallel):
         return {id(p): dict(s) for p, s in state.optimizer.state.items()}
     zero = state.dp
@@ -82,6 +91,25 @@ def _optimizer_state_by_param(state: TrainState) -> dict[int, dict[str, torch.Te
     return result
 
 
+def _fsdp_state_by_param(state: TrainState) -> dict[int, dict[str, torch.Tensor]]:
+    """Each unit's shard state gathered into the unit's flat layout, then cut into parameters."""
+    result = {}
+    for unit in state.dp.units:
+        flat = {}
+        for key, value in state.optimizer.state.get(unit.shard, {}).items():
+            if value.dim() == 0:
+                flat[key] = value
+            else:
+                flat[key] = torch.empty(unit.full.numel(), dtype=value.dtype, device=value.device)
+                state.dp.group.all_gather(flat[key], value.contiguous())
+        offset = 0
+        for param in unit.params:
+            end = offset + param.numel()
+            result[id(param)] = {key: v if v.dim() == 0 else v[offset:end].view_as(param) for key, v in flat.items()}
+            offset = end
+    return result
+
+
 @torch.no_grad()
 def load_state(state: TrainState, read) -> None:
     """Put whole tensors back as this rank's shards. `read(keys)` returns {key: tensor} for
@@ -93,16 +121,18 @@ def load_state(state: TrainState, read) -> None:
     if missing:
         raise ValueError(f"checkpoint has no {missing[0]!r} ({len(missing)} parameter(s) missing): another model?")
     local_optim = {}
-    for name, layout, param in params:
-        value = _local_shard(tensors[f"model/{name}"], layout, state)
-        if value.shape != param.shape:
-            raise ValueError(f"checkpoint's {name} has shape {tuple(value.shape)} here, the model {tuple(param.shape)}")
-        param.copy_(value)
-        prefix = f"optim/{name}/"
-        local_optim[id(param)] = {
-            key.removeprefix(prefix): _local_shard(value, layout, state).to(param.device)
-            for key, value in tensors.items() if key.startswith(prefix)
-        }
+    with state.dp.gathered():  # FSDP: written whole, kept as shards when the block ends
+        for name, layout, param in params:
+            value = _local_shard(tensors[f"model/{name}"], layout, state)
+            if value.shape != param.shape:
+                raise ValueError(f"checkpoint's {name} has shape {tuple(value.shape)} here, "
+                                 f"the model {tuple(param.shape)}")
+            param.copy_(value)
+            prefix = f"optim/{name}/"
+            local_optim[id(param)] = {
+                key.removeprefix(prefix): _local_shard(value, layout, state).to(param.device)
+                for key, value in tensors.items() if key.startswith(prefix)
+            }
     _restore_optimizer(state, local_optim)
 
 
@@ -115,6 +145,17 @@ def _local_shard(value: torch.Tensor, layout, state: TrainState) -> torch.Tensor
 
 def _restore_optimizer(state: TrainState, by_param: dict[int, dict[str, torch.Tensor]]) -> None:
     optimizer = state.optimizer
+    if isinstance(state.dp, FullyShardedDataParallel):
+        for unit in state.dp.units:
+            keys = set().union(*(set(by_param.get(id(p), {})) for p in unit.params))
+            restored = {}
+            for key in keys:
+                values = [by_param[id(p)][key] for p in unit.params]
+                restored[key] = values[0].clone() if values[0].dim() == 0 else \
+                    torch.cat([v.reshape(-1) for v in values])[unit.own].clone()
+            if restored:
+                optimizer.state[unit.shard] = restored
+        return
     if not isinstance(state.dp, ZeroOneDataParallel):
         for group in optimizer.param_groups:
             for param in group["params"]:

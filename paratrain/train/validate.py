@@ -91,7 +91,8 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     _choice(problems, "parallel.dp_mode", par.dp_mode, DP_MODES)
     _choice(problems, "parallel.algo", par.algo, algorithms_for("all_reduce"))
     # ZeRO-1 and top-k compression run reduce-scatter / all-gather with the same algorithm.
-    gathers = par.zero or str(par.compress).startswith("topk")
+    sharded = bool(par.zero) or par.dp_mode in ("fsdp", "torch-fsdp")
+    gathers = (sharded and par.dp_mode != "torch-fsdp") or str(par.compress).startswith("topk")
     if gathers and par.algo in algorithms_for("all_reduce"):
         for op in ("reduce_scatter", "all_gather"):
             if par.algo not in algorithms_for(op):
@@ -116,8 +117,18 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
         problems.append(f"parallel.first_bucket_mb must be a finite number > 0, got {par.first_bucket_mb!r}")
     accum_ok = _at_least(problems, "parallel.grad_accum", par.grad_accum, 1)
     _at_least(problems, "parallel.local_sgd", par.local_sgd, 0)
-    if par.zero not in (0, 1):
-        problems.append(f"parallel.zero must be 0 or 1 (ZeRO-1), got {par.zero!r}")
+    if par.zero not in (0, 1, 2, 3):
+        problems.append(f"parallel.zero must be 0, 1 (optimizer state sharded), 2 (and gradients) or 3 "
+                        f"(and parameters: FSDP), got {par.zero!r}")
+    elif par.dp_mode in ("fsdp", "torch-fsdp") and par.zero not in (0, 3):
+        problems.append(f"parallel: dp_mode {par.dp_mode} is ZeRO-3; --zero {par.zero} asks for another stage")
+    _at_least(problems, "parallel.prefetch", par.prefetch, 0)
+    if not isinstance(par.reshard_after_forward, bool):
+        problems.append(f"parallel.reshard_after_forward must be true or false, got {par.reshard_after_forward!r}")
+    torch_fsdp = par.dp_mode == "torch-fsdp" or (par.dp_mode == "torch" and par.zero == 3)
+    if torch_fsdp and par.launcher == "threads":
+        problems.append("parallel: PyTorch's FSDP2 (--dp-mode torch-fsdp) needs a default process group: "
+                        "use --launcher processes (or torchrun)")
     if par.timeout is not None and (not _is_number(par.timeout) or par.timeout <= 0):
         problems.append(f"parallel.timeout must be a finite number of seconds > 0, got {par.timeout!r}")
     try:
@@ -126,10 +137,10 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
         problems.append(f"parallel.compress: {error}")
 
     special = [name for name, on in (("compress", par.compress not in ("none", "", None)),
-                                      ("local_sgd", bool(par.local_sgd)), ("zero", bool(par.zero))) if on]
+                                      ("local_sgd", bool(par.local_sgd)), ("zero", sharded)) if on]
     if len(special) > 1:
         problems.append(f"parallel: {' and '.join(special)} cannot be combined; choose one")
-    if par.dp_mode == "torch" and special == ["zero"] and par.launcher == "threads":
+    if par.dp_mode == "torch" and special == ["zero"] and par.launcher == "threads" and par.zero != 3:
         problems.append("parallel: PyTorch's ZeroRedundancyOptimizer (--dp-mode torch --zero 1) needs a default "
                         "process group: use --launcher processes (or torchrun)")
     if par.dp_mode == "torch" and special and special != ["zero"]:  # torch + zero: ZeroRedundancyOptimizer
@@ -193,8 +204,10 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
     if par.pp * par.tp > 1:
         if par.dp_mode == "torch":
             problems.append("parallel: dp_mode torch is plain data parallelism; with pp or tp > 1 use ddp or naive")
-        if any((par.zero, par.local_sgd, par.compress not in ("none", "", None))):
-            problems.append("parallel: zero, local_sgd and compress work with data parallelism alone (pp = tp = 1)")
+        if any((par.zero in (1, 2), par.local_sgd, par.compress not in ("none", "", None), par.dp_mode == "torch-fsdp",
+                par.dp_mode == "torch" and par.zero)):
+            problems.append("parallel: zero 1 and 2, local_sgd, compress and PyTorch's FSDP work with data parallelism "
+                            "alone (pp = tp = 1); our FSDP (--zero 3) works with both")
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs tp > 1")
     if model.name not in MODEL_NAMES and not is_model_file(model.name):
@@ -278,7 +291,10 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
         problems.append("checkpoint: --save-every and --max-restarts need --save-dir (where checkpoints go)")
     if ckpt.max_restarts and par.launcher != "processes":
         problems.append("checkpoint.max_restarts needs --launcher processes (ranks on threads cannot restart)")
-    if ckpt.dir and par.zero and par.dp_mode == "torch":
+    if ckpt.dir and par.dp_mode == "torch-fsdp":
+        problems.append("checkpoint: PyTorch's FSDP2 keeps its state as DTensors, which our checkpoints do not "
+                        "read; use --zero 3 (ours) to save checkpoints")
+    elif ckpt.dir and par.zero and par.dp_mode == "torch":
         problems.append("checkpoint: PyTorch's ZeroRedundancyOptimizer keeps its state its own way; "
                         "use --dp-mode ddp with --zero 1 (ours) to save checkpoints")
     if ckpt.dir and par.local_sgd:

@@ -8,7 +8,7 @@ parameters) cross ranks.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -48,3 +48,10 @@ class DataParallel:
         for param in self.module.parameters():
             if param.grad is not None:
                 param.grad.zero_()
+
+    def gathered(self):
+        """A context in which the module's parameters are whole (FSDP gathers them: a collective)."""
+        return nullcontext()
+
+    def close(self) -> None:
+        """Stop what the strategy started besides the group it was given."""

@@ -1,4 +1,4 @@
-"""ZeRO stage 1: optimizer state sharded across data-parallel ranks.
+"""ZeRO stages 1 and 2: optimizer state (1), and gradients (2), sharded across data-parallel ranks.
 
 Gradients are reduce-scattered (each rank gets the average of its 1/n part), each rank
 updates only its part of the parameters with its own optimizer state (1/n of Adam's moments),
@@ -11,6 +11,12 @@ last gradient is in, while backward goes on with earlier layers. So every bucket
 its own: this rank owns part `rank` of each bucket, and its shard (what the optimizer sees) is
 those parts end to end. Parameters and gradients are views into two flat buffers laid out
 bucket by bucket, so the all-gather lands directly in the model's parameters.
+
+ZeRO-2 shards the gradients too: no rank keeps a whole-model gradient buffer. Autograd
+writes each parameter's gradient on its own; once a bucket's are all in, they are copied into
+one temporary flat buffer, dropped, and reduce-scattered into this rank's shard of the
+gradient. So whole gradients live only from their bucket's first gradient to its
+reduce-scatter; what stays is the 1/n shard the optimizer reads.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from paratrain.parallel.data.compression import Pending
 
 
 class ZeroOneDataParallel(DataParallel):
+    stage = 1  # ZeRO-2 (below) keeps no whole gradient buffer
+
     def __init__(self, module, group, algo="auto", bucket_mb=25.0, first_bucket_mb=1.0):
         super().__init__(module, group, algo)
         trained = [p for p in module.parameters() if p.requires_grad]
@@ -32,13 +40,13 @@ class ZeroOneDataParallel(DataParallel):
         first = self.params[0]
         count = sum(p.numel() for p in self.params)
         self.flat_params = torch.empty(count, dtype=first.dtype, device=first.device)
-        self.flat_grads = torch.zeros_like(self.flat_params)
+        self.flat_grads = torch.zeros_like(self.flat_params) if self.stage == 1 else None
         offset = 0
         for param in self.params:
             end = offset + param.numel()
             self.flat_params[offset:end].copy_(param.data.view(-1))
             param.data = self.flat_params[offset:end].view_as(param)
-            param.grad = self.flat_grads[offset:end].view_as(param)
+            param.grad = None if self.flat_grads is None else self.flat_grads[offset:end].view_as(param)
             offset = end
         # _ranges[k] = (start, end): bucket k in the flat buffers. _owned[k] = (start, end, at):
         # this rank's part of bucket k in the flat buffers, and where it sits in the shard.
@@ -51,6 +59,7 @@ class ZeroOneDataParallel(DataParallel):
             self._owned.append((offset + mine[0], offset + mine[1], shard_offset))
             shard_offset += mine[1] - mine[0]
             offset = end
+        self._buckets = buckets
         # The shard the optimizer sees: its own tensor, as optimizers keep state per tensor.
         self.shard = torch.nn.Parameter(self.own_part(self.flat_params).clone())
         self.shard.grad = torch.zeros_like(self.shard)
@@ -117,3 +126,22 @@ class ZeroOneDataParallel(DataParallel):
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()
+
+
+class ZeroTwoDataParallel(ZeroOneDataParallel):
+    stage = 2
+
+    def _start_bucket(self, k: int) -> None:
+        # The bucket's gradients, end to end (zeros for a parameter that got none), then
+        # dropped: from here on only the reduce-scatter holds them.
+        params = self._buckets[k]
+        flat = torch.cat([torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if p.grad is None
+                          else p.grad.reshape(-1) for p in params])
+        for param in params:
+            param.grad = None
+        handle = self.group.reduce_scatter(self._shard_part(self.shard.grad, k), flat, "avg", self.algo, async_op=True)
+        self._pending.append(Pending([handle]))  # the handle holds `flat` until it has run
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None

@@ -1,0 +1,157 @@
+"""ZeRO-3 / FSDP: parameters, gradients and optimizer state all sharded across data-parallel ranks.
+
+Each rank keeps 1/n of every unit's parameters (see fsdp_units.py). A unit's forward is
+preceded by an all-gather of its parameters and followed by freeing them
+(`reshard_after_forward`; off, they stay until the unit's backward is done); a hook on the
+unit's outputs gathers them again just before its backward needs them; once backward has
+written all of the unit's gradients, they are reduce-scattered into its shard and the gathered
+parameters freed. The optimizer sees only the shards; after its step there is nothing to
+gather: the next forward does it, unit by unit.
+
+Prefetch: when a unit's gather is awaited, the gathers of the next `prefetch` units (in
+forward order in forward, in reverse in backward) are started on the communication thread, so
+that they arrive while this unit computes. The last unit is not freed after forward (when
+gradients are being recorded): backward starts with it.
+
+All-gathers and reduce-scatters run on two groups of the same ranks, each with its own
+communication thread and call numbering, as FSDP2 puts them on two streams: gathers are
+issued in the order units run, reduce-scatters in the order their gradients complete, and the
+two orders interleave differently on different ranks. Within each group every rank makes the
+same calls in the same order: gathers follow the hooks of forward and backward, and
+reduce-scatters start strictly in reverse unit order (`StartInOrder`).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from functools import partial
+
+import torch
+
+from paratrain.parallel.data.base import DataParallel
+from paratrain.parallel.data.buckets import StartInOrder
+from paratrain.parallel.data.compression import Pending
+from paratrain.parallel.data.fsdp_units import ShardedUnit, unit_modules
+
+
+class FullyShardedDataParallel(DataParallel):
+    def __init__(self, module, group, algo="auto", model=None, reshard_after_forward=True, prefetch=1,
+                 compute_dtype=None):
+        """`model`: the whole model the units are read from (default `module`); only the units
+        whose parameters `module` holds are sharded (a pipeline rank's chunks). `compute_dtype`
+        (bf16): the gathered parameters' and the gradients' precision (see fsdp_units.py)."""
+        super().__init__(module, group, algo)
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.gather_group = group.split([list(range(group.size))])
+        held = {id(p) for p in module.parameters() if p.requires_grad}
+        self.units: list[ShardedUnit] = []
+        covered = set()
+        for modules in unit_modules(model if model is not None else module):
+            params = list(dict.fromkeys(p for m in modules for p in m.parameters() if id(p) in held))
+            params = [p for p in params if id(p) not in covered]
+            if params:
+                covered.update(id(p) for p in params)
+                self.units.append(ShardedUnit(len(self.units), modules, params, group, algo, compute_dtype))
+        left = [name for name, p in module.named_parameters() if id(p) in held and id(p) not in covered]
+        if left:
+            raise ValueError(f"fsdp: parameters in no unit: {', '.join(left)}")
+        self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
+        self._pending: list[Pending] = []  # reduce-scatters in flight, in the order started
+        backward_order = list(reversed(self.units))
+        self._order = StartInOrder([u.params for u in backward_order], lambda k: self._start_reduce(backward_order[k]))
+        for unit in self.units:
+            for m in unit.modules:
+                m.register_forward_pre_hook(partial(self._before_forward, unit))
+                m.register_forward_hook(partial(self._after_forward, unit))
+        for param in (p for unit in self.units for p in unit.params):
+            param.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # ---- gathering ------------------------------------------------------------------------
+
+    def _gather(self, unit: ShardedUnit, direction: int) -> None:
+        """`unit`'s parameters, here; the next units' (in `direction`) on their way."""
+        if not unit.is_gathered:
+            unit.start_gather(self.gather_group)
+        for step in range(1, self.prefetch + 1):
+            index = unit.index + direction * step
+            if 0 <= index < len(self.units) and not self.units[index].is_gathered:
+                self.units[index].start_gather(self.gather_group)
+        unit.wait_gathered(self.timer)
+
+    def _before_forward(self, unit, module, args) -> None:
+        self._gather(unit, +1)
+
+    def _after_forward(self, unit, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(partial(self._before_backward, unit))
+        last_module = module is unit.modules[-1]
+        kept_for_backward = torch.is_grad_enabled() and unit.index == len(self.units) - 1
+        if last_module and self.reshard_after_forward and not unit.in_backward and not kept_for_backward:
+            unit.free()
+
+    def _before_backward(self, unit, grad) -> None:
+        if not unit.in_backward:
+            self._gather(unit, -1)
+            unit.in_backward = True
+
+    @contextmanager
+    def gathered(self):
+        """Every unit's parameters whole, in fp32, inside the block (to read or load them); what
+        is written into them is kept. A collective."""
+        with ExitStack() as stack:
+            for unit in self.units:
+                unit.wait_gathered(self.timer)
+                stack.enter_context(unit.whole(self.gather_group))
+            yield
+        for unit in self.units:
+            unit.free()
+
+    # ---- gradients ------------------------------------------------------------------------
+
+    def _grad_ready(self, param) -> None:
+        unit = self._unit_of[id(param)]
+        unit.waiting.discard(id(param))
+        if self._syncing:
+            self._order.ready(param)
+        if not unit.waiting:  # its backward is done: the gradients are out of the parameters' way
+            unit.free()
+
+    def grad_ready(self, param) -> None:
+        self._grad_ready(param)
+
+    def _start_reduce(self, unit: ShardedUnit) -> None:
+        self._pending.append(unit.start_reduce_scatter(self.group))
+
+    def finish_gradients(self) -> None:
+        # Units with a parameter that got no gradient this step never started: they start now.
+        self._order.start_ready(everything=True)
+        for pending in self._pending:
+            pending.finish(self.timer)
+        self._pending = []
+        self._order.reset()
+        for unit in self.units:  # prefetched for a backward that did not come, or kept from forward
+            unit.wait_gathered(self.timer)
+            unit.free()
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def make_optimizer(self, build):
+        return build([unit.shard for unit in self.units])
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            for param in unit.params:
+                param.grad = None
+
+    def close(self) -> None:
+        self.gather_group.close()
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for t in output if isinstance(t, torch.Tensor)]
+    return []

@@ -1,0 +1,48 @@
+"""PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`), the reference our FSDP is measured against.
+
+Each of our units (fsdp_units.unit_modules: a block, the embeddings, the head) is handed to
+`fully_shard`, then the whole model, as torchtitan does; FSDP2 then gathers, frees and
+reduce-scatters on its own, with its default prefetch of one unit. Its parameters become
+DTensors sharded on their first dimension over a device mesh made from the data-parallel
+group's process group, so it runs where that group has one: the processes launcher (gloo) or
+torchrun. With bf16, its MixedPrecisionPolicy does what ours does: bf16 gathers, gradients and
+reduce-scatters, fp32 shards.
+
+FSDP2 waits for its reduce-scatters inside backward and gives no hook per collective, so the
+communication split of a step is not measured here (reported as 0).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from paratrain.parallel.data.base import DataParallel
+from paratrain.parallel.data.fsdp_units import unit_modules
+
+
+class TorchFullyShardedDataParallel(DataParallel):
+    def __init__(self, module, group, model=None, reshard_after_forward=True, compute_dtype=None):
+        super().__init__(module, group)
+        process_group = group.transport.torch_process_group(group.timeout)
+        options = {"mesh": DeviceMesh.from_group(process_group, group.transport.device.type),
+                   "reshard_after_forward": reshard_after_forward,
+                   "mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype)}
+        for modules in unit_modules(model if model is not None else module):
+            fully_shard(modules if len(modules) > 1 else modules[0], **options)
+        fully_shard(module, **options)
+
+    @contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            with super().no_sync():
+                yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def zero_grad(self) -> None:
+        for param in self.module.parameters():
+            param.grad = None

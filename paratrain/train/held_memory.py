@@ -1,0 +1,86 @@
+"""Memory a rank holds for its model, measured from its tensors: parameters, gradients and
+optimizer state, at rest and at the peak of a step.
+
+What is counted is storage, each storage once: a parameter that is a view into a flat buffer
+(ZeRO-1/2's parameters, FSDP's gathered unit) counts that buffer; a freed FSDP buffer counts
+nothing; a DTensor (PyTorch's FSDP2) counts its local shard. Parameters are the module's and
+the optimizer's (ZeRO's shards are the optimizer's own tensors); gradients are theirs; the
+optimizer's are the tensors in its state.
+
+The peak is the largest total seen while one step runs, sampled as every module's forward
+begins and ends and every gradient is written: the moments a unit is gathered or a gradient
+bucket is complete. Activations, and the temporary buffers of a collective in flight, are not
+held by the model and are not counted here.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.distributed.tensor import DTensor
+
+KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _storage_bytes(tensors, seen: set) -> int:
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = _local(tensor).untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key[1] and key not in seen:
+            seen.add(key)
+            total += key[1]
+    return total
+
+
+class HeldMemory:
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.module, self.optimizer = module, optimizer
+        self.peak_bytes = 0
+        self._watching = False
+        for submodule in module.modules():
+            submodule.register_forward_pre_hook(lambda *_: self._sample())
+            submodule.register_forward_hook(lambda *_: self._sample())
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(lambda _: self._sample())
+
+    def measure(self) -> dict[str, int]:
+        """{params_bytes, grads_bytes, optimizer_bytes} held now."""
+        params = list(self.module.parameters()) + [p for g in self.optimizer.param_groups for p in g["params"]]
+        seen: set = set()  # a storage counted under one heading is not counted again
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"params_bytes": _storage_bytes(params, seen),
+                "grads_bytes": _storage_bytes([p.grad for p in params], seen),
+                "optimizer_bytes": _storage_bytes(state, seen)}
+
+    def _sample(self) -> None:
+        if self._watching:
+            self.peak_bytes = max(self.peak_bytes, sum(self.measure().values()))
+
+    @contextmanager
+    def watching(self):
+        """Inside: every hook samples; `peak_bytes` is the largest total seen (from the entry's)."""
+        self.peak_bytes = sum(self.measure().values())
+        self._watching = True
+        try:
+            yield
+        finally:
+            self._sample()
+            self._watching = False
+
+
+def per_rank(values: dict[str, int], group) -> dict[str, list[int]]:
+    """Every rank's values, by key, in rank order (a collective over `group`)."""
+    mine = torch.tensor([values[key] for key in values], dtype=torch.float64)
+    everyone = torch.empty(len(values) * group.size, dtype=torch.float64)
+    group.all_gather(everyone, mine)
+    table = everyone.view(group.size, len(values)).long().tolist()
+    return {key: [row[i] for row in table] for i, key in enumerate(values)}

@@ -1,0 +1,262 @@
+"""ZeRO-2 and ZeRO-3 / FSDP: parity with the single-process reference, and what each rank holds.
+
+Tolerances are those of test_data_parallel (fp32: losses 1e-5 relative, parameters 1e-5
+absolute): sharding changes only the order in which per-rank gradients are summed. The GPT
+runs use SGD: AdamW at lr 1e-2 divides by the square root of tiny second moments, which turns
+that ~1e-7 reordering into ~4e-5 on a few biases for every data-parallel mode, DDP included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain import run
+from paratrain.parallel.data import build_data_parallel
+from paratrain.parallel.data.fsdp import FullyShardedDataParallel
+from paratrain.train.check import BF16_LOSS_RTOL, BF16_PARAM_ATOL, BF16_PROGRESS_RTOL, compare
+from paratrain.train.config import ConfigError
+from paratrain.train.loop import train_rank
+from paratrain.train.memory import estimate
+from paratrain.train.reference import reference_run
+from paratrain.train.validate import validate
+from tests.test_checkpoint import RESHARD_ATOL, RESHARD_RTOL, interrupted_and_resumed, losses_of, merged_state
+from tests.test_data_parallel import (assert_matches_reference, assert_results_match_reference, make_config,
+                                      train_and_return_state, train_each_and_return_state)
+from tests.test_parallel_3d import assert_same_as_one_process
+
+ADAMW = {"optim.name": "adamw", "optim.lr": 0.01, "optim.weight_decay": 0.1}
+MODELS = {
+    "mlp": {"model.name": "mlp", "data.global_batch": 48, "steps": 5, **ADAMW},
+    "cnn": {"model.name": "cnn", "model.channels": (8, 16), "model.hidden": 32, "data.global_batch": 48, "steps": 4},
+    "gpt-tiny": {"model.name": "gpt-tiny", "data.global_batch": 12, "steps": 3},
+}
+SMALL_BUCKETS = {"parallel.bucket_mb": 0.01, "parallel.first_bucket_mb": 0.001}  # several buckets in flight
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_zero_two_matches_single_process(model, world_size):
+    assert_matches_reference(make_config(**{"parallel.zero": 2, **SMALL_BUCKETS, **MODELS[model]}), world_size)
+
+
+ZERO3 = [
+    pytest.param({}, [2, 3, 4], id="default"),  # 3 ranks: no unit of these models divides evenly by 3
+    pytest.param({"parallel.reshard_after_forward": False}, [4], id="no-reshard"),
+    pytest.param({"parallel.prefetch": 0}, [4], id="no-prefetch"),
+    pytest.param({"parallel.prefetch": 2, "parallel.reshard_after_forward": False}, [2], id="prefetch-2-no-reshard"),
+]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("overrides, worlds", ZERO3)
+def test_zero_three_matches_single_process(model, overrides, worlds):
+    for world_size in worlds:
+        assert_matches_reference(make_config(**{"parallel.zero": 3, **MODELS[model], **overrides}), world_size)
+
+
+def test_zero_two_with_gradient_accumulation_matches_single_process():
+    """Gradients of the micro-batches that do not communicate stay whole until the last one's."""
+    config = make_config(**{"parallel.zero": 2, "parallel.grad_accum": 2, **SMALL_BUCKETS, **MODELS["mlp"]})
+    assert_matches_reference(config, 2)
+
+
+def test_fsdp_mode_with_gradient_accumulation_and_recompute_matches_single_process():
+    config = make_config(**{"parallel.dp_mode": "fsdp", "parallel.grad_accum": 2,
+                            "parallel.checkpoint_activations": True, **MODELS["gpt-tiny"]})
+    assert_matches_reference(config, 2)
+
+
+# FSDP over the data axis of the mesh: each tensor-parallel shard of a unit is sharded again over
+# dp; each pipeline stage's units over its dp group, gathered for every microbatch's forward and
+# backward (with resharding on: memory over fewer collectives, as FSDP2 does by default).
+WITH_TP_AND_PP = [
+    pytest.param({"parallel.tp": 2}, id="tp2"),
+    pytest.param({"parallel.pp": 2, "parallel.schedule": "1f1b", "parallel.microbatches": 2}, id="pp2-1f1b"),
+    pytest.param({"parallel.pp": 2, "parallel.schedule": "zb-h1", "parallel.microbatches": 4}, id="pp2-zb-h1"),
+]
+
+
+@pytest.mark.parametrize("overrides", WITH_TP_AND_PP)
+def test_fsdp_with_tensor_or_pipeline_parallelism_matches_single_process(overrides):
+    config = make_config(**{"parallel.zero": 3, **MODELS["gpt-tiny"], "data.global_batch": 8, **overrides})
+    assert_same_as_one_process(config, 4)
+
+
+def _gathered_during_a_step(group, prefetch, reshard):
+    """How many units are gathered at each unit's forward and backward, and after the step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(5)])
+    dp = build_data_parallel(model, group, mode="fsdp", prefetch=prefetch, reshard_after_forward=reshard)
+    seen = []
+    for layer in model:
+        layer.register_forward_pre_hook(lambda *_: seen.append(sum(u.is_gathered for u in dp.units)))
+    dp.module(torch.ones(2, 6)).sum().backward()
+    dp.finish_gradients()
+    at_rest = sum(u.is_gathered for u in dp.units)
+    shard_sizes = [u.shard.numel() for u in dp.units]
+    dp.close()
+    return seen, at_rest, shard_sizes, [p.grad is None for p in model.parameters()]
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_a_unit_is_gathered_only_around_its_use(prefetch):
+    results = run(_gathered_during_a_step, 3, args=(prefetch, True))
+    seen, at_rest, shard_sizes, grads_dropped = results[0]
+    # At a unit's forward: the units before it are freed; it and `prefetch` more are coming.
+    assert max(seen) <= 1 + prefetch, seen
+    assert at_rest == 0 and all(grads_dropped)
+    # 42 elements per unit over 3 ranks: parts 14 each; the world's shards add up to the unit.
+    assert sum(results[r][2][0] for r in results) == 42
+
+
+def test_without_resharding_every_unit_stays_gathered_until_its_backward():
+    seen, at_rest, _, _ = run(_gathered_during_a_step, 2, args=(0, False))[0]
+    assert seen == [1, 2, 3, 4, 5] and at_rest == 0
+
+
+def test_zero_two_keeps_no_whole_gradient():
+    def step(group):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+        dp = build_data_parallel(model, group, zero=2, bucket_mb=1e-4, first_bucket_mb=1e-4)
+        dp.module(torch.ones(2, 8)).sum().backward()
+        dp.finish_gradients()
+        return [p.grad for p in model.parameters()], dp.shard.grad.numel(), dp.flat_grads
+
+    grads, shard, flat_grads = run(step, 2)[0]
+    assert all(g is None for g in grads) and flat_grads is None
+    assert shard == pytest.approx((8 * 8 + 8 + 8 * 3 + 3) / 2, abs=len(grads))
+
+
+def test_reduce_scatters_start_during_backward(monkeypatch):
+    started_early, original = [], FullyShardedDataParallel.finish_gradients
+
+    def recorded(self):
+        started_early.append((self._order.started, len(self.units)))
+        return original(self)
+
+    monkeypatch.setattr(FullyShardedDataParallel, "finish_gradients", recorded)
+    run(train_rank, 2, args=(make_config(**{"parallel.zero": 3, **MODELS["gpt-tiny"]}),))
+    # Backward ends with the embeddings: every other unit's reduce-scatter is already in flight.
+    assert all(started >= units - 1 for started, units in started_early), started_early
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"parallel.zero": 4}, "parallel.zero must be 0, 1"),
+    ({"parallel.dp_mode": "fsdp", "parallel.zero": 1}, "is ZeRO-3"),
+    ({"parallel.dp_mode": "torch-fsdp"}, "needs a default process group"),
+    ({"parallel.zero": 3, "parallel.prefetch": -1}, "parallel.prefetch"),
+    ({"parallel.zero": 2, "model.name": "gpt-tiny", "parallel.tp": 2}, "our FSDP (--zero 3) works with both"),
+])
+def test_bad_sharding_options_are_named(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate(make_config(**overrides), 4)
+    assert message in str(error.value)
+
+
+# One world of 2 processes (gloo) trains both, one after the other: start-up costs seconds.
+ON_PROCESSES = {
+    "fsdp": make_config(**{"parallel.zero": 3, "parallel.launcher": "processes", **MODELS["gpt-tiny"]}),
+    "torch-fsdp": make_config(**{"parallel.dp_mode": "torch-fsdp", "parallel.launcher": "processes",
+                                 **MODELS["gpt-tiny"]}),
+    # FSDP2's MixedPrecisionPolicy, as ours: bf16 gathers and reduce-scatters, fp32 shards
+    "torch-fsdp-bf16": make_config(**{"parallel.dp_mode": "torch-fsdp", "parallel.launcher": "processes",
+                                      "parallel.precision": "bf16", **MODELS["gpt-tiny"]}),
+}
+
+
+def test_ours_and_pytorch_fsdp2_match_single_process_on_processes():
+    by_rank = run(train_each_and_return_state, 2, launcher="processes", args=(ON_PROCESSES,))
+    for name, config in ON_PROCESSES.items():
+        results = {rank: result[name] for rank, result in by_rank.items()}
+        if config.parallel.precision == "bf16":
+            report = compare(config, results, reference_run(config))
+            assert report["max_loss_diff"] <= BF16_LOSS_RTOL and report["max_param_diff"] <= BF16_PARAM_ATOL, report
+        else:
+            assert_results_match_reference(config, results)
+
+
+def _memory(world_size, **overrides):
+    config = make_config(**{**MODELS["gpt-tiny"], **ADAMW, "optim.lr": 1e-3, "steps": 2, **overrides})
+    memory = run(train_rank, world_size, args=(config,))[0]["summary"]["memory"]
+    # --plan-only's prediction, from the configuration alone, agrees with what was measured
+    # (to within uneven parts and AdamW's 4-byte step counts).
+    (predicted,) = estimate(config, world_size)
+    for key, value in (("params_bytes", predicted.weights), ("grads_bytes", predicted.grads),
+                       ("optimizer_bytes", predicted.optimizer)):
+        assert max(memory[key]) == pytest.approx(value, rel=2e-3), (key, overrides)
+    return memory
+
+
+def test_held_memory_per_rank_shrinks_with_each_zero_stage():
+    """Measured from the tensors held, on every rank: ZeRO-1 shards the optimizer state, ZeRO-2
+    the gradients too, ZeRO-3 the parameters too (1/4 each on 4 ranks, to within uneven parts)."""
+    ddp, zero1, zero2, zero3 = (_memory(4, **{"parallel.zero": z, **SMALL_BUCKETS}) for z in (0, 1, 2, 3))
+    for memory in (ddp, zero1, zero2, zero3):
+        assert set(memory) == {"params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes"}
+        assert all(len(values) == 4 for values in memory.values())
+    def at_rest(memory):
+        return max(sum(row) for row in zip(memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]))
+
+    # AdamW: two moments per parameter, and a 4-byte step count per tensor
+    assert max(ddp["optimizer_bytes"]) == pytest.approx(2 * max(ddp["params_bytes"]), rel=1e-3)
+    assert max(zero1["optimizer_bytes"]) <= 0.26 * max(ddp["optimizer_bytes"])
+    assert max(zero2["grads_bytes"]) <= 0.26 * max(ddp["grads_bytes"])
+    assert at_rest(zero3) <= 0.26 * at_rest(ddp)
+    # At its peak ZeRO-3 holds gathered units besides its shards: on gpt-tiny's four units, about
+    # as much as ZeRO-2's whole parameters; both stay well below DDP's.
+    assert max(zero3["peak_bytes"]) < 0.6 * max(ddp["peak_bytes"])
+    assert max(zero2["peak_bytes"]) < 0.6 * max(ddp["peak_bytes"])
+
+
+# Checkpoints hold whole tensors under the single-device names, whatever the sharding: FSDP
+# gathers each unit's parameters and optimizer state to save, and keeps its own part on load.
+GPT_ADAMW = {"model.name": "gpt-tiny", "optim.name": "adamw", "optim.lr": 1e-3, "data.global_batch": 8}
+
+
+@pytest.mark.parametrize("world, overrides", [
+    pytest.param(2, {"parallel.zero": 3, **GPT_ADAMW}, id="fsdp2"),
+    pytest.param(2, {"parallel.zero": 2, **GPT_ADAMW}, id="zero2"),
+    pytest.param(4, {"parallel.zero": 3, "parallel.tp": 2, **GPT_ADAMW}, id="tp2xfsdp2"),
+])
+def test_a_sharded_run_resumes_bit_for_bit(tmp_path, world, overrides):
+    whole, resumed = interrupted_and_resumed(tmp_path, world, **overrides)
+    assert losses_of(resumed) == losses_of(whole)[3:]
+    for name, value in merged_state(whole).items():
+        assert torch.equal(merged_state(resumed)[name], value), name
+
+
+@pytest.mark.parametrize("saved, world, resumed_as, resumed_world", [
+    pytest.param({"parallel.zero": 3}, 4, {}, 2, id="fsdp4-to-fsdp2"),
+    pytest.param({"parallel.zero": 3}, 2, {"parallel.zero": 0}, 2, id="fsdp-to-ddp"),
+    pytest.param({"parallel.zero": 3, "parallel.tp": 2}, 4, {"parallel.zero": 0, "parallel.tp": 1}, 2,
+                 id="tp2xfsdp2-to-tp1"),
+])
+def test_a_sharded_checkpoint_loads_into_another_layout(tmp_path, saved, world, resumed_as, resumed_world):
+    whole, resumed = interrupted_and_resumed(
+        tmp_path, world, resume_overrides=resumed_as, resume_world=resumed_world, **{**GPT_ADAMW, **saved})
+    assert losses_of(resumed) == pytest.approx(losses_of(whole)[3:], rel=RESHARD_RTOL)
+    for name, value in merged_state(whole).items():
+        assert torch.allclose(merged_state(resumed)[name], value, rtol=0, atol=RESHARD_ATOL), name
+
+
+def test_bf16_fsdp_stays_close_to_the_bf16_reference():
+    """bf16 gathers and reduce-scatters, fp32 master shards: `paratrain check`'s bf16 rule (losses
+    1e-3 relative, parameters 1e-3 absolute, the loss decrease 5e-2 relative)."""
+    config = make_config(**{"parallel.zero": 3, "parallel.precision": "bf16", **MODELS["gpt-tiny"], "steps": 4})
+    report = compare(config, run(train_and_return_state, 2, args=(config,)), reference_run(config))
+    assert report["max_loss_diff"] <= BF16_LOSS_RTOL and report["max_param_diff"] <= BF16_PARAM_ATOL, report
+    assert report["progress_diff"] <= BF16_PROGRESS_RTOL, report
+
+
+def _bf16_unit(group):
+    dp = build_data_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)), group, mode="fsdp", precision="bf16")
+    with dp.gathered():
+        whole = dp.module[0].weight.dtype
+    dp.module(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()
+    dp.finish_gradients()
+    return dp.units[0].full.dtype, whole, dp.units[0].shard.dtype, dp.units[0].shard.grad.dtype
+
+
+def test_bf16_fsdp_gathers_bf16_and_keeps_fp32_master_shards():
+    assert run(_bf16_unit, 2)[0] == (torch.bfloat16, torch.float32, torch.float32, torch.float32)
