@@ -57,8 +57,11 @@ results: $(STAMP) picture
 picture: $(STAMP)
 	$(BIN)/paratrain schedule --schedule 1f1b --stages 4 --microbatches 8 --png docs/pipeline-1f1b.png
 
+# Three pytest-xdist workers, one test file each at a time (files share their servers and
+# worlds): many tests wait on process start-up and rendezvous, which overlap on two cores.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info
