@@ -37,7 +37,7 @@ from paratrain.comm.errors import FabricAborted, PeerLostError
 from paratrain.comm.flight import FlightRecords
 from paratrain.comm.transport import over_process_group, shm_setup
 from paratrain.failure_report import RunStopped, failed_run_error
-from paratrain.settings import Settings, launch_environment
+from paratrain.settings import Settings, default_threads_for_children, launch_environment
 
 LAUNCHERS = ("threads", "processes")
 PEER_DEATH_GRACE_S = 3.0  # the elastic agent checks its ranks every 0.1 s
@@ -138,8 +138,7 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The ranks inherit this process's environment: torchrun's default; also silences its warning.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    default_threads_for_children()
     run_id = f"paratrain-{uuid.uuid4().hex[:8]}"
     logs = tempfile.mkdtemp(prefix=f"{run_id}-logs-")
     config = LaunchConfig(

@@ -142,6 +142,18 @@ class LaunchEnvironment:
         return self.run_id if self.run_id and self.run_id != "none" else None
 
 
+def child_environment(**changes: str) -> dict[str, str]:
+    """The environment for a child process we start (a server, a worker, a benchmark): this
+    process's, with `changes`. The one place besides `resolve` that touches os.environ."""
+    return {**os.environ, **changes}
+
+
+def default_threads_for_children(threads: int = 1) -> None:
+    """OMP_NUM_THREADS for the ranks the elastic launcher starts (they inherit this process's
+    environment), unless the user set it: torchrun's default, which also silences its warning."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
 def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnvironment:
     env = os.environ if environ is None else environ
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from paratrain.plan.membw import copy_bandwidth_gbps
+from paratrain.settings import child_environment
 
 RUN_FILE = "run.json"  # the machine, the date and each command's wall time, written by `run_sweeps`
 
@@ -121,7 +122,7 @@ def run_sweeps(folder: Path, sweeps=SWEEPS) -> dict:
     with tempfile.TemporaryDirectory(prefix="paratrain-results-") as empty:
         for sweep in sweeps:
             print(f"== {command_line(sweep, folder)}", flush=True)
-            env = {**os.environ, "PARATRAIN_ALGO_TABLE": str(Path(empty) / "no-table.json"), **dict(sweep.env)}
+            env = child_environment(PARATRAIN_ALGO_TABLE=str(Path(empty) / "no-table.json"), **dict(sweep.env))
             argv = [sys.executable, "-m", *command(sweep, folder)]  # "-m paratrain bench ..."
             began = time.perf_counter()
             try:

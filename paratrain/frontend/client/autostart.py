@@ -15,6 +15,7 @@ import threading
 import time
 
 from paratrain.frontend.protocol.addresses import READY_MARK
+from paratrain.settings import child_environment
 
 
 def wait_until_ready(process: subprocess.Popen, timeout: float) -> str:
@@ -51,9 +52,7 @@ class LocalServer:
               extra_args: tuple = ()) -> LocalServer:
         command = [sys.executable, "-m", "paratrain", "serve", "--workers", str(workers),
                    "--local-workers", "--port", "0", "--exit-with-pid", str(os.getpid()), "--quiet", *extra_args]
-        env = dict(os.environ)
-        if token:
-            env["PARATRAIN_TOKEN"] = token
+        env = child_environment(PARATRAIN_TOKEN=token) if token else child_environment()
         process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
         try:
             address = wait_until_ready(process, timeout)

@@ -19,6 +19,7 @@ from paratrain.frontend.dispatcher.dispatcher import Dispatcher
 from paratrain.frontend.dispatcher.settings import DispatcherSettings
 from paratrain.frontend.processes import describe_exit, pid_alive
 from paratrain.frontend.protocol.addresses import READY_MARK
+from paratrain.settings import child_environment
 
 
 def default_threads(workers: int) -> int:
@@ -32,7 +33,7 @@ class LocalWorkers:
         host, _, port = address.rpartition(":")
         self.processes = []
         for local_rank in range(count):
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "LOCAL_RANK": str(local_rank)}
+            env = child_environment(OMP_NUM_THREADS=str(threads), LOCAL_RANK=str(local_rank))
             if token:
                 env["PARATRAIN_TOKEN"] = token
             command = [sys.executable, "-m", "paratrain", "worker", "--host", host, "--port", port,
