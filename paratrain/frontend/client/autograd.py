@@ -76,3 +76,19 @@ def graph_of(root: Node) -> tuple[list, list, list]:
             if tensor is not None:
                 results.append(tensor)
     return leaves, results, nodes
+
+
+def run_backward(root, args: list, kwargs: dict, keep_graph: bool) -> None:
+    """Issue `root`'s backward; afterwards every tensor its graph reaches has a gradient: the
+    leaves, and the results still alive, which keep theirs because GT's do (PyTorch keeps only
+    those marked with `retain_grad()`)."""
+    leaves, results, nodes = graph_of(root._graph_node())
+    if results:
+        root._session.issue("keep_grads", [], [t._handle for t in results], [], tensors=tuple(results))
+    root._session.issue("backward", [], args, list(range(len(args))), kwargs, tensors=(root,))
+    for tensor in leaves + results:
+        tensor._has_grad = True
+        tensor._grad_tensor = None  # a new backward may have made a new tensor: ask again
+    if not keep_graph:
+        for node in nodes:
+            node.inputs = SPENT

@@ -15,7 +15,7 @@ cannot do: they are refused.
 from __future__ import annotations
 
 from paratrain.frontend.client.signal import tensor as move_to_signal
-from paratrain.frontend.client.tensor import run_backward
+from paratrain.frontend.client.autograd import run_backward
 from paratrain.parallel.pipeline.schedules import Schedule
 from paratrain.parallel.pipeline.simulate import simulate
 

@@ -27,7 +27,8 @@ from paratrain.frontend.client import autograd, regions
 from paratrain.frontend.client.connection import Connection
 from paratrain.frontend.client.tape import Tape
 from paratrain.frontend.client.autograd import Node
-from paratrain.frontend.client.tensor import Tensor, floating
+from paratrain.frontend.client.dtypes import floating
+from paratrain.frontend.client.tensor import Tensor
 from paratrain.frontend.errors import ConnectionLost, FrontendError, RemoteError, WorkerLost
 from paratrain.frontend.ops import OPS
 from paratrain.frontend.protocol import Instruction, messages

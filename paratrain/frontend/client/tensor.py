@@ -15,40 +15,9 @@ import weakref
 
 import numpy as np
 
-from paratrain.frontend.client.autograd import SPENT, Node, graph_of, no_grad
+from paratrain.frontend.client.autograd import Node, no_grad, run_backward
+from paratrain.frontend.client.dtypes import DTYPES, dtype_named, floating
 from paratrain.frontend.ops import encode_index
-
-
-class DType(str):
-    """A dtype's name ("float32") that also equals NumPy's dtype of that name (`np.float32`,
-    `np.dtype("float32")`), as GT's dtypes do; bfloat16, which NumPy lacks, equals its name only."""
-
-    __slots__ = ()
-
-    def __eq__(self, other):
-        if isinstance(other, str):
-            return str.__eq__(self, other)
-        try:
-            return np.dtype(other).name == self
-        except TypeError:
-            return NotImplemented
-
-    def __ne__(self, other):
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = str.__hash__
-
-
-_DTYPE_OBJECTS: dict[str, DType] = {}
-
-
-def dtype_named(name: str) -> DType:
-    """The one DType object of each name (made once: tensors are created on every operation)."""
-    found = _DTYPE_OBJECTS.get(name)
-    if found is None:
-        found = _DTYPE_OBJECTS.setdefault(name, DType(name))
-    return found
 
 
 class Tensor:
@@ -391,7 +360,7 @@ class Tensor:
 
     def to(self, dtype=None, *args, **kwargs):
         """Casts to a dtype; devices are the workers' business, so a device is ignored."""
-        if isinstance(dtype, str) and dtype in _DTYPES:
+        if isinstance(dtype, str) and dtype in DTYPES:
             return self if dtype == self.dtype else self._call("to", dtype)
         return self
 
@@ -413,31 +382,8 @@ class Tensor:
     def masked_fill_(self, mask, value): return self._inplace("masked_fill_", mask, value)
 
 
-_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
-
-
-def floating(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat"))
-
-
 _INPLACE_OF = {"add": "add_", "sub": "sub_", "mul": "mul_", "truediv": "div_"}
 _STATE = ("_handle", "_requires_grad", "_node", "_has_grad", "_grad_tensor")
-
-
-def run_backward(root: Tensor, args: list, kwargs: dict, keep_graph: bool) -> None:
-    """Issue `root`'s backward; afterwards every tensor its graph reaches has a gradient: the
-    leaves, and the results still alive, which keep theirs because GT's do (PyTorch keeps only
-    those marked with `retain_grad()`)."""
-    leaves, results, nodes = graph_of(root._graph_node())
-    if results:
-        root._session.issue("keep_grads", [], [t._handle for t in results], [], tensors=tuple(results))
-    root._session.issue("backward", [], args, list(range(len(args))), kwargs, tensors=(root,))
-    for tensor in leaves + results:
-        tensor._has_grad = True
-        tensor._grad_tensor = None  # a new backward may have made a new tensor: ask again
-    if not keep_graph:
-        for node in nodes:
-            node.inputs = SPENT
 
 
 def _axis(dim, axis):
