@@ -65,8 +65,12 @@ def run_collectives(sweep: Sweep, nproc: int) -> tuple[SweepResult, str]:
             "dtype": sweep.dtype, "warmup": sweep.warmup, "iters": sweep.iters}
     out = _run_ranks("collectives", spec, nproc)
     result = SweepResult(out["world_size"], out["transport"], out["device"],
-                         [Measurement(**dict(m, bursts_us=tuple(m["bursts_us"]))) for m in out["measurements"]])
+                         [_measurement(m) for m in out["measurements"]])
     return result, out["library"]
+
+
+def _measurement(fields: dict) -> Measurement:
+    return Measurement(**dict(fields, bursts_us=tuple(fields["bursts_us"]), rounds_us=tuple(fields["rounds_us"])))
 
 
 def run_p2p_peer(sweep: P2PSweep, nproc: int) -> tuple[P2PResult, str]:
