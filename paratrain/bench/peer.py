@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable
 
 from paratrain.bench.collectives import Measurement, SweepResult, bus_factor
-from paratrain.bench.p2p import _record as p2p_record
+from paratrain.bench.p2p import P2PResult, make_record
 
 
 def alternate(rounds: int, ours: Callable[[], object], peer: Callable[[], object]) -> tuple[list, list]:
@@ -34,7 +34,6 @@ def sweep_rounds(rounds: int, ours: Callable[[], SweepResult], peer: Callable[[]
     result, library = mine[0], theirs[0][1]
     result.measurements = merge_measurements([r.measurements for r in mine], result.world_size)
     return result, merge_measurements([r.measurements for r, _ in theirs], result.world_size), library
-
 
 
 def merge_measurements(rounds: list[list[Measurement]], world_size: int) -> list[Measurement]:
@@ -108,6 +107,14 @@ def _ratio(ratio: float, each: list[float]) -> str:
 # ---- bench p2p ---------------------------------------------------------------------------
 
 
+def p2p_rounds(rounds: int, ours: Callable[[], P2PResult], peer: Callable[[], tuple[P2PResult, str]]):
+    """Our result with its records merged over the rounds, the peer's merged, the peer's name."""
+    mine, theirs = alternate(rounds, ours, peer)
+    result, library = mine[0], theirs[0][1]
+    result.records = merge_records([r.records for r in mine], result.world_size)
+    return result, merge_records([r.records for r, _ in theirs], result.world_size), library
+
+
 def merge_records(rounds: list[list[dict]], world_size: int) -> list[dict]:
     """One p2p record per (test, src, dst, size): the median round's time, and what follows
     from it (bandwidth, latency), with every round's time in rounds_us."""
@@ -115,7 +122,7 @@ def merge_records(rounds: list[list[dict]], world_size: int) -> list[dict]:
     for same in zip(*rounds):
         first = same[0]
         times = [r["time_us"] for r in same]
-        record = p2p_record(first["test"], first["src"], first["dst"], first["bytes"],
+        record = make_record(first["test"], first["src"], first["dst"], first["bytes"],
                             statistics.median(times) / 1e6, world_size)
         merged.append(dict(record, rounds_us=times))
     return merged
