@@ -86,8 +86,8 @@ def _run_ranks(job: str, spec: dict, nproc: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="paratrain-mpi-") as folder:
         spec_path, out_path = Path(folder, "sweep.json"), Path(folder, "result.json")
         spec_path.write_text(json.dumps(spec))
-        # A session of its own, so that the whole tree (mpiexec, its proxy, the ranks) can be
-        # ended together if this process is interrupted.
+        # A session of its own: the terminal's Ctrl-C reaches this process only, which then
+        # ends the whole tree (_end_tree).
         process = subprocess.Popen([*command, job, str(spec_path), str(out_path)], env=env, start_new_session=True)
         try:
             code = process.wait()
@@ -100,15 +100,49 @@ def _run_ranks(job: str, spec: dict, nproc: int) -> dict:
 
 
 def _end_tree(process: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """End mpiexec, its proxy and the ranks. Each of those calls setsid, so no one signal
+    reaches them all: mpiexec is asked to end its ranks (SIGTERM), and whatever of the tree it
+    leaves is killed by pid (a pid still of the same process: its start time has not changed)."""
+    tree = _descendants(process.pid)
+    process.terminate()
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    for pid, started in tree:
+        if _start_time(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command's ")"
+
+
+def _descendants(root: int) -> list[tuple[int, int]]:
+    """(pid, start time) of every live descendant of `root`, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
         try:
-            os.killpg(process.pid, sig)
-            process.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
+            parent = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(name))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        started = _start_time(pid)
+        if started is not None:
+            found.append((pid, started))
+        todo += children.get(pid, [])
+    return found
 
 
 # ---- the MPI ranks' side ----------------------------------------------------------------
