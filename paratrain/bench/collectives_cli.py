@@ -215,7 +215,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
                                                   lambda: mpi_peer.run_collectives(sweep, nproc))
         notes.append(f"peer: {library}, {rounds} rounds of each side alternating, every figure the median round")
     else:
-        result = _launch(sweep, nproc, launcher, settings)
+        result, peer_rows = _launch(sweep, nproc, launcher, settings), []
     if result is None:  # under torchrun, a rank other than 0: rank 0's process prints
         return
 
@@ -235,8 +235,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
         lines += collectives_lines(result.measurements, peer_rows, "MPI")
     click.echo("\n".join(lines))
     if json_path:
-        report.write_json(json_path, result.measurements, launched_by, result.world_size, result.transport,
-                          peer_rows if peer else [])
+        report.write_json(json_path, result.measurements, launched_by, result.world_size, result.transport, peer_rows)
         click.echo(f"# wrote {len(measurements)} records to {json_path}")
     if plot_path:
         drawn = report.write_plot(plot_path, measurements, info)
