@@ -150,3 +150,13 @@ def test_without_the_mpi_extra_peer_mpi_says_how_to_install_it_in_one_line(monke
     assert result.exit_code == 2
     assert result.output.splitlines() == [
         f"paratrain bench {command}: error: --peer mpi needs mpi4py and an MPI library: pip install -e '.[mpi]'"]
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--dtype", "bfloat16"], "Invalid value for '--dtype': --peer mpi measures float32 or int64"),
+    (["--tune"], "--peer runs ranks of its own beside ours: it takes no --tune"),
+])
+def test_what_peer_mpi_cannot_measure_is_refused_in_one_line(args, said):
+    result = CliRunner().invoke(main, ["bench", "collectives", "--peer", "mpi", *args])
+    assert result.exit_code == 2 and len(result.output.splitlines()) == 1
+    assert said in result.output
