@@ -173,6 +173,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
       paratrain bench collectives --tune
       paratrain bench collectives --explain --ops all_reduce,all_gather
       paratrain bench collectives --overhead --algos ring,hd,native --min-bytes 16K --max-bytes 1M
+      paratrain bench collectives --peer mpi --ops all_reduce --min-bytes 16K --max-bytes 64M --factor 4
     """
     if max_bytes < min_bytes:
         raise _bad("--max-bytes", f"{max_bytes} is smaller than --min-bytes ({min_bytes})")

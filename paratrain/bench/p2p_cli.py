@@ -140,6 +140,7 @@ def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below
     Examples:
       paratrain bench p2p --nproc 4 --max-bytes 16M --plot p2p.png
       torchrun --nproc-per-node 8 -m paratrain bench p2p --json p2p.json
+      paratrain bench p2p --peer mpi --max-bytes 16M
     """
     if max_bytes < min_bytes:
         raise click.BadParameter(f"{max_bytes} is smaller than --min-bytes ({min_bytes})", param_hint="'--max-bytes'")
