@@ -97,6 +97,7 @@ class Measurement:
     busbw_gbps: float | None
     wrong: int
     bursts_us: tuple[float, ...] = ()  # per-call time of each burst, slowest rank's: what --tune weighs
+    rounds_us: tuple[float, ...] = ()  # with --peer: each round's time, of which time_us is the median
 
     @property
     def label(self) -> str:

@@ -17,6 +17,8 @@ from paratrain.bench import report
 from paratrain.bench.collectives import DTYPES, Sweep, element_counts, run_sweep
 from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.bench.overhead import overhead_lines, run_overhead
+from paratrain.bench import mpi_peer
+from paratrain.bench.peer import collectives_lines, side_by_side, sweep_rounds
 from paratrain.bench.tuning import tuned_choices
 from paratrain.comm.algorithms import OPS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable
@@ -123,7 +125,8 @@ def _thread_devices(nproc: int):
               help="Element type of the buffers.")
 @click.option("--json", "json_path", type=OutputPath(path_type=Path),
               help="Also write the measurements to this file: a list of records with keys "
-                   + ", ".join(report.JSON_KEYS) + ".")
+                   + ", ".join(report.JSON_KEYS) + "; with --peer, also MPI's (algo mpi) and in every record"
+                   " rounds_us, each round's time.")
 @click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Also draw busbw against size (one subplot per op) into this PNG file.")
 @click.option("--tune", is_flag=True,
@@ -149,8 +152,13 @@ def _thread_devices(nproc: int):
 @click.option("--debug", is_flag=True,
               help="Check before every collective that all ranks make the same call (slower), and show "
                    "full tracebacks.")
+@click.option("--peer", type=click.Choice(["mpi"]),
+              help="Also run the sweep through MPI (mpi4py, ranks started by mpiexec: pip install -e '.[mpi]'), "
+                   "in rounds alternating with ours, and print ours / MPI per size. [default --algos: auto]")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="With --peer: rounds of each side, alternating (ours, the peer, ours, ...).")
 def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype,
-                json_path, plot_path, tune, explain, overhead, table_path, timeout, debug) -> None:
+                json_path, plot_path, tune, explain, overhead, table_path, timeout, debug, peer, rounds) -> None:
     """Measure collectives like nccl-tests: time, algbw, busbw and #wrong per op, algorithm, size.
 
     Our algorithms (ring, hd = halving-doubling, tree, direct) run beside the backend's own
@@ -165,6 +173,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
       paratrain bench collectives --tune
       paratrain bench collectives --explain --ops all_reduce,all_gather
       paratrain bench collectives --overhead --algos ring,hd,native --min-bytes 16K --max-bytes 1M
+      paratrain bench collectives --peer mpi --ops all_reduce --min-bytes 16K --max-bytes 64M --factor 4
     """
     if max_bytes < min_bytes:
         raise _bad("--max-bytes", f"{max_bytes} is smaller than --min-bytes ({min_bytes})")
@@ -172,7 +181,13 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
         raise click.UsageError("--json and --plot need measurements; --explain alone measures nothing")
     if overhead and (tune or explain or json_path or plot_path):
         raise click.UsageError("--overhead prints its own table: it takes no --tune, --explain, --json or --plot")
-    plan, notes = plan_sweep(ops or ("all_reduce" if overhead else None), algos, tune or overhead)
+    if peer and (tune or explain or overhead or in_torchrun()):
+        raise click.UsageError("--peer runs ranks of its own beside ours: it takes no --tune, --explain or"
+                               " --overhead, and does not run under torchrun")
+    if peer and dtype not in mpi_peer.DTYPES:
+        raise _bad("--dtype", f"--peer mpi measures {' or '.join(mpi_peer.DTYPES)}: MPI has no standard {dtype} type")
+    plan, notes = plan_sweep(ops or ("all_reduce" if overhead else None), algos or ("auto" if peer else None),
+                             tune or overhead)
     settings = Settings.resolve(timeout=timeout, debug=debug or None)
     if table_path is not None:
         settings = settings.with_flags(algo_table=str(table_path))
@@ -195,7 +210,13 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
         return
 
     sweep = Sweep(tuple(plan), tuple(counts), dtype, warmup, iters, table)
-    result = _launch(sweep, nproc, launcher, settings)
+    if peer:
+        mpi_peer.mpiexec_command(nproc)  # the extra's one-line message, before any rank starts
+        result, peer_rows, library = sweep_rounds(rounds, lambda: _launch(sweep, nproc, launcher, settings),
+                                                  lambda: mpi_peer.run_collectives(sweep, nproc))
+        notes.append(f"peer: {library}, {rounds} rounds of each side alternating, every figure the median round")
+    else:
+        result, peer_rows = _launch(sweep, nproc, launcher, settings), []
     if result is None:  # under torchrun, a rank other than 0: rank 0's process prints
         return
 
@@ -207,13 +228,15 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
         f"ops {','.join(op for op, _ in plan)}  minBytes {min_bytes}  maxBytes {max_bytes}"
         f"  step: {factor}(factor)  warmup iters: {warmup}  iters: {iters}  dtype: {dtype}",
     )
-    measurements = result.measurements
+    measurements = side_by_side(result.measurements, peer_rows) if peer else result.measurements
     lines = report.header_lines(info) + [f"# note: {note}" for note in notes]
     lines += report.table_lines(measurements, result.world_size) + report.summary_lines(measurements)
     lines += report.auto_lines(measurements)
+    if peer:
+        lines += collectives_lines(result.measurements, peer_rows, "MPI")
     click.echo("\n".join(lines))
     if json_path:
-        report.write_json(json_path, measurements, launched_by, result.world_size, result.transport)
+        report.write_json(json_path, result.measurements, launched_by, result.world_size, result.transport, peer_rows)
         click.echo(f"# wrote {len(measurements)} records to {json_path}")
     if plot_path:
         drawn = report.write_plot(plot_path, measurements, info)

@@ -78,13 +78,13 @@ def run_p2p(group, sweep: P2PSweep) -> P2PResult | None:
     group.all_reduce(seconds, "max", algo="native")
     if group.rank != 0:
         return None
-    records = [_record(test, src, dst, size, seconds[index].item(), group.size)
+    records = [make_record(test, src, dst, size, seconds[index].item(), group.size)
                for index, (test, src, dst, size) in enumerate(steps)]
     # "shm": processes of one host, point-to-point through shared memory (comm/transport/shm_transport.py)
     return P2PResult(group.size, group.kind, str(device), records)
 
 
-def _record(test: str, src: int, dst: int, size: int, elapsed: float, n: int) -> dict:
+def make_record(test: str, src: int, dst: int, size: int, elapsed: float, n: int) -> dict:
     moved = {"uni": size, "bi": 2 * size, "all_to_all": size * (n - 1) / n}[test]
     record = {"test": test, "src": src, "dst": dst, "bytes": size, "time_us": elapsed * 1e6,
               "gbps": moved / elapsed / 1e9 if elapsed > 0 else None}

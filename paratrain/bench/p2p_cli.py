@@ -16,6 +16,8 @@ import click
 from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
 from paratrain.bench.p2p import P2PSweep, run_p2p
+from paratrain.bench import mpi_peer
+from paratrain.bench.peer import p2p_lines, p2p_rounds
 from paratrain.bench.report import describe_kind
 from paratrain.launch import LAUNCHERS, in_torchrun, run
 
@@ -120,37 +122,61 @@ def write_heatmap(path: Path, records: list[dict], n: int) -> None:
 @click.option("--flag-below", type=FiniteFloat(0, 1), default=0.8, show_default=True,
               help="Name links below this fraction of the median bandwidth.")
 @click.option("--json", "json_path", type=OutputPath(path_type=Path),
-              help="Write the records (test, src, dst, bytes, time_us, gbps, ...) to this file.")
+              help="Write the records (test, src, dst, bytes, time_us, gbps, ...) to this file; with --peer, "
+                   "also MPI's (transport mpi) and in every record rounds_us, each round's time.")
 @click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Draw the bandwidth matrices as heatmaps into this PNG file.")
 @click.option("--timeout", type=FiniteFloat(min=0, min_open=True), help="Seconds one communication may block.")
-def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below, json_path, plot_path, timeout):
+@click.option("--peer", type=click.Choice(["mpi"]),
+              help="Also run the tests through MPI (mpi4py, ranks started by mpiexec: pip install -e '.[mpi]'), "
+                   "in rounds alternating with ours, and print ours / MPI per size.")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="With --peer: rounds of each side, alternating (ours, the peer, ours, ...).")
+def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below, json_path, plot_path, timeout,
+        peer, rounds):
     """Bandwidth and latency of every pair of ranks, one pair at a time, and the all-to-all aggregate.
 
     \b
     Examples:
       paratrain bench p2p --nproc 4 --max-bytes 16M --plot p2p.png
       torchrun --nproc-per-node 8 -m paratrain bench p2p --json p2p.json
+      paratrain bench p2p --peer mpi --max-bytes 16M
     """
     if max_bytes < min_bytes:
         raise click.BadParameter(f"{max_bytes} is smaller than --min-bytes ({min_bytes})", param_hint="'--max-bytes'")
+    if peer and in_torchrun():
+        raise click.UsageError("--peer runs ranks of its own beside ours: it does not run under torchrun")
     sweep = P2PSweep(tuple(s for s in sweep_sizes(min_bytes, max_bytes, factor) if s > 0), warmup, iters)
-    results = run(run_p2p, nproc, launcher=launcher, args=(sweep,), timeout=timeout)
-    result = results.get(0)
-    if result is None:
-        if not in_torchrun():
+
+    def ours():
+        results = run(run_p2p, nproc, launcher=launcher, args=(sweep,), timeout=timeout)
+        if 0 not in results and not in_torchrun():
             raise click.ClickException("benchmark failed: rank 0 returned no measurements")
+        return results.get(0)
+
+    if peer:
+        mpi_peer.mpiexec_command(nproc)  # the extra's one-line message, before any rank starts
+        result, peer_records, library = p2p_rounds(rounds, ours, lambda: mpi_peer.run_p2p_peer(sweep, nproc))
+    else:
+        result, peer_records = ours(), []
+    if result is None:  # under torchrun, a rank other than 0: rank 0's process prints
         return
     launched_by = "torchrun" if in_torchrun() else launcher
     click.echo(f"# paratrain bench p2p: world size {result.world_size}  launcher {launched_by}  transport "
                f"{describe_kind(result.transport)}  device {result.device}  warmup {warmup}  iters {iters}")
-    for line in report_lines(result.records, result.world_size, flag_below):
+    lines = report_lines(result.records, result.world_size, flag_below)
+    if peer:
+        lines = [f"# note: peer: {library}, {rounds} rounds of each side alternating, every figure the median round",
+                 *lines, *p2p_lines(result.records, peer_records, "MPI")]
+    for line in lines:
         click.echo(line)
     if json_path:
         for record in result.records:
             record.update(launcher=launched_by, transport=result.transport, world_size=result.world_size)
-        json_path.write_text(json.dumps(result.records, indent=1))
-        click.echo(f"# wrote {len(result.records)} records to {json_path}")
+        for record in peer_records:
+            record.update(launcher="mpiexec", transport="mpi", world_size=result.world_size)
+        json_path.write_text(json.dumps(result.records + peer_records, indent=1))
+        click.echo(f"# wrote {len(result.records) + len(peer_records)} records to {json_path}")
     if plot_path:
         write_heatmap(plot_path, result.records, result.world_size)
         click.echo(f"# plotted to {plot_path}")

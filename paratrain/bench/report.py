@@ -149,13 +149,20 @@ def json_records(measurements: list[Measurement], launcher: str, world_size: int
             "bytes": m.bytes, "count": m.count, "dtype": m.dtype, "time_us": m.time_us,
             "algbw_gbps": m.algbw_gbps, "busbw_gbps": m.busbw_gbps, "wrong": m.wrong,
         }
-        records.append({key: values[key] for key in JSON_KEYS})
+        record = {key: values[key] for key in JSON_KEYS}
+        if m.rounds_us:  # with --peer
+            record["rounds_us"] = list(m.rounds_us)
+        records.append(record)
     return records
 
 
-def write_json(path: Path, measurements: list[Measurement], launcher: str, world_size: int, transport: str) -> None:
+def write_json(path: Path, measurements: list[Measurement], launcher: str, world_size: int, transport: str,
+               peer: list[Measurement] = ()) -> None:
+    """Our records, then the peer's (MPI's: launcher mpiexec, transport and algo "mpi")."""
+    records = json_records(measurements, launcher, world_size, transport)
+    records += json_records(list(peer), "mpiexec", world_size, "mpi")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_records(measurements, launcher, world_size, transport), indent=1) + "\n")
+    path.write_text(json.dumps(records, indent=1) + "\n")
 
 
 def write_plot(path: Path, measurements: list[Measurement], info: RunInfo) -> bool:
