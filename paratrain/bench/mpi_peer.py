@@ -38,6 +38,7 @@ import torch
 from paratrain.bench.collectives import Measurement, Sweep, SweepResult, run_sweep
 from paratrain.bench.p2p import P2PResult, P2PSweep, run_p2p
 from paratrain.errors import UserError
+from paratrain.settings import child_environment
 
 MISSING = "--peer mpi needs mpi4py and an MPI library: pip install -e '.[mpi]'"
 DTYPES = ("float32", "int64")  # MPI has no standard type for float16 or bfloat16
@@ -81,7 +82,7 @@ def run_p2p_peer(sweep: P2PSweep, nproc: int) -> tuple[P2PResult, str]:
 
 def _run_ranks(job: str, spec: dict, nproc: int) -> dict:
     command = mpiexec_command(nproc)
-    env = dict(os.environ)
+    env = child_environment()
     env.setdefault("OMP_NUM_THREADS", "1")  # as our launcher sets for its ranks
     with tempfile.TemporaryDirectory(prefix="paratrain-mpi-") as folder:
         spec_path, out_path = Path(folder, "sweep.json"), Path(folder, "result.json")
