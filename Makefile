@@ -58,10 +58,12 @@ picture: $(STAMP)
 	$(BIN)/paratrain schedule --schedule 1f1b --stages 4 --microbatches 8 --png docs/pipeline-1f1b.png
 
 # Three pytest-xdist workers, one test file each at a time (files share their servers and
-# worlds): many tests wait on process start-up and rendezvous, which overlap on two cores.
+# worlds): many tests wait on process start-up and rendezvous, which overlap on two cores. Then,
+# alone, the tests marked serial: they sweep what every run on the host shares (/dev/shm).
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,6 +10,11 @@ import paratrain.frontend as gt
 from paratrain.frontend.client.autostart import LocalServer
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: sweeps what every run on the host shares (/dev/shm): "
+                                       "`make test` runs these after the parallel part, alone")
+
+
 def pytest_addoption(parser):
     parser.addoption("--fuzz-cases", type=int, default=2000,
                      help="mutated messages the frontend fuzz test sends on each side of authentication")

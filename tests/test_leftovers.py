@@ -25,7 +25,7 @@ from paratrain.comm.transport import shm_setup
 from paratrain.failure_report import RanksFailed
 from paratrain.settings import Settings
 
-pytestmark = pytest.mark.skipif(not shm_setup.enabled(Settings.resolve()), reason="shared memory between processes: x86-64 Linux")
+pytestmark = [pytest.mark.serial, pytest.mark.skipif(not shm_setup.enabled(Settings.resolve()), reason="shared memory between processes: x86-64 Linux")]
 
 
 def _files_of(pid: int) -> list[str]:
