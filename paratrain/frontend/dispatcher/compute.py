@@ -9,6 +9,7 @@ there as the client wrote it.
 
 from __future__ import annotations
 
+from paratrain.frontend.dispatcher import twins
 from paratrain.frontend.dispatcher.conversions import convert, ensure_group
 from paratrain.frontend.dispatcher.moves import move
 from paratrain.frontend.dispatcher.sharding import Placement, Unsupported, plan
@@ -22,9 +23,25 @@ STAY = frozenset({"grad", "set_grad_none", "set_grad", "requires_grad_", "set_da
 
 
 def compute(job, instruction: Instruction) -> None:
+    table, name = job.table, instruction.op
+    signal = job.router.signal_of(table, instruction)
+    if name in STAY:
+        if table.twins and name not in ("grad", "detach"):
+            twins.forget(job, instruction.args[instruction.targs[0]])  # it changes: its twin no longer equals it
+        run_on(job, instruction, signal)
+        return
+    backward = twins.backward_elsewhere(table, instruction, signal)
+    run_on(job, instruction, signal)
+    if backward is not None:  # the region's backward runs on other workers: its twin runs there
+        twin = twins.twin_instruction(job, instruction, backward)
+        run_on(job, twin, backward)
+        twins.tie(job, instruction, twin, backward)
+
+
+def run_on(job, instruction: Instruction, signal) -> None:
+    """Route one operation issued under `signal` (None: none that places anything)."""
     router, table = job.router, job.table
     name, outs, targs, where = instruction.op, instruction.outs, instruction.targs, table.where
-    signal = router.signal_of(table, instruction)
     first = where[instruction.args[targs[0]]]
     workers = first.workers if signal is None or name in STAY else signal.workers
     if signal is None and router.auto_shard is not None and name not in STAY:

@@ -15,31 +15,13 @@ they match their crossing whatever order the workers reach them in.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 from paratrain.frontend.dispatcher.conversions import convert, ensure_group
 from paratrain.frontend.dispatcher.creation import signal_placement
 from paratrain.frontend.dispatcher.sharding import Placement
-from paratrain.frontend.dispatcher.table import Refused, union_of
+from paratrain.frontend.dispatcher import twins
+from paratrain.frontend.dispatcher.table import Crossing, Refused, union_of
 from paratrain.frontend.protocol import Instruction
-
-
-@dataclass
-class Crossing:
-    src: tuple[int, ...]  # the workers that sent (a replicated tensor)
-    dst: tuple[int, ...]  # the workers that received a copy
-    grad_split: int | None = None  # with a backward layout: the axis the gradient travels split along
-    length: int = 0  # that axis' length
-    refs: int = 0  # live client handles whose graph goes through it
-
-    def forward_pairs(self) -> list[tuple[int, int]]:
-        """(sender, receiver): each receiver gets one copy, from itself if it holds one."""
-        return [(b if b in self.src else self.src[j % len(self.src)], b) for j, b in enumerate(self.dst)]
-
-    def backward_pairs(self) -> list[tuple[int, int, int]]:
-        """(gradient sender, receiver, part index): each original sender gets its gradient,
-        from its own copy if it received one."""
-        return [(a if a in self.dst else self.dst[i % len(self.dst)], a, i) for i, a in enumerate(self.src)]
 
 
 def emit_forward(job, crossing_id: int, crossing: Crossing, source: int, temp: int) -> None:
@@ -55,6 +37,9 @@ def emit_backward(job, crossing_id: int, crossing: Crossing, keep_graph: bool) -
     """Send the gradient of a crossing's copies back and continue backward from the original.
     `keep_graph`: later gradient exchanges may traverse the same graph (a whole distributed
     backward); a pipeline stage's own exchange frees its part of the graph instead."""
+    if crossing.twin is not None:
+        twins.emit_backward(job, crossing_id, crossing, keep_graph)
+        return
     pairs = crossing.backward_pairs()
     parts = len(crossing.src) if crossing.grad_split is not None else 0
     targets = defaultdict(list)
@@ -150,14 +135,13 @@ def reshard(job, instruction: Instruction) -> None:
 
 def _backward_layout(table, name: str, backward: str | None, source, shape) -> int | None:
     """The axis a tensor moved into signal `name` has its gradient travel back split along (as
-    its `backward` signal says)."""
+    its `backward` signal says, when that signal is on the workers the tensor comes from)."""
     if backward is None:
         return None
     layout = table.signals.get(backward)
     if layout is None or not layout.places:  # registration is order-free, so a dangling name is found here, at first use
         raise Refused(f"signal {name}: its backward signal {backward[:64]!r} is not in this "
                       "client's configuration (or places nothing)")
-    if layout.workers != source.workers:
-        raise Refused(f"signal {name}: its backward signal {layout.name} is on workers "
-                      f"{list(layout.workers)}, but the tensor comes from {list(source.workers)}")
+    if layout.workers != source.workers:  # it says where the region's backward runs (twins.py), not this
+        return None
     return signal_placement(layout, shape).split

@@ -25,11 +25,11 @@ from __future__ import annotations
 import traceback
 from collections import defaultdict
 
-from paratrain.frontend.dispatcher import compute, creation, moves, regions
+from paratrain.frontend.dispatcher import compute, creation, moves, regions, twins
 from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.conversions import forget_entered
 from paratrain.frontend.dispatcher.sharding import Placement
-from paratrain.frontend.dispatcher.table import ClientTable, Job, Refused, Routed
+from paratrain.frontend.dispatcher.table import ClientTable, Crossing, Job, Refused, Routed
 from paratrain.frontend.ops import HANDLE_LISTS, OPS
 from paratrain.frontend.protocol import CLIENT_HANDLES, Instruction
 from paratrain.frontend.protocol.instructions import ITEM_SIZES
@@ -57,7 +57,7 @@ class Router:
         self.log = log  # InstructionLog or None
         self.max_tensor_bytes = max_tensor_bytes
         self.warn = warn or (lambda text: None)  # where the router reports its own failures
-        self.crossings: dict[int, moves.Crossing] = {}
+        self.crossings: dict[int, Crossing] = {}
         self.next_crossing = 0
         self.groups: set[tuple] = set()  # worker sets that have a process group for collectives
 
@@ -205,6 +205,8 @@ def free(job: Job, instruction: Instruction) -> None:
         table.refused.pop(handle, None)
         table.meta.pop(handle, None)
         table.direct.pop(handle, None)
+        if table.twins:
+            twins.forget(job, handle)
         placement = table.where.pop(handle, None)
         if placement is not None:
             for worker in placement.workers:

@@ -36,6 +36,25 @@ class OpenRegion:
 
 
 @dataclass
+class Crossing:
+    src: tuple[int, ...]  # the workers that sent (a replicated tensor)
+    dst: tuple[int, ...]  # the workers that received a copy
+    grad_split: int | None = None  # with a backward layout: the axis the gradient travels split along
+    length: int = 0  # that axis' length
+    refs: int = 0  # live client handles whose graph goes through it
+    twin: tuple | None = None  # a twin's tie (twins.py): (the copies' split axis, the twin's)
+
+    def forward_pairs(self) -> list[tuple[int, int]]:
+        """(sender, receiver): each receiver gets one copy, from itself if it holds one."""
+        return [(b if b in self.src else self.src[j % len(self.src)], b) for j, b in enumerate(self.dst)]
+
+    def backward_pairs(self) -> list[tuple[int, int, int]]:
+        """(gradient sender, receiver, part index): each original sender gets its gradient,
+        from its own copy if it received one."""
+        return [(a if a in self.dst else self.dst[i % len(self.dst)], a, i) for i, a in enumerate(self.src)]
+
+
+@dataclass
 class ClientTable:
     """What the dispatcher knows of one client's tensors."""
 
@@ -45,6 +64,7 @@ class ClientTable:
     meta: dict = field(default_factory=dict)  # handle -> (global shape, dtype); None for optimizers
     crossings: dict = field(default_factory=dict)  # handle -> frozenset of crossing ids in its graph
     direct: dict = field(default_factory=dict)  # handle -> the crossing that made it (gt.signal.tensor)
+    twins: dict = field(default_factory=dict)  # handle -> (backward signal, its twin's handle) (twins.py)
     refused: dict = field(default_factory=dict)  # handle -> why its instruction was refused
     signals: dict = field(default_factory=dict)  # name -> Signal
     entered: dict = field(default_factory=dict)  # (handle, workers) -> its f(handle), until a backward

@@ -154,10 +154,63 @@ def bw_recv(executor, step) -> None:
         torch.autograd.backward(source, grad, retain_graph=retain)
 
 
+def twin_copy(executor, step) -> None:
+    """A result of a region whose backward runs on other workers (dispatcher/twins.py), on the
+    workers that ran its forward: cut loose from this worker's graph as a leaf, whose gradient
+    backward sends to the twin's workers."""
+    tensor = step.args[0]
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        leaf = tensor.detach().requires_grad_(True)
+        executor.tensors[step.base + step.instruction.args[0]] = leaf
+        executor.links.copies[step.instruction.kwargs["crossing"]] = leaf
+
+
+def twin_source(executor, step) -> None:
+    """The same result computed again, with its graph, on the backward signal's workers."""
+    tensor = step.args[0]
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        executor.links.sources[step.instruction.kwargs["crossing"]] = tensor
+
+
+def twin_bw_send(executor, step) -> None:
+    """Send this worker's part of a twin copy's gradient (all of it, if the copy is whole) to
+    each worker of the twin that takes it from here."""
+    links, kwargs = executor.links, step.instruction.kwargs
+    leaf = links.copies.get(kwargs["crossing"])
+    grad = leaf.grad if leaf is not None else None
+    tag = grad_tag(kwargs["crossing"])
+    for receiver in kwargs["to"]:
+        if grad is None:
+            links.send_no_grad(receiver, tag)
+        else:
+            links.send_tensor(grad, receiver, tag, False)
+    if leaf is not None:
+        leaf.grad = None  # the next backward through this twin starts from zero
+
+
+def twin_bw_recv(executor, step) -> None:
+    """Assemble a twin's gradient from the copies' parts (`axis`: the copies' split, None when
+    each is whole and one message suffices), keep this worker's part of the twin's own split
+    (`part`: [index, count, axis]), and continue backward from the twin."""
+    links, kwargs = executor.links, step.instruction.kwargs
+    tag = grad_tag(kwargs["crossing"])
+    parts = [links.recv_tensor(sender, tag)[0] for sender in kwargs["src"]]
+    source = links.sources.get(kwargs["crossing"])
+    if source is None or any(part is None for part in parts):
+        return
+    grad = parts[0] if kwargs["axis"] is None else torch.cat(parts, dim=kwargs["axis"])
+    if kwargs["part"] is not None:
+        index, count, axis = kwargs["part"]
+        grad = torch.tensor_split(grad, count, dim=axis)[index]
+    torch.autograd.backward(source, grad, retain_graph=kwargs["retain"])
+
+
 def release(executor, step) -> None:
     for crossing in step.args:
         executor.links.copies.pop(crossing, None)
         executor.links.sources.pop(crossing, None)
 
 
-HANDLERS = {"send": send, "recv": recv, "bw_send": bw_send, "bw_recv": bw_recv, "release": release}
+HANDLERS = {"send": send, "recv": recv, "bw_send": bw_send, "bw_recv": bw_recv, "release": release,
+            "twin_copy": twin_copy, "twin_source": twin_source, "twin_bw_send": twin_bw_send,
+            "twin_bw_recv": twin_bw_recv}
