@@ -327,3 +327,15 @@ def test_explain_refuses_a_bad_file_with_its_lines(tmp_path):
     bad.write_text("a: {workers: [0], shard: {axis: 12}}\n")
     result = CliRunner().invoke(main, ["frontend", "explain", str(bad)])
     assert result.exit_code == 2 and "a: shard.axis must be an integer in [-8, 8), got 12" in result.output
+
+
+def test_explain_says_where_a_regions_backward_runs():
+    from paratrain.frontend.explain import describe
+    from paratrain.frontend.signals import parse
+
+    lines = "\n".join(describe(parse({
+        "fwd": {"workers": [0, 1], "backward": "bwd"}, "bwd": {"workers": [2, 3]},
+        "into": {"workers": [2, 3], "backward": "split"}, "split": {"shard": {"axis": 0, "workers": [2, 3]}},
+    }, n_workers=4)))
+    assert "backward on [2, 3] (bwd)" in lines  # the region's backward runs elsewhere (twins)
+    assert "gradients back as split" in lines  # same workers: how moved tensors' gradients travel

@@ -23,7 +23,10 @@ def describe(signals: dict[str, Signal]) -> list[str]:
             layout = "replicated" if len(signal.workers) > 1 else "on one worker"
         else:
             layout = f"split along axis {signal.axis}, {len(signal.workers)} parts"
-        if signal.backward:
+        backward = signals.get(signal.backward) if signal.backward else None
+        if backward is not None and backward.places and backward.workers != signal.workers:
+            layout += f"; backward on [{', '.join(map(str, backward.workers))}] ({signal.backward})"
+        elif signal.backward:
             layout += f"; gradients back as {signal.backward}"
         if signal.compile:
             layout += "; compiled"
