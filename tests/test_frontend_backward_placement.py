@@ -123,3 +123,15 @@ def test_results_used_outside_the_region_and_inside_it_both_send_their_gradient(
     th = tx * 3.0
     ((th * th).sum() + th.exp().sum()).backward()
     np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_backward_named_on_entering_the_region(four):
+    """GT's `signal.context(name, backward=...)`: the same as a `backward:` in the configuration."""
+    gt.register_config("plain_pair", {"workers": [0, 1]})
+    received = _ran("twin_bw_recv")
+    with gt.signal.context("plain_pair", backward="stage_1_backward"):
+        a = gt.randn(6, 4, requires_grad=True)
+        loss = (a * a).sum()
+    loss.backward()
+    np.testing.assert_allclose(a.grad.numpy(), 2 * a.numpy(), rtol=RTOL)
+    assert _more(received, _ran("twin_bw_recv")) == {2, 3}
