@@ -3,24 +3,45 @@ wires them together."""
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
 from paratrain import __version__
-from paratrain.bench.cli import bench
 from paratrain.cli_errors import OneLineErrors
-from paratrain.comm.flight_cli import debug
-from paratrain.env_cli import env
-from paratrain.frontend.cli import frontend, serve, top, worker
-from paratrain.parallel.pipeline.schedule_cli import schedule
-from paratrain.plan.cli import plan
-from paratrain.plan.fit_cli import model
-from paratrain.train.check import check
-from paratrain.train.cli import train
-from paratrain.train.sample import sample
+
+# Each subcommand, where it lives. Imported when it is run (or listed by --help): every command
+# pays only for its own imports (`serve` does not import the training loop and DTensor, nor
+# `train` the frontend), which a process that starts many of them, a test suite, notices.
+SUBCOMMANDS = {
+    "train": "paratrain.train.cli:train",
+    "check": "paratrain.train.check:check",
+    "sample": "paratrain.train.sample:sample",
+    "bench": "paratrain.bench.cli:bench",
+    "schedule": "paratrain.parallel.pipeline.schedule_cli:schedule",
+    "serve": "paratrain.frontend.cli:serve",
+    "worker": "paratrain.frontend.cli:worker",
+    "top": "paratrain.frontend.cli:top",
+    "frontend": "paratrain.frontend.cli:frontend",
+    "debug": "paratrain.comm.flight_cli:debug",
+    "plan": "paratrain.plan.cli:plan",
+    "model": "paratrain.plan.fit_cli:model",
+    "env": "paratrain.env_cli:env",
+}
 
 
 class Paratrain(OneLineErrors, click.Group):
-    """The `paratrain` command: a user's error is one line (cli_errors.py)."""
+    """The `paratrain` command: a user's error is one line (cli_errors.py); subcommands are
+    imported on first use."""
+
+    def list_commands(self, ctx) -> list[str]:
+        return list(SUBCOMMANDS)
+
+    def get_command(self, ctx, name: str) -> click.Command | None:
+        if name not in SUBCOMMANDS:
+            return None
+        module, attribute = SUBCOMMANDS[name].split(":")
+        return getattr(importlib.import_module(module), attribute)
 
 
 @click.group(name="paratrain", cls=Paratrain, context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,20 +56,6 @@ def main(debug: bool) -> None:
     """
     del debug  # cli_errors reads it from the command line: it applies even when parsing fails
 
-
-main.add_command(train)
-main.add_command(check)
-main.add_command(sample)
-main.add_command(bench)
-main.add_command(schedule)
-main.add_command(serve)
-main.add_command(worker)
-main.add_command(top)
-main.add_command(frontend)
-main.add_command(debug)
-main.add_command(plan)
-main.add_command(model)
-main.add_command(env)
 
 if __name__ == "__main__":
     main()

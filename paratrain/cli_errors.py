@@ -99,7 +99,7 @@ def command_path(top: click.Command, prog_name: str, args: list[str], error: Bas
     for arg in args:
         if arg.startswith("-"):
             continue  # an option of a group (paratrain --debug train ...)
-        command = command.commands.get(arg) if isinstance(command, click.Group) else None
+        command = command.get_command(None, arg) if isinstance(command, click.Group) else None
         if command is None:
             break
         words.append(arg)

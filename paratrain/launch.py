@@ -33,11 +33,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from paratrain.comm import Fabric, Group, TorchTransport
 from paratrain.comm.choice import AlgorithmTable
-from paratrain.comm.errors import FabricAborted, PeerLostError
+from paratrain.comm.errors import FabricAborted, PeerLostError, TransportFailure
 from paratrain.comm.flight import FlightRecords
 from paratrain.comm.transport import over_process_group, shm_setup
+from paratrain import forking
 from paratrain.failure_report import RunStopped, failed_run_error
-from paratrain.settings import Settings, default_threads_for_children, launch_environment
+from paratrain.settings import Settings, child_environment, default_threads_for_children, launch_environment
 
 LAUNCHERS = ("threads", "processes")
 PEER_DEATH_GRACE_S = 3.0  # the elastic agent checks its ranks every 0.1 s
@@ -139,17 +140,20 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     default_threads_for_children()
+    start_method = forking.start_method()
     run_id = f"paratrain-{uuid.uuid4().hex[:8]}"
     logs = tempfile.mkdtemp(prefix=f"{run_id}-logs-")
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     try:
         with _agent_logs_quiet(unless=settings.debug), _temp_dir(logs):
-            return dict(sorted(elastic_launch(config, _process_main)(fn, args, settings, table).items()))
+            return dict(sorted(elastic_launch(config, _process_main)(
+                fn, args, settings, table, child_environment(PARATRAIN_LAUNCHER_PID=str(os.getpid())),
+                forking.ParentStdio()).items()))
     except ChildFailedError as failed:
         raise failed_run_error(failed.failures, nproc, run_id, settings.trace_dir) from None
     except SignalException as stopped:  # the agent's handler for SIGTERM, SIGINT, SIGHUP, SIGQUIT
@@ -188,11 +192,16 @@ def _agent_logs_quiet(unless: bool):
 
 
 @record  # writes the rank's traceback where the elastic agent reports it
-def _process_main(fn, args, settings: Settings, table: AlgorithmTable):
+def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_environ=None, _stdio=None):
     """One rank of a process world: join the process group, run, leave. `settings` were
-    resolved by the launching process; the rank's place in the world is its own."""
+    resolved by the launching process; the rank's place in the world is its own. A rank
+    forked from the server (paratrain/forking.py) takes `parent_environ` first; the unpickled
+    `_stdio` has already pointed its output at the launcher's."""
     import torch.distributed as dist
     from tqdm import tqdm
+
+    if parent_environ is not None:
+        forking.adopt_environment(parent_environ)
 
     # tqdm's default lock is a multiprocessing one, a named semaphore in /dev/shm: a rank killed
     # mid-run would leave it to the launcher's resource tracker, which warns of it at exit.
@@ -201,7 +210,7 @@ def _process_main(fn, args, settings: Settings, table: AlgorithmTable):
     group = init_process_group_from_env(settings.in_this_process(), table)
     try:
         return fn(group, *args)
-    except PeerLostError:
+    except (PeerLostError, TransportFailure):  # in a call, or in setting a transport up
         # The peer is dead or dying. Give the agent time to see that first, so the run is
         # reported by its root cause; this rank's error is in its flight record.
         time.sleep(PEER_DEATH_GRACE_S)

@@ -130,6 +130,9 @@ class LaunchEnvironment:
     run_id: str | None = None  # TORCHELASTIC_RUN_ID: "none" when torchrun was given no --rdzv-id
     restart_count: int = 0  # how many times the elastic agent has restarted the ranks
     agent_store: bool = False  # the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE)
+    # The process that launched this rank: our launcher says (PARATRAIN_LAUNCHER_PID), since a
+    # rank forked from a server (paratrain/forking.py) has the server as its parent. None: the parent.
+    launcher_pid: int | None = None
 
     @property
     def in_torchrun(self) -> bool:
@@ -146,6 +149,28 @@ def child_environment(**changes: str) -> dict[str, str]:
     """The environment for a child process we start (a server, a worker, a benchmark): this
     process's, with `changes`. The one place besides `resolve` that touches os.environ."""
     return {**os.environ, **changes}
+
+
+# The environment this process had when it imported this module. In a forkserver (see
+# paratrain/forking.py) that is the server's, so a child forked from it can tell the variables
+# its starter set for it (those that differ) from the ones it merely inherited.
+_ENVIRONMENT_AT_IMPORT = dict(os.environ)
+
+
+def take_environment(environ: Mapping[str, str], *, keep_set_since_import: bool = False) -> None:
+    """Make `environ` this process's environment (a child forked from a server takes its
+    launcher's); with `keep_set_since_import`, what was set since this module was imported
+    stays on top (the elastic agent's RANK, WORLD_SIZE, ... for the rank it forked)."""
+    kept = {k: v for k, v in os.environ.items() if _ENVIRONMENT_AT_IMPORT.get(k) != v} if keep_set_since_import else {}
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(kept)
+
+
+def threads_from_environment() -> int | None:
+    """OMP_NUM_THREADS as a number, where it is one."""
+    raw = os.environ.get("OMP_NUM_THREADS", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
 
 
 def default_threads_for_children(threads: int = 1) -> None:
@@ -167,6 +192,7 @@ def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnviro
         master_port=number("MASTER_PORT"), run_id=env.get("TORCHELASTIC_RUN_ID"),
         restart_count=number("TORCHELASTIC_RESTART_COUNT", 0),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        launcher_pid=number("PARATRAIN_LAUNCHER_PID"),
     )
 
 

@@ -28,7 +28,7 @@ LAYERS = (
     # how a command reports them, and the command-line types that refuse bad values
     ("comm",),
     ("models", "data"),
-    ("mesh", "launch", "failure_report"),
+    ("mesh", "launch", "forking", "failure_report"),
     ("parallel",),
     ("train", "frontend"),
     ("plan",),

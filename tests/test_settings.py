@@ -143,7 +143,7 @@ def test_world_size_of_reads_the_config_and_leaves_it_as_it_was():
 def test_every_training_flag_is_one_entry_naming_its_config_key():
     """A flag is added by one Flag(...) line: its key is a real config key, and the commands
     take it under the name build_config reads."""
-    train_params = {param.name for param in main.commands["train"].params}
+    train_params = {param.name for param in main.get_command(None, "train").params}
     config = TrainConfig()
     for flag in options.TRAINING_FLAGS + options.CHECKPOINT_FLAGS:
         assert flag.dest in train_params, flag.dest

@@ -31,8 +31,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from paratrain.errors import UserError
 
@@ -96,6 +94,7 @@ def save(group, directory: str | Path, step: int, tensors: dict[str, torch.Tenso
     previous = complete_checkpoints(directory)
     last_good = f"the last complete checkpoint is {previous[-1]}" if previous else "no earlier checkpoint exists"
     with _dcp_call(f"rank {group.rank} could not save {final.name}", last_good):
+        dcp = _dcp()
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(mine), no_dist=True)
     _write_json(mine / CHECKSUMS, {p.name: _checksum(p) for p in sorted(mine.iterdir()) if p.name != CHECKSUMS})
     group.barrier()  # every rank's part is on disk
@@ -111,10 +110,20 @@ def save(group, directory: str | Path, step: int, tensors: dict[str, torch.Tenso
     return final
 
 
+def _dcp():
+    """torch.distributed.checkpoint, imported when a checkpoint is written or read: it brings
+    DTensor with it, half a second every run without checkpoints would pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
 @contextmanager
 def _dcp_call(what: str, then: str = ""):
     """Run a DCP call without process group (its warning about that silenced), and turn its
     failure into a CheckpointError: `what`: the writer's or reader's own error[; `then`]."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -188,7 +197,7 @@ class CheckpointReader:
         for rank_dir in rank_dirs:
             self._verify(rank_dir)
             try:
-                metadata = dcp.FileSystemReader(rank_dir).read_metadata()
+                metadata = _dcp().FileSystemReader(rank_dir).read_metadata()
             except Exception as error:  # noqa: BLE001 - any reader failure means a damaged file
                 raise CheckpointError(f"{rank_dir} cannot be read: {type(error).__name__}: {error}") from error
             for key, entry in metadata.state_dict_metadata.items():
@@ -228,7 +237,7 @@ class CheckpointReader:
             by_dir.setdefault(rank_dir, {})[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
         for rank_dir, tensors in by_dir.items():
             with _dcp_call(f"{rank_dir} cannot be read"):
-                dcp.load(tensors, storage_reader=dcp.FileSystemReader(rank_dir), no_dist=True)
+                _dcp().load(tensors, storage_reader=_dcp().FileSystemReader(rank_dir), no_dist=True)
         return {key: tensor for tensors in by_dir.values() for key, tensor in tensors.items()}
 
 

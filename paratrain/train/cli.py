@@ -187,7 +187,7 @@ def train(ctx, config_path, plan_only, benchmark, max_nproc, **flags):
 def _benchmark(ctx, config_path, max_nproc, flags) -> None:
     """`train --benchmark` is `bench train`: found through the command tree, not imported, since
     bench/ is the layer above this one."""
-    bench = ctx.find_root().command.commands.get("bench")
+    bench = ctx.find_root().command.get_command(ctx, "bench")
     if bench is None:
         raise click.UsageError("--benchmark runs `paratrain bench train`, which this program lacks")
-    ctx.invoke(bench.commands["train"], config_path=config_path, max_nproc=max_nproc, **flags)
+    ctx.invoke(bench.get_command(ctx, "train"), config_path=config_path, max_nproc=max_nproc, **flags)

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor
 
 KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    # A DTensor exists only where its module was imported (by whoever made one): checking
+    # there spares every run that has none the half second that import costs.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor._local_tensor if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 def _storage_bytes(tensors, seen: set) -> int:

@@ -12,12 +12,12 @@ step runs forward and backward (`step_function`), and what it adds to the summar
 from __future__ import annotations
 
 import statistics
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.pipeline.schedules import build_schedule
@@ -129,7 +129,8 @@ def full_state(parallel: ParallelModel, mesh) -> dict[str, torch.Tensor]:
 
 def _whole(param: torch.Tensor) -> torch.Tensor:
     """A parameter as one tensor: PyTorch's FSDP2 holds DTensors (gathering one is a collective)."""
-    return param.full_tensor() if isinstance(param, DTensor) else param
+    dtensor = sys.modules.get("torch.distributed.tensor")  # imported by whoever made a DTensor
+    return param.full_tensor() if dtensor is not None and isinstance(param, dtensor.DTensor) else param
 
 
 def _accumulation_step(dp, loss_fn, inputs, targets, par, autocast):

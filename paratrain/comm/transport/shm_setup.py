@@ -152,7 +152,7 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     token = secrets.randbits(62)
     if offered:
         try:
-            me[:] = torch.tensor([1, _host_key(), os.getpid(), token, os.getppid()])
+            me[:] = torch.tensor([1, _host_key(), os.getpid(), token, settings.launch.launcher_pid or os.getppid()])
         except OSError:  # no /proc: not a Linux we know how to watch
             offered = False
     everyone = torch.empty(inner.size * 5, dtype=torch.int64)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 
+from paratrain import forking
 from paratrain.frontend.dispatcher.dispatcher import Dispatcher
 from paratrain.frontend.dispatcher.settings import DispatcherSettings
 from paratrain.frontend.processes import describe_exit, pid_alive
@@ -27,25 +28,32 @@ def default_threads(workers: int) -> int:
 
 
 class LocalWorkers:
-    """`paratrain worker` processes on this machine, one per worker."""
+    """`paratrain worker` processes on this machine, one per worker: forked from a server that
+    imported torch once (paratrain/forking.py), or spawned where the platform cannot fork."""
 
     def __init__(self, address: str, count: int, token: str | None, threads: int):
         host, _, port = address.rpartition(":")
+        forks = forking.forkserver_context()
         self.processes = []
         for local_rank in range(count):
             env = child_environment(OMP_NUM_THREADS=str(threads), LOCAL_RANK=str(local_rank))
             if token:
                 env["PARATRAIN_TOKEN"] = token
-            command = [sys.executable, "-m", "paratrain", "worker", "--host", host, "--port", port,
-                       "--threads", str(threads), "--exit-with-pid", str(os.getpid())]
-            self.processes.append(subprocess.Popen(command, env=env))
+            argv = ["worker", "--host", host, "--port", port, "--threads", str(threads),
+                    "--exit-with-pid", str(os.getpid())]
+            if forks is None:
+                self.processes.append(_Spawned(subprocess.Popen([sys.executable, "-m", "paratrain", *argv], env=env)))
+            else:
+                process = forks.Process(target=forking.run_command, args=(env, argv), name=f"worker{local_rank}")
+                process.start()
+                self.processes.append(process)
         self.reported: set[int] = set()
 
     def exited(self) -> list[tuple[int, str]]:
         """(pid, how it ended) of each worker process that has exited since the last call."""
         ended = []
         for process in self.processes:
-            code = process.poll()
+            code = process.exitcode
             if code is not None and process.pid not in self.reported:
                 self.reported.add(process.pid)
                 ended.append((process.pid, describe_exit(code)))
@@ -53,21 +61,44 @@ class LocalWorkers:
 
     def stop(self, timeout: float = 10.0) -> None:
         for process in self.processes:
-            if process.poll() is None:
+            if process.exitcode is None:
                 process.terminate()
         for process in self.processes:
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
+            process.join(timeout)
+            if process.exitcode is None:
                 process.kill()
-                process.wait()
+                process.join()
 
+
+class _Spawned:
+    """A Popen that answers like a multiprocessing.Process (exitcode, terminate, kill, join)."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen, self.pid = popen, popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def terminate(self) -> None:
+        self.popen.terminate()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def serve(settings: DispatcherSettings, *, local_workers: bool = False, threads: int | None = None,
           exit_with_pid: int | None = None) -> int:
     """Run a dispatcher until stopped (SIGTERM, or the process `exit_with_pid` exits); -> the
     exit status (1 if it had to stop because its workers could not serve)."""
+    if local_workers:
+        forking.forkserver_context()  # the server imports torch while the dispatcher sets up
     dispatcher = Dispatcher(settings)
     dispatcher.on_ready = lambda: print(f"{READY_MARK} {dispatcher.address}", flush=True)
     dispatcher.say(f"listening on {dispatcher.address}, waiting for {settings.workers} worker(s)"
