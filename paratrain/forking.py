@@ -27,8 +27,11 @@ import sys
 from paratrain.settings import take_environment, threads_from_environment
 
 # Imported once, in the server; each child starts with them. `paratrain.launch` brings torch,
-# torch.distributed and our communication layer; the rest, what a frontend worker runs.
-PRELOAD = ("torch", "paratrain.launch", "paratrain.cli", "paratrain.frontend.workers.worker", "paratrain.frontend.cli")
+# torch.distributed and our communication layer; the rest is what a frontend dispatcher and its
+# workers run. (Not torch._dynamo, which a dispatcher's first shape inference imports: it makes
+# torch's compile cache folder in the temp directory, and nothing else here needs it.)
+PRELOAD = ("torch", "paratrain.launch", "paratrain.cli", "paratrain.frontend.cli",
+           "paratrain.frontend.dispatcher.serve", "paratrain.frontend.workers.worker")
 
 def forkserver_context():
     """The forkserver start method, with PRELOAD, where the platform forks; else None (spawn)."""

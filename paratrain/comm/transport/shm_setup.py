@@ -103,7 +103,8 @@ def remove_stale_files() -> None:
     by one of them."""
     for path, pid, kind in _our_files(lambda parent, pid: not _alive(pid)):
         if _unlink_one(path):
-            print(f"removed stale shared-memory {kind} {path} left by dead process {pid}", file=sys.stderr)
+            # One write per line: the ranks of a host sweep at the same moment into one stream.
+            sys.stderr.write(f"removed stale shared-memory {kind} {path} left by dead process {pid}\n")
 
 
 def remove_files_of_children(parent: int) -> None:
