@@ -22,7 +22,9 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
+import subprocess
 import sys
+from contextlib import contextmanager
 
 from paratrain.settings import take_environment, threads_from_environment
 
@@ -50,9 +52,12 @@ def start_method() -> str:
     return "forkserver" if forkserver_context() is not None else "spawn"
 
 
-class ParentStdio:
-    """Pickled into a forked child's arguments: the parent's standard output and error as they
-    are at that moment, sent as file descriptors, which the child then writes to."""
+class Stdio:
+    """Pickled into a forked child's arguments: file descriptors of the parent, as they are at
+    that moment (default: its standard output and error), that become the child's 1 and 2."""
+
+    def __init__(self, stdout: int = 1, stderr: int = 2):
+        self.stdout, self.stderr = stdout, stderr
 
     def __reduce__(self):
         from multiprocessing import context, reduction
@@ -61,7 +66,7 @@ class ParentStdio:
             return (_keep_stdio, ())
         sys.stdout.flush()
         sys.stderr.flush()
-        return (_adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2)))
+        return (_adopt_stdio, (reduction.DupFd(self.stdout), reduction.DupFd(self.stderr)))
 
 
 def _keep_stdio():
@@ -86,8 +91,79 @@ def adopt_environment(parent_environ: dict[str, str]) -> None:
         sys.modules["torch"].set_num_threads(threads)
 
 
-def run_command(environ: dict[str, str], argv: list[str]) -> None:
+def run_command(environ: dict[str, str], argv: list[str], stdio: Stdio | None = None) -> None:
     """A forked child that behaves like `python -m paratrain ARGV` started with `environ`."""
+    del stdio  # unpickling it pointed this process's output where the parent asked
+    multiprocessing.current_process().daemon = False  # it may start processes of its own (workers)
     take_environment(environ)
     sys.argv = ["paratrain", *argv]  # runpy puts the module's path first
     runpy.run_module("paratrain", run_name="__main__", alter_sys=True)
+
+
+def start_command(argv: list[str], environ: dict[str, str], *, capture_stdout: bool = False):
+    """`python -m paratrain ARGV` as a child of this process: forked from the server where the
+    platform forks (a ForkedCommand), else spawned (a subprocess.Popen). Either answers as a
+    Popen does; with `capture_stdout`, `.stdout` reads its standard output as text."""
+    context = forkserver_context()
+    if context is None:
+        return subprocess.Popen([sys.executable, "-m", "paratrain", *argv], env=environ, text=True,
+                                stdout=subprocess.PIPE if capture_stdout else None)
+    return ForkedCommand(context, argv, environ, capture_stdout)
+
+
+class ForkedCommand:
+    """A command forked from the server, with the face of the subprocess.Popen it stands for:
+    pid, poll(), wait(), terminate(), kill(), returncode, stdout. It is a daemon of this process:
+    when this process exits, multiprocessing stops it (SIGTERM), as it would be told to anyway."""
+
+    def __init__(self, context, argv: list[str], environ: dict[str, str], capture_stdout: bool):
+        self.args = ["paratrain", *argv]
+        read_end, write_end = os.pipe() if capture_stdout else (None, 1)
+        self._process = context.Process(target=run_command, args=(environ, argv, Stdio(stdout=write_end)),
+                                        name=" ".join(self.args[:2]), daemon=True)
+        try:
+            with _main_module_hidden():
+                self._process.start()
+        finally:
+            if capture_stdout:
+                os.close(write_end)  # the child holds its own copy: its exit ends our reads
+        self.pid = self._process.pid
+        self.stdout = os.fdopen(read_end, "r") if capture_stdout else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
+@contextmanager
+def _main_module_hidden():
+    """multiprocessing has each child import the parent's main module first (so that functions
+    defined there unpickle). A command needs nothing of it, and a program with no `__main__`
+    guard (a GT script, which auto-starts its server) would run again in the child: so the main
+    module's path and name are hidden while the child starts."""
+    main = sys.modules.get("__main__")
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__}
+    if "__file__" in saved:
+        del main.__file__
+    if "__spec__" in saved:
+        main.__spec__ = None  # multiprocessing reads it unguarded
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)

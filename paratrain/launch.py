@@ -153,7 +153,7 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
         with _agent_logs_quiet(unless=settings.debug), _temp_dir(logs):
             return dict(sorted(elastic_launch(config, _process_main)(
                 fn, args, settings, table, child_environment(PARATRAIN_LAUNCHER_PID=str(os.getpid())),
-                forking.ParentStdio()).items()))
+                forking.Stdio()).items()))
     except ChildFailedError as failed:
         raise failed_run_error(failed.failures, nproc, run_id, settings.trace_dir) from None
     except SignalException as stopped:  # the agent's handler for SIGTERM, SIGINT, SIGHUP, SIGQUIT

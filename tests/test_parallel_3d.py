@@ -1,6 +1,6 @@
 """Parity of tensor, pipeline and 3D parallelism with the single-process reference.
 
-Each configuration trains 5 steps of a GPT on the threads launcher (8 ranks or fewer) and is
+Each configuration trains 3 steps of a GPT on the threads launcher (8 ranks or fewer) and is
 compared with the plain one-process loop on the same weights and global batches (fp32, SGD
 with momentum). Tolerances: losses within 1e-5 relative; parameters within 1e-6 absolute.
 Sharding and pipelining only change the order of floating-point sums (measured: losses
@@ -52,7 +52,7 @@ CONFIGS = [
 
 def config_for(dp, pp, tp, schedule, microbatches, extra, model="gpt-tiny") -> TrainConfig:
     overrides = {
-        "model.name": model, "steps": 5, "log_every": 100, "data.global_batch": 16,
+        "model.name": model, "steps": 3, "log_every": 100, "data.global_batch": 16,
         "optim.name": "sgd", "optim.lr": 0.1, "parallel.pp": pp, "parallel.tp": tp,
         "parallel.microbatches": microbatches, **{f"parallel.{k}": v for k, v in extra.items()},
     }

@@ -1,7 +1,8 @@
 """Auto-start: a dispatcher and its workers in a child process of the program.
 
-`LocalServer.start(n)` runs `python -m paratrain serve --local-workers` as a child, waits for
-the line that says it is ready, and stops it when asked. The child also stops by itself when
+`LocalServer.start(n)` runs `python -m paratrain serve --local-workers` as a child (forked from
+a server that imported torch once: paratrain/forking.py), waits for the line that says it is
+ready, and stops it when asked. The child also stops by itself when
 the program that started it is gone (`--exit-with-pid`), and stops its workers either way.
 """
 
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 
+from paratrain import forking
 from paratrain.frontend.protocol.addresses import READY_MARK
 from paratrain.settings import child_environment
 
@@ -50,10 +52,10 @@ class LocalServer:
     @classmethod
     def start(cls, workers: int = 1, *, token: str | None = None, timeout: float = 180.0,
               extra_args: tuple = ()) -> LocalServer:
-        command = [sys.executable, "-m", "paratrain", "serve", "--workers", str(workers),
-                   "--local-workers", "--port", "0", "--exit-with-pid", str(os.getpid()), "--quiet", *extra_args]
+        argv = ["serve", "--workers", str(workers), "--local-workers", "--port", "0",
+                "--exit-with-pid", str(os.getpid()), "--quiet", *extra_args]
         env = child_environment(PARATRAIN_TOKEN=token) if token else child_environment()
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        process = forking.start_command(argv, env, capture_stdout=True)
         try:
             address = wait_until_ready(process, timeout)
         except BaseException:
