@@ -112,22 +112,25 @@ def save(group, directory: str | Path, step: int, tensors: dict[str, torch.Tenso
 
 def _dcp():
     """torch.distributed.checkpoint, imported when a checkpoint is written or read: it brings
-    DTensor with it, half a second every run without checkpoints would pay."""
+    DTensor with it, half a second every run without checkpoints would pay. Each rank calls it
+    without a process group on purpose (it writes its own part), so DCP's warning that it
+    assumes a single process says nothing: ignored. (A filter for the process, not a
+    warnings.catch_warnings() around each call: that swaps the filters of the whole process, and
+    ranks on threads would restore one another's.)"""
     import torch.distributed.checkpoint as dcp
 
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     return dcp
 
 
 @contextmanager
 def _dcp_call(what: str, then: str = ""):
-    """Run a DCP call without process group (its warning about that silenced), and turn its
-    failure into a CheckpointError: `what`: the writer's or reader's own error[; `then`]."""
+    """Run a DCP call and turn its failure into a CheckpointError: `what`: the writer's or
+    reader's own error[; `then`]."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            yield
+        yield
     except (CheckpointException, Exception) as error:  # DCP's exception is a BaseException
         cause = _first_failure(error)
         raise CheckpointError(f"{what}: {type(cause).__name__}: {cause}" + (f"; {then}" if then else "")) from error

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import gc
 import sys
+import threading
 import time
 import traceback
 
@@ -133,8 +134,12 @@ class Dispatcher:
         """Serve until stopped; `should_stop()` is asked a few times a second, `on_tick()` is
         called once a second (serve.py watches its worker processes there)."""
         last_tick = 0.0
-        warm_up()  # load PyTorch's meta kernels now: shape inference needs them, and ...
-        gc.freeze()  # ... what exists now lives as long as the process: no collection need rescan it
+        # PyTorch's meta kernels (shape inference needs them) load in about a second: on a thread,
+        # so that workers joining meanwhile are answered at once (joined before the process ends:
+        # an import cut off at exit aborts it). Then what exists lives as long as the process:
+        # gc.freeze spares every collection rescanning it.
+        warming = threading.Thread(target=lambda: (warm_up(), gc.freeze()), name="warm-up")
+        warming.start()
         try:
             while not self.stopping and not should_stop():
                 if self.sock.poll(250, zmq.POLLIN):
@@ -150,6 +155,7 @@ class Dispatcher:
                     last_tick = now
         finally:
             self.close()
+            warming.join()
 
     def stop(self) -> None:
         self.stopping = True

@@ -10,6 +10,7 @@ reported as lost, at once, with how it ended.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -28,26 +29,53 @@ def default_threads(workers: int) -> int:
 
 
 class LocalWorkers:
-    """`paratrain worker` processes on this machine, one per worker: forked from a server that
-    imported torch once (paratrain/forking.py), or spawned where the platform cannot fork."""
+    """`paratrain worker` processes on this machine, one per worker.
 
-    def __init__(self, address: str, count: int, token: str | None, threads: int):
-        host, _, port = address.rpartition(":")
-        forks = forking.forkserver_context()
-        self.processes = []
-        for local_rank in range(count):
-            env = child_environment(OMP_NUM_THREADS=str(threads), LOCAL_RANK=str(local_rank))
-            if token:
-                env["PARATRAIN_TOKEN"] = token
-            argv = ["worker", "--host", host, "--port", port, "--threads", str(threads),
-                    "--exit-with-pid", str(os.getpid())]
-            if forks is None:
-                self.processes.append(_Spawned(subprocess.Popen([sys.executable, "-m", "paratrain", *argv], env=env)))
-            else:
-                process = forks.Process(target=forking.run_command, args=(env, argv), name=f"worker{local_rank}")
+    On Linux they are forked from this process before the dispatcher exists: no thread runs yet
+    (forking a process with threads is unsafe), and each worker starts with torch and the
+    frontend already imported instead of spending seconds importing them. Each waits on a pipe
+    for the dispatcher's address, known once it listens (`tell`). Elsewhere they are spawned as
+    `python -m paratrain worker` once the address is known."""
+
+    def __init__(self, count: int, token: str | None, threads: int):
+        self.count, self.token, self.threads = count, token, threads
+        self.processes: list = []
+        self.reported: set[int] = set()
+        self._address_pipes: list[int] = []
+        if _can_fork():
+            pipes = [os.pipe() for _ in range(count)]
+            every_end = [fd for pipe in pipes for fd in pipe]
+            fork = multiprocessing.get_context("fork")
+            for local_rank, (read_end, _) in enumerate(pipes):
+                others = [fd for fd in every_end if fd != read_end]
+                process = fork.Process(target=_worker_once_told, name=f"worker{local_rank}",
+                                       args=(read_end, others, self._environment(local_rank), self._options()))
                 process.start()
                 self.processes.append(process)
-        self.reported: set[int] = set()
+            for read_end, write_end in pipes:
+                os.close(read_end)
+                self._address_pipes.append(write_end)
+
+    def tell(self, address: str) -> None:
+        """The dispatcher listens at `address`: the workers may join it."""
+        host, _, port = address.rpartition(":")
+        if not self.processes:
+            for local_rank in range(self.count):
+                command = [sys.executable, "-m", "paratrain", "worker", "--host", host, "--port", port, *self._options()]
+                self.processes.append(_Spawned(subprocess.Popen(command, env=self._environment(local_rank))))
+        for fd in self._address_pipes:
+            os.write(fd, f"{host} {port}\n".encode())
+            os.close(fd)
+        self._address_pipes = []
+
+    def _environment(self, local_rank: int) -> dict[str, str]:
+        env = child_environment(OMP_NUM_THREADS=str(self.threads), LOCAL_RANK=str(local_rank))
+        if self.token:
+            env["PARATRAIN_TOKEN"] = self.token
+        return env
+
+    def _options(self) -> list[str]:
+        return ["--threads", str(self.threads), "--exit-with-pid", str(os.getpid())]
 
     def exited(self) -> list[tuple[int, str]]:
         """(pid, how it ended) of each worker process that has exited since the last call."""
@@ -60,6 +88,9 @@ class LocalWorkers:
         return ended
 
     def stop(self, timeout: float = 10.0) -> None:
+        for fd in self._address_pipes:  # never told: they read the end of the pipe and leave
+            os.close(fd)
+        self._address_pipes = []
         for process in self.processes:
             if process.exitcode is None:
                 process.terminate()
@@ -68,6 +99,22 @@ class LocalWorkers:
             if process.exitcode is None:
                 process.kill()
                 process.join()
+
+
+def _can_fork() -> bool:
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+def _worker_once_told(read_end: int, others: list[int], environ: dict[str, str], options: list[str]) -> None:
+    """A forked worker: wait for the dispatcher's address, then serve it as `paratrain worker`."""
+    for fd in others:  # the other workers' pipes: an end held here would keep them from ending
+        os.close(fd)
+    with os.fdopen(read_end) as pipe:
+        told = pipe.readline().split()
+    if not told:
+        return  # the dispatcher never listened (it said why)
+    host, port = told
+    forking.run_command(environ, ["worker", "--host", host, "--port", port, *options])
 
 
 class _Spawned:
@@ -97,17 +144,21 @@ def serve(settings: DispatcherSettings, *, local_workers: bool = False, threads:
           exit_with_pid: int | None = None) -> int:
     """Run a dispatcher until stopped (SIGTERM, or the process `exit_with_pid` exits); -> the
     exit status (1 if it had to stop because its workers could not serve)."""
-    if local_workers:
-        forking.forkserver_context()  # the server imports torch while the dispatcher sets up
-    dispatcher = Dispatcher(settings)
+    workers = None
+    if local_workers:  # before the dispatcher and its threads: see LocalWorkers
+        workers = LocalWorkers(settings.workers, settings.token, threads or default_threads(settings.workers))
+    try:
+        dispatcher = Dispatcher(settings)
+    except BaseException:
+        if workers is not None:
+            workers.stop()
+        raise
     dispatcher.on_ready = lambda: print(f"{READY_MARK} {dispatcher.address}", flush=True)
     dispatcher.say(f"listening on {dispatcher.address}, waiting for {settings.workers} worker(s)"
                    + (" (starting them here)" if local_workers else ""))
     signal.signal(signal.SIGTERM, lambda *_: dispatcher.stop())
-    workers = None
-    if local_workers:
-        workers = LocalWorkers(dispatcher.address, settings.workers, settings.token,
-                               threads or default_threads(settings.workers))
+    if workers is not None:
+        workers.tell(dispatcher.address)
 
     def watch() -> None:
         for pid, how in workers.exited() if workers is not None else ():
