@@ -67,7 +67,20 @@ def test_search_keeps_only_layouts_that_fit_fastest_first():
     assert results and dropped["do_not_fit"] > 0
     assert all(p.memory.total <= profile.usable_bytes for p in results)
     assert [p.step_s for p in results] == sorted(p.step_s for p in results)
-    assert all(p.layout.tp * p.layout.pp > 1 for p in results)  # 54 GB does not fit on one 10 GiB device
+    # 54 GB does not fit on one 10 GiB device: split by tp or pp, or everything sharded over dp (ZeRO-3)
+    assert all(p.layout.tp * p.layout.pp > 1 or p.layout.zero == 3 for p in results)
+    assert any(p.layout.tp * p.layout.pp == 1 for p in results)
+
+
+def test_search_tries_every_zero_stage_and_only_full_sharding_fits_a_model_too_big_for_the_rest():
+    """~1.8B parameters, AdamW in fp32: 16 bytes each of state, 28 GB; on 4 devices of 8 GiB only
+    ZeRO-3 (a quarter of everything per device, 7 GB) leaves room for activations."""
+    profile = replace(load_profile("a100-80gb-hdr"), device_memory_gib=8, reserved_gib=0)
+    shape = GPTShape(layers=24, hidden=2432, heads=32, seq=256, vocab=32000)
+    results, _ = search(shape, 4, 4, profile)
+    assert results and {p.layout.zero for p in results if p.layout.dp == 4} == {3}
+    everything, _ = search(shape, 4, 4, replace(profile, device_memory_gib=80))
+    assert {p.layout.zero for p in everything if p.layout.dp == 4} == {0, 1, 2, 3}
 
 
 def test_layout_problems_name_each_violation():

@@ -71,7 +71,7 @@ def candidate_layouts(shape: GPTShape, gpus: int, global_batch: int, profile: Ha
                 base = Layout(tp, pp, dp, mb)
                 for schedule, v in _schedules(pp, base.microbatches(global_batch) if global_batch % dp == 0 else 0):
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        for zero in ((0, 1) if dp > 1 else (0,)):
+                        for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):  # what each shards: memory.py
                             layout = replace(base, schedule=schedule, virtual_stages=v, sequence_parallel=sp, zero=zero)
                             if not layout_problems(shape, layout, global_batch, profile):
                                 yield layout
