@@ -78,6 +78,10 @@ def _fixture(folder: Path) -> None:
         "ddp": [{"model": "mlp16", "params": 16793600, "mode": "ddp", "world_size": 2, "launcher": "processes",
                  "batch_per_rank": 64, "steps": 10, "repeats": 2, "step_ms": 171.5, "step_ms_stdev": 3.0,
                  "ratio_to_torch": 0.79, "comm_ms": 60.0, "exposed_comm_ms": 12.0, "comm_share": 0.35}],
+        "sharding-2": [{"model": "gpt-small", "params": 1725696, "mode": "fsdp", "world_size": 2,
+                        "launcher": "processes", "batch_per_rank": 64, "steps": 10, "repeats": 2, "step_ms": 720.4,
+                        "step_ms_stdev": 26.7, "ratio_to_torch": 0.91, "ratio_to_ddp": 1.03, "comm_ms": 176.4,
+                        "exposed_comm_ms": 14.4, "comm_share": 0.24}],
         "scaling": [{"mode": "weak", "model": "mlp", "dp_mode": "ddp", "launcher": "processes", "world_size": 2,
                      "batch_per_rank": 1024, "global_batch": 2048, "iter_ms": 5.0, "iter_ms_stdev": 0.5,
                      "samples_per_s": 409600.0, "speedup": 1.1, "efficiency": 0.55, "cpu_count": 2}],
@@ -119,7 +123,8 @@ def test_results_page_is_rendered_from_the_benchmarks_json(tmp_path):
     assert "| 16K | 241 (0.07) | 500 (0.03) | 250 (0.07) | direct | 2.00x |" in page
     assert "| - | - | 90 | - | - |" not in page and "| - | 90 |" in page  # a barrier: time only
     assert "| 8 | 40.0 | 0.000 | 0.001 | - |" in page and "Latency (half the round at 8 B): 20.0 us" in page
-    assert "| mlp16 | 16,793,600 | ddp | 171.5 ± 3.00 | 0.79x | 60.0 | 12.0 | 35% |" in page
+    assert "| mlp16 | 16,793,600 | ddp | 171.5 ± 3.00 | 0.79x | - | 60.0 | 12.0 | 35% |" in page
+    assert "| gpt-small | 1,725,696 | fsdp | 720.4 ± 26.7 | 0.91x | 1.03x | 176.4 | 14.4 | 24% |" in page
     assert "| weak | 2 | 1024 | 2048 | 5.00 ± 0.50 | 409,600 | 1.10 | 0.55 |" in page
     assert "| paratrain | 1f1b | 230.0 | 0.95x | 15.3% | 14.0% | 11.1% | 11.1% |" in page
     assert "| 2 | 13.7 | 43.1 | 0.32x | 0.0e+00 |" in page

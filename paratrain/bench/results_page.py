@@ -61,6 +61,9 @@ SWEEPS = (
     Sweep("ddp", "ddp", "Data parallelism on 2 processes: ours against PyTorch's DDP and ZeroRedundancyOptimizer",
           ("--nproc", "2", "--models", "mlp16,cnn-small", "--modes", "naive,ddp,torch,zero,torch-zero",
            "--repeats", "2", "--steps", "10")),
+    Sweep("sharding-2", "ddp", "Sharded data parallelism on 2 processes: our DDP, ZeRO-1 and FSDP against PyTorch's FSDP2",
+          ("--nproc", "2", "--models", "mlp16,gpt-small", "--modes", "ddp,zero,fsdp,torch-fsdp",
+           "--repeats", "2", "--steps", "10")),
     Sweep("scaling", "scaling", "Weak and strong scaling of data-parallel training, 1 and 2 processes",
           ("--model", "mlp", "--max-nproc", "2", "--steps", "10")),
     Sweep("pipeline", "pipeline", "Pipeline schedules on 2 processes: ours against torch.distributed.pipelining",
@@ -213,13 +216,17 @@ def render_p2p(records: list[dict]) -> list[str]:
 
 def render_ddp(records: list[dict]) -> list[str]:
     first = records[0]
+    def ratio(value):
+        return f"{value:.2f}x" if value else "-"
     rows = [[r["model"], f"{r['params']:,}", r["mode"], f"{_ms(r['step_ms'])} ± {_ms(r['step_ms_stdev'])}",
-             f"{r['ratio_to_torch']:.2f}x" if r.get("ratio_to_torch") else "-", _ms(r["comm_ms"]),
+             ratio(r.get("ratio_to_torch")), ratio(r.get("ratio_to_ddp")), _ms(r["comm_ms"]),
              _ms(r["exposed_comm_ms"]), f"{r['comm_share']:.0%}"] for r in records]
     return [f"{first['world_size']} ranks ({first['launcher']}), {first['batch_per_rank']} samples per rank, "
             f"{first['steps']} timed steps, median of {first['repeats']} runs. *vs torch* = step time / "
-            "PyTorch's (DDP for naive and ddp, DDP + ZeroRedundancyOptimizer for zero); below 1 is faster.", ""] + _table(
-        ["model", "parameters", "mode", "step ms", "vs torch", "comm ms", "exposed comm ms", "comm share"], rows)
+            "PyTorch's (DDP for naive and ddp, DDP + ZeroRedundancyOptimizer for zero, FSDP2's fully_shard for "
+            "fsdp); *vs ddp* = step time / our DDP's; below 1 is faster. PyTorch's FSDP2 collectives are not "
+            "timed (0).", ""] + _table(
+        ["model", "parameters", "mode", "step ms", "vs torch", "vs ddp", "comm ms", "exposed comm ms", "comm share"], rows)
 
 
 def render_scaling(records: list[dict]) -> list[str]:
