@@ -68,7 +68,8 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     par = config.parallel
     dp = world // (par.pp * par.tp)
     launcher = "torchrun" if settings.launch.in_torchrun else par.launcher
-    lines = [f"world {world} = dp {dp} x pp {par.pp} x tp {par.tp} ({launcher}), dp-mode {par.dp_mode}, "
+    zero = f", zero {par.zero}" if par.zero else ""
+    lines = [f"world {world} = dp {dp} x pp {par.pp} x tp {par.tp} ({launcher}), dp-mode {par.dp_mode}{zero}, "
              f"transport {expected_transport(par.launcher, world, settings)}"]
     if par.pp > 1:
         per_micro = config.data.global_batch // (dp * par.microbatches)
