@@ -79,7 +79,7 @@ def run_worker(address: str, token: str | None = None, *, group=None, local_rank
         welcome = handshake(sock, hello, token, connect_timeout, address, on_wait=_waiting_notice(address))
         if own_group:
             group = _join_world(welcome, device, resolve(split_address(address)[0]), settings)
-        _WorkerLoop(sock, context, Executor(group, device, compile_settings), exit_with_pid).run()
+        _WorkerLoop(sock, context, Executor(group, device, compile_settings, numpy_products=(backend or "").lower() == "numpy"), exit_with_pid).run()
     finally:
         sock.close(linger=0)
         context.term()
