@@ -2,8 +2,8 @@
 
 It never touches tensor data except what a client uploads or asks to see. Each message is
 decoded into its typed class (`protocol`), found in `handlers` by the sender's role and the
-message's type, and handled; one thread, no locks: all state lives in this object and its parts
-(`Peers`, `Admission`, `Router`, `Syncs`) and changes only in `serve`'s loop.
+message's type, and handled; one thread (a second only warms up torch), no locks: all state
+lives in its parts (`Peers`, `Admission`, `Router`, `Syncs`), changed only in `serve`'s loop.
 
 Nothing a peer sends can stop the loop. A message that does not decode costs its sender an
 Error naming the field (a stranger's is dropped and logged); an exception while handling one
@@ -134,10 +134,8 @@ class Dispatcher:
         """Serve until stopped; `should_stop()` is asked a few times a second, `on_tick()` is
         called once a second (serve.py watches its worker processes there)."""
         last_tick = 0.0
-        # PyTorch's meta kernels (shape inference needs them) load in about a second: on a thread,
-        # so that workers joining meanwhile are answered at once (joined before the process ends:
-        # an import cut off at exit aborts it). Then what exists lives as long as the process:
-        # gc.freeze spares every collection rescanning it.
+        # Meta kernels (for shape inference) load in ~1 s: on a thread, so joining workers are answered
+        # meanwhile; joined at exit (an import cut off aborts). gc.freeze: what exists now lives on.
         warming = threading.Thread(target=lambda: (warm_up(), gc.freeze()), name="warm-up")
         warming.start()
         try:
