@@ -362,7 +362,7 @@ def sweep(group: Group, op_name: str, dtypes, counts=None, algos=None) -> list[s
     """Run `op_name` over every algorithm (or `algos`), dtype, count, reduce op, root,
     non-contiguous layout and in-place form on this rank; return the differences found."""
     report = Report(group)
-    algos = algos or algorithms_for(op_name)
+    algos = algos or algorithms_for(op_name, group.kind)
     counts = counts or counts_for(group.size)
     for dtype in dtypes:
         SWEEPS[op_name](group, report, algos, dtype, counts, roots_for(group.size))
@@ -373,7 +373,7 @@ def sweep_with_small_segments(group: Group, op_name: str, dtypes) -> list[str]:
     """The same sweep through a group that cuts every message into 64-byte segments, so the
     pipelined paths (segmented ring steps, chained broadcast/reduce) run on small counts."""
     segmented = Group(group.transport, timeout=group.timeout, segment_bytes=64)
-    algos = [a for a in algorithms_for(op_name) if a not in ("native", "auto")]
+    algos = [a for a in algorithms_for(op_name, group.kind) if a not in ("native", "auto")]
     return sweep(segmented, op_name, dtypes, counts=[1, 2 * group.size + 1, 300], algos=algos)
 
 

@@ -19,7 +19,7 @@ def test_explain_on_one_host_names_shared_memory_and_picks_our_algorithms(monkey
     assert result.exit_code == 0, result.output
     assert "transport shm (gloo's processes, every message through shared memory)" in result.output
     picks = [line.split()[2] for line in result.output.splitlines() if line.startswith("  all_reduce")]
-    assert picks == ["direct", "hd", "ring"]  # 16 KiB, 1 MiB, 64 MiB: the defaults on one host
+    assert picks == ["oneshot", "twoshot", "twoshot"]  # 16 KiB, 1 MiB, 64 MiB: the defaults on one host
     assert "why it can win" not in result.output
 
 
@@ -27,8 +27,8 @@ def test_the_defaults_on_one_host_never_pick_native():
     for op in OPS:
         for nbytes in (0, 1 << 10, 1 << 14, 1 << 20, 1 << 24, 1 << 28):
             choice = default_choice(op, nbytes, 4, "shm")
-            assert choice.algo in algorithms_for(op) and choice.algo not in ("native", "auto"), (op, nbytes)
-            assert "shared memory" in choice.reason
+            assert choice.algo in algorithms_for(op, "shm") and choice.algo not in ("native", "auto"), (op, nbytes)
+            assert "shared segment" in choice.reason
 
 
 def test_explain_says_why_gloo_wins_where_it_is_kept(monkeypatch):

@@ -32,7 +32,7 @@ def check_everything_on_this_rank(group) -> dict:
     for op_name in SWEEPS:
         failures += sweep(group, op_name, [torch.float32, torch.int64], counts=gloo_counts(group.size))
         failures += sweep_with_small_segments(group, op_name, [torch.float32])
-    for algo in algorithms_for("barrier"):
+    for algo in algorithms_for("barrier", group.kind):
         with checking(f"barrier(algo={algo})"):
             group.barrier(algo=algo)
     return {"transport": group.kind, "failures": failures}

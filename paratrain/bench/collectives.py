@@ -176,8 +176,9 @@ def _time_interleaved(group, case: _Case, algos, warmup: int, iters: int, device
     for burst in range(bursts):
         shift = burst % len(algos)
         for algo in algos[shift:] + algos[:shift]:
-            # Start together, so no rank's clock includes waiting for a slower rank.
-            group.barrier(algo="native")
+            # Start together, so no rank's clock includes waiting for a slower rank (with the
+            # tightest barrier at hand: gloo's lets ranks go tens of microseconds apart).
+            group.barrier(algo="auto")
             _synchronize(device)
             start = time.perf_counter()
             for _ in range(per_burst):

@@ -20,13 +20,13 @@ from paratrain.bench.overhead import overhead_lines, run_overhead
 from paratrain.bench import mpi_peer
 from paratrain.bench.peer import collectives_lines, side_by_side, sweep_rounds
 from paratrain.bench.tuning import tuned_choices
-from paratrain.comm.algorithms import OPS, algorithms_for
+from paratrain.comm.algorithms import OPS, SHARED_ALGORITHMS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.launch import LAUNCHERS, algorithm_table, expected_transport, in_torchrun, run
 from paratrain.settings import Settings
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_ALL_ALGOS = tuple(dict.fromkeys(a for op in OPS for a in algorithms_for(op)))
+_ALL_ALGOS = tuple(dict.fromkeys(a for op in OPS for a in algorithms_for(op, "any")))
 
 
 class ByteSize(click.ParamType):
@@ -58,8 +58,9 @@ def _names(text: str, valid: tuple[str, ...], what: str, option: str) -> list[st
     return names
 
 
-def plan_sweep(ops_text: str | None, algos_text: str | None, skip_auto: bool):
-    """(op, algorithms) pairs to run, and a note for each named algorithm some op lacks.
+def plan_sweep(ops_text: str | None, algos_text: str | None, skip_auto: bool, kind: str | None = None):
+    """(op, algorithms) pairs to run on a transport of `kind`, and a note for each named algorithm
+    some op lacks.
 
     By default every algorithm valid for an op runs (but `auto` with `skip_auto`, when tuning or
     measuring overhead: it would only repeat another one). An algorithm named explicitly must be
@@ -67,16 +68,19 @@ def plan_sweep(ops_text: str | None, algos_text: str | None, skip_auto: bool):
     """
     ops = _names(ops_text, OPS, "op", "--ops") if ops_text else list(OPS)
     if algos_text is None:
-        return [(op, tuple(a for a in algorithms_for(op) if not (skip_auto and a == "auto"))) for op in ops], []
+        return [(op, tuple(a for a in algorithms_for(op, kind) if not (skip_auto and a == "auto"))) for op in ops], []
     algos = _names(algos_text, _ALL_ALGOS, "algorithm", "--algos")
     for algo in algos:
-        if not any(algo in algorithms_for(op) for op in ops):
-            has_it = [op for op in OPS if algo in algorithms_for(op)]
+        if not any(algo in algorithms_for(op, kind) for op in ops):
+            if algo in SHARED_ALGORITHMS:
+                raise _bad("--algos", f"algorithm {algo!r} works through a segment of shared memory: only "
+                                      f"on processes of one host (transport shm), not on {kind}")
+            has_it = [op for op in OPS if algo in algorithms_for(op, kind)]
             raise _bad("--algos", f"algorithm {algo!r} is not available for {', '.join(ops)}"
                                   f" (it is for {', '.join(has_it)})")
     plan, notes = [], []
     for op in ops:
-        valid = tuple(a for a in algos if a in algorithms_for(op))
+        valid = tuple(a for a in algos if a in algorithms_for(op, kind))
         notes += [f"{a} is not available for {op}: skipped" for a in algos if a not in valid]
         if valid:
             plan.append((op, valid))
@@ -103,8 +107,9 @@ def _thread_devices(nproc: int):
 @click.option("--ops", metavar="LIST",
               help=f"Comma-separated ops to measure. [default: all: {','.join(OPS)}]")
 @click.option("--algos", metavar="LIST",
-              help="Comma-separated algorithms (ring, hd, tree, direct, native, auto); each op runs those "
-                   "valid for it. [default: all valid for each op]")
+              help="Comma-separated algorithms (ring, hd, tree, direct, native, auto; and on processes of "
+                   "one host oneshot, twoshot, through a shared segment); each op runs those valid for it. "
+                   "[default: all valid for each op]")
 @click.option("--min-bytes", type=ByteSize(), default="1K", show_default=True,
               help="Smallest size: bytes of the per-rank buffer nccl-tests reports (all_gather: the "
                    "output, reduce_scatter: the input). Plain bytes or K/M/G, K=1024.")
@@ -186,9 +191,9 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
                                " --overhead, and does not run under torchrun")
     if peer and dtype not in mpi_peer.DTYPES:
         raise _bad("--dtype", f"--peer mpi measures {' or '.join(mpi_peer.DTYPES)}: MPI has no standard {dtype} type")
-    plan, notes = plan_sweep(ops or ("all_reduce" if overhead else None), algos or ("auto" if peer else None),
-                             tune or overhead)
     settings = Settings.resolve(timeout=timeout, debug=debug or None)
+    plan, notes = plan_sweep(ops or ("all_reduce" if overhead else None), algos or ("auto" if peer else None),
+                             tune or overhead, expected_transport(launcher, nproc, settings))
     if table_path is not None:
         settings = settings.with_flags(algo_table=str(table_path))
     world = settings.launch.world_size if settings.launch.in_torchrun else nproc

@@ -18,7 +18,7 @@ from paratrain.comm.link import Link
 from paratrain.comm.transport.base import P2POp
 
 _OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "barrier")
-_ALGOS = ("ring", "hd", "tree", "direct", "native")
+_ALGOS = ("ring", "hd", "tree", "direct", "native", "oneshot", "twoshot")  # appended: codes stay
 _REDUCE = ("", "sum", "avg", "max", "min")
 _DTYPES = (
     None, torch.float32, torch.float16, torch.bfloat16, torch.float64,

@@ -52,33 +52,22 @@ def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Cho
     return Choice("ring", "large message: the ring spreads the reduction over all ranks' threads")
 
 
-# Measured with `paratrain bench collectives` on 2 and 4 processes of one 2-core host (all-reduce
-# also on 3): the picks below beat gloo's own at every op and size from 16 KiB to 64 MiB there
-# (1.5x to 13x), since gloo's moves each message through a socket and wakes threads at both
-# ends. Not every algorithm did: the ring broadcast took 1.4x gloo's time at 256 KiB on 4.
-_SHM_WHY = "on one host through shared memory (transport/shm.py) this beat gloo's own at every size measured"
+# Measured with `paratrain bench collectives --peer mpi` on 2 and 4 processes of one 2-core host:
+# through the group's shared segment (algorithms/shared.py) every op beat the same op as messages
+# through the rings (transport/shm.py), which in turn beat gloo's own at every size (1.5x to 13x).
+_SHM_WHY = "on one host every rank reads its peers' copies in the shared segment, no messages"
 
 
 def _on_shared_memory(op: str, nbytes: int) -> Choice:
     """The defaults for the shared-memory transport: a process group whose ranks all share one host
     (kind "shm", transport/shm_transport.py)."""
-    if op in ("reduce_scatter", "reduce", "all_to_all", "barrier"):
-        return Choice("direct", f"{_SHM_WHY}; direct: one round of messages, straight to where each part goes")
-    if op == "broadcast":
-        if nbytes < 16 * MIB:
-            return Choice("direct", f"{_SHM_WHY}; direct: the root writes to every rank at once")
-        return Choice("tree", f"{_SHM_WHY}; tree: large messages, forwarded down a binomial tree by all ranks")
-    if op == "all_gather":
-        if nbytes < 64 * KIB:
-            return Choice("hd", f"{_SHM_WHY}; hd: small messages, log2(n) rounds")
-        if nbytes < 16 * MIB:
-            return Choice("direct", f"{_SHM_WHY}; direct: one round, each rank to every other")
-        return Choice("ring", f"{_SHM_WHY}; ring: large messages, every rank sends and receives at once")
-    if nbytes < MIB:  # all_reduce
-        return Choice("direct", f"{_SHM_WHY}; direct: two rounds (everything to rank 0, then back), the fewest")
-    if nbytes < 8 * MIB:
-        return Choice("hd", f"{_SHM_WHY}; hd: 2 log2(n) rounds, halving the message each time")
-    return Choice("ring", f"{_SHM_WHY}; ring: large messages, every rank sends and receives at once")
+    if op == "barrier":
+        return Choice("oneshot", f"{_SHM_WHY}; oneshot: a step in the segment is the barrier itself")
+    if op != "all_reduce":
+        return Choice("oneshot", f"{_SHM_WHY}; oneshot: one copy in, one step, one pass over the copies")
+    if nbytes < 512 * KIB:
+        return Choice("oneshot", f"{_SHM_WHY}; oneshot: small message, every rank reduces it all after one step")
+    return Choice("twoshot", f"{_SHM_WHY}; twoshot: large message, each rank reduces 1/n of it, then all copy")
 
 
 class AlgorithmTable:

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from paratrain.comm import checks
-from paratrain.comm.algorithms import ALGORITHMS, OPS, algorithms_for
+from paratrain.comm.algorithms import ALGORITHMS, OPS, SHARED_ALGORITHMS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from paratrain.comm.flight import Call
@@ -34,7 +34,7 @@ from paratrain.settings import Settings
 
 _USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
 _DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
-_VALID = {op: frozenset(algorithms_for(op)) for op in OPS}  # checked on every call: built once
+_VALID = {kind: {op: frozenset(algorithms_for(op, kind)) for op in OPS} for kind in (None, "shm")}  # built once
 
 
 class Group:
@@ -58,6 +58,7 @@ class Group:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.debug = bool(debug) if debug is not None else self.settings.debug
         self.table = table if table is not None else AlgorithmTable()  # the defaults alone
+        self._valid = _VALID["shm" if self.kind == "shm" else None]  # checked on every call
         # Ring steps are cut into segments of this size; each transport knows what suits it.
         self.segment_bytes = segment_bytes or transport.segment_bytes
         self._collective_seq = 0
@@ -223,7 +224,13 @@ class Group:
             self.segment_bytes, self._scratch,
         )
         try:
-            link.replay(plan.schedule, plan.messages, plan.compiled)
+            if plan.run is not None:
+                try:
+                    plan.run(link)
+                except TRANSPORT_ERRORS as error:  # the shared segment's own waits
+                    raise comm_error(error, self.rank, "all_reduce", seq, self.timeout) from original_cause(error)
+            else:
+                link.replay(plan.schedule, plan.messages, plan.compiled)
         except Exception as error:
             self._failed(call, error)
             raise
@@ -249,9 +256,13 @@ class Group:
 
     def resolve(self, op_name: str, algo: str, nbytes: int) -> str:
         """The algorithm that will run: `algo` itself, or the table's pick for `auto`."""
-        if algo not in _VALID[op_name]:
-            valid = algorithms_for(op_name)
-            raise ValueError(f"{op_name}: unknown algorithm {algo!r}; valid: {', '.join(valid)}")
+        if algo not in self._valid[op_name]:
+            valid = ", ".join(algorithms_for(op_name, self.kind))
+            if algo in SHARED_ALGORITHMS and algo in ALGORITHMS[op_name]:
+                raise ValueError(f"{op_name}: algorithm {algo!r} works through a segment of shared memory, only "
+                                 f"where every rank of the group is a process of this host (transport 'shm'); "
+                                 f"this group's transport is '{self.kind}'. Valid here: {valid}")
+            raise ValueError(f"{op_name}: unknown algorithm {algo!r}; valid: {valid}")
         if algo != "auto":
             return algo
         return self.table.choose(op_name, nbytes, self.size, self.kind).algo

@@ -14,7 +14,9 @@ Measured with `call_path_us` (bench/overhead.py), a replay's path is 2 to 4 time
 a first call's.
 
 Only algorithms whose call is nothing but messages can be replayed (REPLAYABLE): the tree's
-and direct's reductions copy and fold outside their messages.
+and direct's reductions copy and fold outside their messages. The shared-segment algorithms
+(algorithms/shared.py) send no messages: their plan is the algorithm itself, called on the
+tensor's flat view from the plan (`run`), so a call on a planned tensor skips the same checks.
 
 A plan is recorded as a Schedule (transport/base.py): every post and every wait of the call,
 in order. A transport that can compile one (TorchTransport on gloo) turns it into its own calls
@@ -38,17 +40,19 @@ from typing import Callable
 
 import torch
 
+from paratrain.comm.algorithms.shared import SHARED_ALGORITHMS
 from paratrain.comm.checks import CallSignature
 from paratrain.comm.link import Link
 from paratrain.comm.transport.base import POST, P2POp, Schedule
 
 REPLAYABLE = frozenset({"ring", "hd"})  # all-reduce algorithms that are only messages
+CALLED = frozenset(SHARED_ALGORITHMS)  # those planned as a call of the algorithm
 CAPACITY = 64  # tensors planned at once: DDP's buckets, with room; the oldest goes first
 
 
 class _Plan:
     __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "signature", "nbytes", "schedule",
-                 "messages", "compiled")
+                 "messages", "compiled", "run")
 
     def __init__(self, owner, buf: torch.Tensor, algo: str, op: str, signature: CallSignature):
         self.owner = owner  # weakref to the caller's tensor
@@ -59,6 +63,7 @@ class _Plan:
         self.schedule: Schedule | None = None  # recorded by the second call
         self.messages: list[P2POp] = []  # every P2POp of the schedule, for retagging
         self.compiled = None  # the transport's own form of the schedule, where it has one
+        self.run = None  # for CALLED algorithms: run(link), the algorithm on the tensor's memory
 
     def fits(self, tensor: torch.Tensor, buf: torch.Tensor, algo: str, op: str) -> bool:
         return (self.owner() is tensor and self.algo == algo and self.op == op
@@ -102,7 +107,7 @@ class CallPlans:
                    algorithm: Callable[[Link, torch.Tensor, str], None], signature: CallSignature) -> None:
         """Run `algorithm` on `buf` (`tensor` itself, flattened), replaying `tensor`'s plan if
         it has one that fits; `signature` is the call's own."""
-        if algo not in REPLAYABLE or not tensor.is_contiguous():  # else buf is a fresh copy
+        if algo not in REPLAYABLE and algo not in CALLED or not tensor.is_contiguous():  # else buf is a copy
             algorithm(link, buf, op)
             return
         key = id(tensor)
@@ -115,8 +120,15 @@ class CallPlans:
             algorithm(link, buf, op)
             self._keep(self.noted, key, _Plan(self._owner(tensor, key), buf, algo, op, signature))
             return
-        link.schedule = []  # seen again: worth a plan
         plan.signature = signature
+        if algo in CALLED:
+            algorithm(link, buf, op)
+            flat = _alias(buf)
+            plan.run = lambda link: algorithm(link, flat, op)
+            self._keep(self.planned, key, plan)
+            self.made += 1
+            return
+        link.schedule = []  # seen again: worth a plan
         algorithm(link, buf, op)
         plan.schedule, link.schedule = link.schedule, None
         plan.messages = [op for what, ops in plan.schedule if what == POST for op in ops]

@@ -1,10 +1,12 @@
-"""Collective algorithms written over point-to-point (a `Link`), one module per family.
+"""Collective algorithms written over point-to-point (a `Link`), one module per family, and
+those over a shared segment (shared.py), for groups of one host's processes only.
 
 `ALGORITHMS[op][name]` is the function; "native" (the backend's own collective) and "auto"
 are resolved by the Group, not here.
 """
 
-from paratrain.comm.algorithms import direct, halving_doubling, ring, tree
+from paratrain.comm.algorithms import direct, halving_doubling, ring, shared, tree
+from paratrain.comm.algorithms.shared import SHARED_ALGORITHMS
 
 ALGORITHMS = {
     "all_reduce": {
@@ -12,32 +14,41 @@ ALGORITHMS = {
         "hd": halving_doubling.all_reduce,
         "tree": tree.all_reduce,
         "direct": direct.all_reduce,
+        "oneshot": shared.all_reduce,
+        "twoshot": shared.all_reduce_twoshot,
     },
     "reduce_scatter": {
         "ring": ring.reduce_scatter,
         "hd": halving_doubling.reduce_scatter,
         "direct": direct.reduce_scatter,
+        "oneshot": shared.reduce_scatter,
     },
     "all_gather": {
         "ring": ring.all_gather,
         "hd": halving_doubling.all_gather,
         "direct": direct.all_gather,
+        "oneshot": shared.all_gather,
     },
-    "broadcast": {"ring": ring.broadcast, "tree": tree.broadcast, "direct": direct.broadcast},
-    "reduce": {"ring": ring.reduce, "tree": tree.reduce, "direct": direct.reduce},
-    "all_to_all": {"ring": ring.all_to_all, "direct": direct.all_to_all},
+    "broadcast": {"ring": ring.broadcast, "tree": tree.broadcast, "direct": direct.broadcast,
+                  "oneshot": shared.broadcast},
+    "reduce": {"ring": ring.reduce, "tree": tree.reduce, "direct": direct.reduce, "oneshot": shared.reduce},
+    "all_to_all": {"ring": ring.all_to_all, "direct": direct.all_to_all, "oneshot": shared.all_to_all},
     # A barrier is an all-reduce of one element, so it can use any all-reduce algorithm.
     "barrier": {
         "ring": ring.all_reduce,
         "hd": halving_doubling.all_reduce,
         "tree": tree.all_reduce,
         "direct": direct.all_reduce,
+        "oneshot": shared.barrier,
     },
 }
 
 OPS = tuple(ALGORITHMS)
 
 
-def algorithms_for(op: str) -> tuple[str, ...]:
-    """Every algorithm name valid for `op`, including the backend's own and auto."""
-    return tuple(ALGORITHMS[op]) + ("native", "auto")
+def algorithms_for(op: str, kind: str | None = None) -> tuple[str, ...]:
+    """Every algorithm name valid for `op` on a transport of `kind`, including the backend's own
+    and auto. The shared-segment ones only where `kind` is "shm" (or "any": every name there is);
+    None: those valid on every transport."""
+    shared_too = kind in ("shm", "any")
+    return tuple(name for name in ALGORITHMS[op] if shared_too or name not in SHARED_ALGORITHMS) + ("native", "auto")

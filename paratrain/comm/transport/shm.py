@@ -162,6 +162,7 @@ class SharedMemoryP2P:
         self._peers = peers  # peer -> (pid, its /proc start time): to tell it still runs
         self._lock = threading.Lock()  # the rings' state; never held while sleeping
         self._sleepers = 0  # threads asleep on our doorbell (peers ring while there is one)
+        self.arena = None  # the group's shared segment, where all its ranks are here (shm_setup.py)
 
     @property
     def neighbours(self) -> tuple[int, ...]:
@@ -265,7 +266,7 @@ class SharedMemoryP2P:
         channel.arrived.setdefault(fragment.tag, deque()).append(arrival)
         return arrival
 
-    def _progress(self) -> bool:
+    def progress(self) -> bool:
         """Move every ring this process has a part in: a peer blocked on a full ring to us
         must be read even while we wait for something else, or two ranks sending each other
         more than a ring holds would wait for each other forever."""
@@ -299,7 +300,7 @@ class SharedMemoryP2P:
                     work.take_arrival()
                 if work.done:
                     break
-            moved = self._progress()
+            moved = self.progress()
             if work.done:
                 break
             now = time.perf_counter()
@@ -331,7 +332,7 @@ class SharedMemoryP2P:
                 os.read(self._bell_read, 1 << 16)  # a system call on a locked pipe: a memory fence too
             except BlockingIOError:
                 pass
-            if not self._progress():
+            if not self.progress():
                 select.select([self._bell_read], [], [], max(0.0, min(seconds, _NAP_S)))
         finally:
             self._say_sleeping(-1)

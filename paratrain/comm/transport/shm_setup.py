@@ -7,8 +7,12 @@ then, where any two ranks share a host, two barriers. Between them each rank cre
 outgoing rings and its doorbell under /dev/shm, and opens its peers'; after the second every
 peer has opened them, so the names are removed: from then on a crash leaves no file behind.
 
+Where every rank of the group shares this host, the group's rank 0 also creates the group's
+shared segment for the collectives (shm_arena.py) before the first barrier, and the others
+map it after it.
+
 A rank killed between the barriers cannot remove its files, so their names say whose they are:
-/dev/shm/paratrain-<pid namespace>-<parent pid>-<pid>-<token>-to-<peer> (and -bell). Our
+/dev/shm/paratrain-<pid namespace>-<parent pid>-<pid>-<token>-to-<peer> (and -bell, -arena). Our
 launcher, the parent, removes its ranks' files once they have exited; and every rank setting
 up removes, naming them, the files of a process of its namespace that no longer exists (a run
 under torchrun whose ranks were killed, or whose launcher was).
@@ -28,6 +32,7 @@ import sys
 import torch
 
 from paratrain.comm.transport.shm import SharedMemoryP2P, start_time
+from paratrain.comm.transport.shm_arena import Arena
 from paratrain.comm.transport.shm_ring import Ring, round_up
 from paratrain.settings import Settings
 
@@ -77,7 +82,7 @@ def _host_key() -> int:
 
 
 SHM_DIR = "/dev/shm"
-_FILE_NAME = re.compile(r"^paratrain-(\d+)-(\d+)-(\d+)-[0-9a-f]{16}-(to-\d+|bell)$")  # namespace, parent, pid
+_FILE_NAME = re.compile(r"^paratrain-(\d+)-(\d+)-(\d+)-[0-9a-f]{16}-(to-\d+|bell|arena)$")  # namespace, parent, pid
 
 
 def _owner(namespace: int, parent: int, pid: int, token: int) -> str:
@@ -91,6 +96,10 @@ def _ring_path(owner: str, dst: int) -> str:
 
 def _bell_path(owner: str) -> str:
     return f"{owner}-bell"
+
+
+def _arena_path(owner: str) -> str:
+    return f"{owner}-arena"
 
 
 def _pid_namespace() -> int:
@@ -115,7 +124,7 @@ def remove_files_of_children(parent: int) -> None:
 
 
 def _our_files(chosen):
-    """(path, pid, "ring" or "doorbell") of each of our files in /dev/shm of this pid
+    """(path, pid, "ring", "doorbell" or "segment") of each of our files in /dev/shm of this pid
     namespace for which chosen(parent pid, pid) holds."""
     if not os.path.isdir(SHM_DIR):
         return
@@ -123,7 +132,8 @@ def _our_files(chosen):
     for name in os.listdir(SHM_DIR):
         match = _FILE_NAME.match(name)
         if match and int(match[1]) == namespace and chosen(int(match[2]), int(match[3])):
-            yield f"{SHM_DIR}/{name}", int(match[3]), "doorbell" if match[4] == "bell" else "ring"
+            kind = {"bell": "doorbell", "arena": "segment"}.get(match[4], "ring")
+            yield f"{SHM_DIR}/{name}", int(match[3]), kind
 
 
 def _alive(pid: int) -> bool:
@@ -147,7 +157,8 @@ def _unlink_one(path: str) -> bool:
 def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     """Set up shared memory among the ranks of `inner` (a TorchTransport) that share a host; every rank
     calls this (one all-gather, and two barriers where any two ranks share a host). Returns
-    None where this rank shares a host with none of the others (or offers no shared memory)."""
+    None where this rank shares a host with none of the others (or offers no shared memory);
+    the returned transport's `arena` is the group's shared segment where all of them do (else None)."""
     me = torch.zeros(5, dtype=torch.int64)
     offered = enabled(settings)
     token = secrets.randbits(62)
@@ -168,6 +179,7 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
         return None  # the same answer on every rank: nobody does the barriers below
     neighbours = [r for r in hosts.get(table[inner.rank][1], []) if r != inner.rank] if offered else []
     capacity = ring_bytes(settings, len(neighbours))
+    everyone_here = len(neighbours) == inner.size - 1  # the same answer on every rank (see above)
     owners, mine = {}, []
     if neighbours:
         remove_stale_files()
@@ -175,11 +187,17 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
         owners = {r: _owner(namespace, table[r][4], table[r][2], table[r][3]) for r in (inner.rank, *neighbours)}
         own = owners[inner.rank]
         mine = [_ring_path(own, peer) for peer in neighbours] + [_bell_path(own)]
+        if everyone_here and inner.rank == 0:
+            mine.append(_arena_path(own))
     cleanup = functools.partial(_unlink, mine)
     atexit.register(cleanup)  # only if we fail before the second barrier below
-    outgoing, incoming, bells, bell = {}, {}, {}, None
+    outgoing, incoming, bells, bell, arena = {}, {}, {}, None, None
+    peers = {peer: (table[peer][2], start_time(table[peer][2])) for peer in neighbours}
+    ranks_here = len(neighbours) + 1
     if neighbours:
         outgoing = {peer: Ring(_ring_path(own, peer), capacity, create=True) for peer in neighbours}
+        if everyone_here and inner.rank == 0:
+            arena = Arena(_arena_path(own), inner.size, 0, True, peers, spin_s(settings, ranks_here))
         os.mkfifo(_bell_path(own), 0o600)
         bell = (os.open(_bell_path(own), os.O_RDONLY | os.O_NONBLOCK),
                 os.open(_bell_path(own), os.O_WRONLY | os.O_NONBLOCK))
@@ -187,13 +205,18 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     for peer in neighbours:
         incoming[peer] = Ring(_ring_path(owners[peer], inner.rank), capacity, create=False)
         bells[peer] = os.open(_bell_path(owners[peer]), os.O_WRONLY | os.O_NONBLOCK)
+    if everyone_here and inner.rank != 0:
+        arena = Arena(_arena_path(owners[0]), inner.size, inner.rank, False, peers, spin_s(settings, ranks_here))
     inner.native_barrier(timeout)  # every peer has opened ours: the names can go
     cleanup()
     atexit.unregister(cleanup)
     if not neighbours:
         return None
-    peers = {peer: (table[peer][2], start_time(table[peer][2])) for peer in neighbours}
-    return SharedMemoryP2P(inner, outgoing, incoming, bells, bell, peers, spin_s(settings, len(neighbours) + 1))
+    p2p = SharedMemoryP2P(inner, outgoing, incoming, bells, bell, peers, spin_s(settings, ranks_here))
+    if arena is not None:
+        arena.progress = p2p.progress  # a peer blocked on a full ring to us must be read while we wait
+    p2p.arena = arena
+    return p2p
 
 
 def _unlink(paths: list[str]) -> None:

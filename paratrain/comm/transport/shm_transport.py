@@ -49,6 +49,7 @@ class SharedMemoryTransport:
         self.kind = "shm" if len(p2p.neighbours) == self.size - 1 else inner.kind
         self.segment_bytes = inner.segment_bytes
         self.posts_ahead = True  # receives are matched by (source, tag), whenever posted
+        self.arena = p2p.arena if self.kind == "shm" else None  # for algorithms/shared.py
 
     def describe(self) -> str:
         if self.kind == "shm":

@@ -1,0 +1,210 @@
+"""Collectives through a shared segment (transport/shm_arena.py): no messages at all.
+
+For a group whose processes all share this host (transport "shm"). Each rank copies its input
+once into its slot of the segment, takes a step (all ranks have copied), and reads what it needs
+straight from its peers' slots: a reduction reads every rank's slot in one operation, a gather
+copies each slot once. This is how MPI's implementations do collectives between the processes
+of one host; sent as messages through the rings instead, each piece is copied into a ring, out of
+it into a staging buffer, and only then reduced, and each message costs its bookkeeping.
+
+"oneshot": every rank does the whole of its part of the work from every slot: for an all-reduce,
+every rank reduces the whole message (cheapest in steps and copies; each rank reads n slots).
+"twoshot": the all-reduce as MPI does it for large messages: rank r reduces part r of every
+slot into its own slot, a step, then every rank copies each part from its owner's slot; each
+rank reads about twice its message whatever n is, instead of n times, for one step more.
+
+A message larger than a slot goes through in pieces of a slot each; the halves of the segment
+alternate, so one piece's copy-in does not wait for the peers still reading the previous one.
+"""
+
+from __future__ import annotations
+
+import functools
+from ctypes import memmove
+
+import torch
+
+from paratrain.comm.algorithms import direct
+from paratrain.comm.link import Link
+from paratrain.comm.ops import combine_, part_bounds, part_sizes
+from paratrain.comm.transport.shm_arena import Rows
+
+SHARED_ALGORITHMS = ("oneshot", "twoshot")
+
+
+def _arena(link: Link):
+    arena = getattr(link.transport, "arena", None)
+    if arena is None:
+        raise ValueError(f"{link.op_name}: the shared-segment algorithms need every rank of the group on "
+                         f"this host's shared memory (transport 'shm'); this group's is '{link.transport.kind}'")
+    return arena
+
+
+def _on_cpu(fallback):
+    """The algorithm for CPU tensors (copied by address); tensors elsewhere (CUDA over gloo) take
+    `fallback`, direct.py's, whose messages the process group carries."""
+    def wrap(algorithm):
+        @functools.wraps(algorithm)
+        def run(link: Link, tensor: torch.Tensor, *rest):
+            if tensor.device.type != "cpu":
+                return fallback(link, tensor, *rest)
+            return algorithm(link, tensor, *rest)
+        return run
+    return wrap
+
+
+def _reduce_rows(rows: Rows, out: torch.Tensor, op: str) -> None:
+    """out <- every rank's row combined, in one operation."""
+    if op in ("sum", "avg"):
+        if out.dtype == torch.bool:  # torch.sum of booleans counts them; a reduction of flags is an or
+            torch.any(rows.every, dim=0, out=out)
+        elif len(rows.each) == 2:  # an add costs half of a sum over dimension 0
+            torch.add(rows.each[0], rows.each[1], out=out)
+        else:
+            torch.sum(rows.every, dim=0, dtype=out.dtype, out=out)
+    elif op == "max":
+        torch.amax(rows.every, dim=0, out=out)
+    else:
+        torch.amin(rows.every, dim=0, out=out)
+
+
+def _pieces(count: int, per_piece: int) -> range:
+    """The first element of each piece of `count` elements (at least one piece, so that every
+    rank takes the same steps even for an empty part)."""
+    return range(0, max(count, 1), per_piece)
+
+
+@_on_cpu(direct.all_reduce)
+def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
+    """One-shot: every rank reduces every rank's copy of the whole message."""
+    arena, size = _arena(link), buf.element_size()
+    total, address = buf.numel(), buf.data_ptr()
+    per_piece = arena.slot_bytes // size
+    for start in _pieces(total, per_piece):
+        count = min(per_piece, total - start)
+        half = arena.next_half()
+        memmove(arena.slot_address(half, link.rank), address + start * size, count * size)
+        arena.arrive_and_wait(link.timeout)
+        out = buf if count == total else buf[start : start + count]
+        _reduce_rows(arena.rows(half, buf.dtype, 0, count), out, op)
+
+
+@_on_cpu(direct.all_reduce)
+def all_reduce_twoshot(link: Link, buf: torch.Tensor, op: str) -> None:
+    """Two-shot: rank r reduces part r of every rank's copy into its own slot, then every rank
+    copies each part from the slot of the rank that reduced it."""
+    arena, size = _arena(link), buf.element_size()
+    total, address = buf.numel(), buf.data_ptr()
+    per_piece = arena.slot_bytes // size
+    others = [peer for peer in range(link.size) if peer != link.rank]
+    for start in _pieces(total, per_piece):
+        count = min(per_piece, total - start)
+        half = arena.next_half()
+        memmove(arena.slot_address(half, link.rank), address + start * size, count * size)
+        arena.arrive_and_wait(link.timeout)
+        bounds = part_bounds(count, link.size)
+        low, high = bounds[link.rank]
+        if high > low:
+            rows = arena.rows(half, buf.dtype, low, high - low).each
+            for peer in others:  # only this rank writes part `rank` of its own slot
+                combine_(rows[link.rank], rows[peer], op)
+        arena.arrive_and_wait(link.timeout)
+        for owner, (low, high) in enumerate(bounds):
+            memmove(address + (start + low) * size, arena.slot_address(half, owner) + low * size, (high - low) * size)
+
+
+@_on_cpu(direct.reduce_scatter)
+def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: str) -> None:
+    """Each rank copies its input into its slot, block by destination; rank r reduces block r of
+    every slot into its output."""
+    arena, size, n = _arena(link), input.element_size(), link.size
+    bounds = part_bounds(input.numel(), n)
+    per_block = arena.slot_bytes // (n * size)
+    address = input.data_ptr()
+    mine = bounds[link.rank][1] - bounds[link.rank][0]
+    for offset in _pieces(bounds[0][1], per_block):  # part 0 is the longest
+        half = arena.next_half()
+        slot = arena.slot_address(half, link.rank)
+        for block, (low, high) in enumerate(bounds):
+            count = max(0, min(per_block, high - low - offset))
+            memmove(slot + block * per_block * size, address + (low + offset) * size, count * size)
+        arena.arrive_and_wait(link.timeout)
+        count = max(0, min(per_block, mine - offset))
+        if count:
+            out = output if count == output.numel() else output[offset : offset + count]
+            _reduce_rows(arena.rows(half, input.dtype, link.rank * per_block, count), out, op)
+
+
+@_on_cpu(direct.all_gather)
+def all_gather(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
+    """Each rank copies its part into its slot; every rank copies every slot into its output."""
+    arena, size, n = _arena(link), output.element_size(), link.size
+    bounds = part_bounds(output.numel(), n)
+    per_piece = arena.slot_bytes // size
+    source, address = input.data_ptr(), output.data_ptr()
+    mine = input.numel()
+    for offset in _pieces(bounds[0][1], per_piece):
+        half = arena.next_half()
+        memmove(arena.slot_address(half, link.rank), source + offset * size, max(0, min(per_piece, mine - offset)) * size)
+        arena.arrive_and_wait(link.timeout)
+        for owner, (low, high) in enumerate(bounds):
+            count = max(0, min(per_piece, high - low - offset))
+            memmove(address + (low + offset) * size, arena.slot_address(half, owner), count * size)
+
+
+@_on_cpu(direct.broadcast)
+def broadcast(link: Link, buf: torch.Tensor, root: int) -> None:
+    """The root copies into its slot; every other rank copies out of it."""
+    arena, size = _arena(link), buf.element_size()
+    total, address = buf.numel(), buf.data_ptr()
+    per_piece = arena.slot_bytes // size
+    for start in _pieces(total, per_piece):
+        count = min(per_piece, total - start)
+        half = arena.next_half()
+        if link.rank == root:
+            memmove(arena.slot_address(half, root), address + start * size, count * size)
+        arena.arrive_and_wait(link.timeout)
+        if link.rank != root:
+            memmove(address + start * size, arena.slot_address(half, root), count * size)
+
+
+@_on_cpu(direct.reduce)
+def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
+    """Every rank copies into its slot; the root reduces them all."""
+    arena, size = _arena(link), buf.element_size()
+    total, address = buf.numel(), buf.data_ptr()
+    per_piece = arena.slot_bytes // size
+    for start in _pieces(total, per_piece):
+        count = min(per_piece, total - start)
+        half = arena.next_half()
+        memmove(arena.slot_address(half, link.rank), address + start * size, count * size)
+        arena.arrive_and_wait(link.timeout)
+        if link.rank == root:
+            _reduce_rows(arena.rows(half, buf.dtype, 0, count), buf[start : start + count], op)
+
+
+@_on_cpu(direct.all_to_all)
+def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
+    """Each rank copies its input into its slot, block by destination; rank r copies block r of
+    every slot into its output, part by source."""
+    arena, size, n = _arena(link), input.element_size(), link.size
+    sizes = part_sizes(input.numel(), n)
+    starts = [low for low, _ in part_bounds(input.numel(), n)]
+    per_block = arena.slot_bytes // (n * size)
+    source, address, mine = input.data_ptr(), output.data_ptr(), sizes[link.rank]
+    for offset in _pieces(sizes[0], per_block):
+        half = arena.next_half()
+        slot = arena.slot_address(half, link.rank)
+        for block in range(n):
+            count = max(0, min(per_block, sizes[block] - offset))
+            memmove(slot + block * per_block * size, source + (starts[block] + offset) * size, count * size)
+        arena.arrive_and_wait(link.timeout)
+        count = max(0, min(per_block, mine - offset))
+        for peer in range(n):  # part `peer` of the output is what rank `peer` sent us
+            memmove(address + (peer * mine + offset) * size,
+                    arena.slot_address(half, peer) + link.rank * per_block * size, count * size)
+
+
+def barrier(link: Link, token: torch.Tensor, op: str) -> None:
+    """A step and nothing else."""
+    _arena(link).arrive_and_wait(link.timeout)

@@ -1,0 +1,189 @@
+"""A shared segment for the collectives of a group whose processes all share this host.
+
+The rings (shm_ring.py) carry messages: a collective made of messages pays each one's
+bookkeeping, and its bytes are copied into a ring, out of it, and only then reduced. MPI's
+collectives on one host skip all that: each process copies its input once into a segment every
+process maps, they agree that everyone has, and each reads what it needs straight from its peers'
+copies. The arena is that segment; algorithms/shared.py are the collectives over it.
+
+Layout of the file (created by the group's rank 0, opened by the others, see shm_setup.py):
+
+    a 64-byte line per rank: word 0 is that rank's step, how many times it has arrived
+    two halves, each a slot of `slot_bytes` per rank
+
+A step is a barrier without messages: a rank writes its new step and waits until every other
+rank's is as high. Collectives use the halves in turn, one per piece of a message, and a rank
+writes into a half only after a step that every peer reached after reading it the time before:
+so one step per piece is all the synchronization a one-shot collective needs.
+
+A wait polls the peers' steps (yielding the core between looks, as MPI's shared-memory polling
+does) for `spin_s`, then naps, a little longer each time up to _NAP_S. Every _LOOK_S it checks
+that the ranks it waits for still exist (TransportFailure when one has gone) and it gives up
+after its timeout (TransportTimeout), naming the rank it was waiting for. While it waits it moves
+this process's messages in the rings too (`progress`): a peer may be blocked on a ring we must
+read before it can arrive.
+
+As with the rings, a step is published after the data it covers by the order of stores,
+which x86-64 keeps: the arena exists only where the rings do.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from typing import NamedTuple
+
+import torch
+
+from paratrain.comm.errors import TransportFailure, TransportTimeout
+from paratrain.comm.transport.shm import start_time
+
+LINE = 64
+_WORDS_PER_LINE = LINE // 8
+_LOOK_S = 0.05  # how often a wait checks that its peers' processes still exist
+_NAP_S = 0.001  # the longest nap between looks, once polling has gone on for `spin_s`
+_FIRST_NAP_S = 20e-6
+# Every wait on the main thread polls at least this long, even where the host has fewer cores
+# than ranks (spin_s 0): peers of a collective mostly arrive within it, a nap costs 60 us or more
+# of timer slack, and a poll yields the core to any process that has work.
+_LEAST_POLL_S = 200e-6
+
+# What one group's arena may take of /dev/shm: 2 halves of a slot per rank. 1 MiB slots keep a
+# piece's copy-in and its peers' reads inside the caches of a core (measured: bench collectives),
+# and a 64 MiB all-reduce in 64 pieces pays 64 steps, 2-3% of its time on 2 processes.
+_BUDGET_BYTES = 16 << 20
+_MOST_SLOT_BYTES = 1 << 20
+_LEAST_SLOT_BYTES = 64 << 10
+_VIEWS_KEPT = 256  # views of the slots (Arena.rows), per arena
+
+
+def slot_bytes_for(ranks: int) -> int:
+    """Each rank's slot in a group of `ranks` (the same on every rank: it depends on nothing else)."""
+    return max(_LEAST_SLOT_BYTES, min(_MOST_SLOT_BYTES, _BUDGET_BYTES // (2 * ranks)) // LINE * LINE)
+
+
+def arena_bytes(ranks: int) -> int:
+    return ranks * LINE + 2 * ranks * slot_bytes_for(ranks)
+
+
+class Rows(NamedTuple):
+    """The same elements of every rank's slot: as one tensor (ranks x elements), and row by row."""
+
+    every: torch.Tensor
+    each: tuple[torch.Tensor, ...]
+
+
+class Arena:
+    """This rank's mapping of its group's segment."""
+
+    def __init__(self, path: str, ranks: int, rank: int, create: bool, peers: dict[int, tuple[int, bytes]],
+                 spin_s: float):
+        self.size, self.rank = ranks, rank
+        self.slot_bytes = slot_bytes_for(ranks)
+        size = arena_bytes(ranks)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)  # sparse, and zero: every step starts at 0
+            elif os.fstat(fd).st_size != size:
+                raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {size}")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._words = memoryview(self._map).cast("q")
+        self._mine = rank * _WORDS_PER_LINE
+        self._others = [(peer, peer * _WORDS_PER_LINE) for peer in range(ranks) if peer != rank]
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._data = ranks * LINE  # where the halves start
+        self.address = self._bytes.data_ptr()
+        self.peers = peers  # rank -> (pid, start time), to tell that it still runs
+        self.spin_s = spin_s
+        self.progress = None  # moves this process's ring messages while it waits (SharedMemoryP2P)
+        self.step = 0
+        self.uses = 0  # pieces so far: which half the next one takes
+        self._rows: dict[tuple, Rows] = {}
+        self._populated = False
+
+    # ---- where things are ---------------------------------------------------------------
+
+    def next_half(self) -> int:
+        """The half the next piece goes in (they alternate; see the module's note)."""
+        if not self._populated:
+            self._populate()
+        half = self.uses & 1
+        self.uses += 1
+        return half
+
+    def slot_address(self, half: int, rank: int) -> int:
+        return self.address + self._data + (half * self.size + rank) * self.slot_bytes
+
+    def rows(self, half: int, dtype: torch.dtype, start: int, count: int) -> Rows:
+        """Elements [start, start + count) of every rank's slot of `half`, as `dtype`: the rows of
+        one tensor (ranks x count), so one reduction over dimension 0 combines them all, and each
+        row alone. The views are kept: a training loop asks for the same few every step, and
+        making one costs more than the reduction of a small message."""
+        key = (half, dtype, start, count)
+        rows = self._rows.get(key)
+        if rows is None:
+            if len(self._rows) >= _VIEWS_KEPT:
+                self._rows.clear()
+            begin = self._data + half * self.size * self.slot_bytes
+            whole = self._bytes[begin : begin + self.size * self.slot_bytes].view(dtype).view(self.size, -1)
+            every = whole[:, start : start + count]
+            rows = self._rows[key] = Rows(every, every.unbind(0))
+        return rows
+
+    def _populate(self) -> None:
+        """Map the segment's pages in before its first use: a page first touched mid-collective
+        costs a fault (see Ring.populate)."""
+        try:
+            self._map.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14); Python's mmap names it from 3.13
+        except (OSError, ValueError):
+            pass  # the pages fault in at first touch instead
+        self._populated = True
+
+    # ---- steps --------------------------------------------------------------------------
+
+    def arrive_and_wait(self, timeout: float) -> None:
+        """Take the next step: say so, then wait until every other rank has taken it."""
+        self.step += 1
+        step, words = self.step, self._words
+        words[self._mine] = step
+        for peer, index in self._others:
+            if words[index] < step:
+                self._wait_for(peer, index, step, timeout)
+
+    def _wait_for(self, peer: int, index: int, step: int, timeout: float) -> None:
+        words = self._words
+        started = time.perf_counter()
+        main = threading.current_thread() is threading.main_thread()
+        # A helper thread (an async collective beside a backward pass) naps at once: the
+        # core is the compute's it overlaps.
+        spin_until = started + (max(self.spin_s, _LEAST_POLL_S) if main else 0.0)
+        look_at, deadline, nap = started + _LOOK_S, started + timeout, _FIRST_NAP_S
+        polls = 0
+        while words[index] < step:
+            polls += 1
+            if polls & 63 == 0 and self.progress is not None:
+                self.progress()
+            now = time.perf_counter()
+            if now < spin_until:
+                os.sched_yield()
+                continue
+            if now >= deadline:
+                raise TransportTimeout(peer, timeout, f"rank {peer} did not reach step {step} of the shared "
+                                                      f"segment in {timeout:g}s (it is at {words[index]})")
+            if now >= look_at:
+                self._check_alive(peer)
+                look_at = now + _LOOK_S
+            if self.progress is not None:
+                self.progress()
+            time.sleep(nap)
+            nap = min(nap * 2, _NAP_S)
+
+    def _check_alive(self, peer: int) -> None:
+        pid, started = self.peers[peer]
+        if start_time(pid) != started:
+            raise TransportFailure(peer, f"rank {peer}'s process (pid {pid}) has exited")
