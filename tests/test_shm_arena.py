@@ -1,0 +1,172 @@
+"""The collectives through a group's shared segment (comm/transport/shm_arena.py,
+comm/algorithms/shared.py): messages larger than a slot pass in pieces through both halves and
+match the references; calls of every op follow each other without a barrier between them (the
+halves' turns are all that keeps a rank from overwriting what a peer still reads); only groups
+whose ranks all share this host have a segment, and asking for its algorithms elsewhere says
+why; a silent peer times out and a peer that exits is named; nothing is left in /dev/shm.
+
+The sweeps of every op, algorithm and size below a slot run in test_collectives_gloo.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.comm import CommTimeoutError, Group, PeerLostError, TorchTransport
+from paratrain.comm.transport import over_process_group
+from paratrain.comm.transport.shm_arena import LINE, arena_bytes, slot_bytes_for
+from paratrain.settings import Settings
+
+from collective_checks import (
+    Report, assert_no_failures, check_all_gather, check_all_reduce, check_all_to_all, check_broadcast,
+    check_reduce, check_reduce_scatter,
+)
+from test_failures import run_two_gloo_ranks
+from test_p2p import RUN_TIMEOUT_S
+
+SHARED = ("oneshot", "twoshot")
+
+
+def test_a_slot_is_whole_lines_and_the_segment_stays_within_its_budget():
+    for ranks in (2, 3, 4, 8, 64, 256):
+        slot = slot_bytes_for(ranks)
+        assert slot % LINE == 0 and slot >= 64 << 10
+        assert arena_bytes(ranks) <= ranks * LINE + max(16 << 20, 2 * ranks * (64 << 10))
+
+
+def _pieces_of_every_op(group) -> dict:
+    """Counts of 2 to 3 slots (so 2-3 pieces, both halves, and a short last one), float32 and
+    int64, every op and reduce op of the shared algorithms."""
+    report = Report(group)
+    elements = slot_bytes_for(group.size) // 4  # float32 elements in a slot
+    big = 2 * elements + 7 * group.size + 1
+    for dtype in (torch.float32, torch.int64):
+        for op in ("sum", "avg", "max", "min"):
+            for algo in SHARED:
+                check_all_reduce(group, report, algo, dtype, big, op)
+            check_reduce_scatter(group, report, "oneshot", dtype, group.size * big // 2 + 3, op)
+            check_reduce(group, report, "oneshot", dtype, big, 0, op)
+        check_all_gather(group, report, "oneshot", dtype, big + 5)
+        check_broadcast(group, report, "oneshot", dtype, big, group.size - 1)
+        check_all_to_all(group, report, "oneshot", dtype, group.size * big // 2)
+    return {"kind": group.kind, "failures": report.failures}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_messages_larger_than_a_slot_pass_in_pieces_and_match_the_reference(world_size):
+    results = paratrain.run(_pieces_of_every_op, world_size, launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert {result["kind"] for result in results.values()} == {"shm"}
+    assert_no_failures({rank: result["failures"] for rank, result in results.items()})
+
+
+def _back_to_back(group) -> list[str]:
+    """Calls of different ops, sizes and algorithms with no barrier between them, each rank
+    checking every result against what it must be; rank 1 sleeps now and then, so rank 0 runs
+    ahead to the next call while rank 1 still reads the last one's half."""
+    failures = []
+    n, me = group.size, group.rank
+    for step in range(60):
+        count = (1, 1000, 70001, 300000)[step % 4]
+        algo = SHARED[step % 2]
+        tensor = torch.full((count,), float(me + step))
+        group.all_reduce(tensor, algo=algo)
+        if not torch.equal(tensor, torch.full((count,), float(sum(range(n)) + n * step))):
+            failures.append(f"step {step}: all_reduce {algo} of {count}")
+        gathered = torch.empty(n * count)
+        group.all_gather(gathered, torch.full((count,), float(me * step)), algo="oneshot")
+        expected = torch.cat([torch.full((count,), float(r * step)) for r in range(n)])
+        if not torch.equal(gathered, expected):
+            failures.append(f"step {step}: all_gather of {count} per rank")
+        if me == 1 and step % 7 == 0:
+            time.sleep(0.01)
+    return failures
+
+
+def test_calls_follow_each_other_without_a_barrier_and_never_read_a_half_being_rewritten():
+    results = paratrain.run(_back_to_back, 3, launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert_no_failures(results)
+
+
+def _asks_for_oneshot(group) -> str:
+    try:
+        group.all_reduce(torch.ones(4), algo="oneshot")
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
+def test_threads_and_groups_over_sockets_have_no_segment_and_say_why(monkeypatch):
+    said = paratrain.run(_asks_for_oneshot, 2, launcher="threads")
+    assert all("only where every rank of the group is a process of this host" in text for text in said.values())
+    assert "transport is 'fabric'" in said[0]
+    monkeypatch.setenv("PARATRAIN_SHM", "0")
+    said = paratrain.run(_asks_for_oneshot, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert "transport is 'gloo'" in said[1]
+
+
+def _silent_peer(group) -> str:
+    if group.rank == 0:
+        try:
+            Group(group.transport, timeout=0.5).barrier(algo="oneshot")
+            seen = "returned"
+        except CommTimeoutError as error:
+            seen = str(error)
+    else:
+        seen = ""
+        time.sleep(1.0)
+        Group(group.transport, timeout=30).barrier(algo="oneshot")  # the step rank 0 took: now both have
+    group.barrier()
+    return seen
+
+
+def test_a_silent_peer_times_out_naming_it():
+    said = paratrain.run(_silent_peer, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert said[0].startswith("rank 0: barrier (call #1) timed out after 0.5s waiting for rank 1"), said[0]
+
+
+def _rank_whose_peer_exits_mid_all_reduce(rank: int, store_file: str, result_file: str) -> None:
+    """Rank 1 leaves without a word; rank 0 is in an all-reduce through the segment."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    group = Group(over_process_group(TorchTransport(), Settings()), timeout=60)
+    group.all_reduce(torch.ones(8), algo="oneshot")
+    if rank == 1:
+        os._exit(3)
+    try:
+        group.all_reduce(torch.ones(8), algo="oneshot")
+        seen = {"text": "all_reduce returned"}
+    except PeerLostError as error:
+        seen = {"text": str(error), "peer": error.peer, "shm": group.kind == "shm"}
+    with open(result_file, "w") as file:
+        json.dump(seen, file)
+    os._exit(0)  # skip destroy_process_group: its peer is gone
+
+
+@pytest.mark.timeout(60)  # the group's timeout is 60 s: finishing first means the exit was noticed
+def test_a_peer_that_exits_mid_collective_is_named(tmp_path):
+    exit_codes, result_file = run_two_gloo_ranks(_rank_whose_peer_exits_mid_all_reduce, tmp_path)
+    assert exit_codes == [0, 3]
+    seen = json.loads(result_file.read_text())
+    assert seen["shm"] and seen["peer"] == 1
+    assert seen["text"].startswith("rank 0: all_reduce (call #2) lost rank 1: rank 1's process (pid "), seen
+    assert "has exited" in seen["text"]
+
+
+def _segment_files() -> set[str]:
+    parent = f"-{os.getpid()}-"
+    return {name for name in os.listdir("/dev/shm") if name.endswith("-arena") and parent in name}
+
+
+def test_the_segment_leaves_no_file_behind():
+    before = _segment_files()
+    paratrain.run(_back_to_back, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert _segment_files() == before
