@@ -26,7 +26,7 @@ from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, Pee
 from paratrain.comm.flight import Call
 from paratrain.comm.handles import CollectiveHandle, P2PHandle, timed
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
-from paratrain.comm.ops import check_reduce_op, divide_, part_sizes
+from paratrain.comm.ops import check_reduce_op, divide_, part_size
 from paratrain.comm.plans import CallPlans
 from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.transport.base import P2POp
@@ -302,7 +302,7 @@ class Group:
         checks.tensor_arg("reduce_scatter", "input", input)
         check_reduce_op(op)
         checks.same_dtype("reduce_scatter", output, input)
-        expected = part_sizes(input.numel(), self.size)[self.rank]
+        expected = part_size(input.numel(), self.size, self.rank)
         checks.numel("reduce_scatter", "output", output, expected, f"part {self.rank} of {input.numel()}")
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
         base = "sum" if op == "avg" else op
@@ -325,7 +325,7 @@ class Group:
         checks.tensor_arg("all_gather", "output", output)
         checks.tensor_arg("all_gather", "input", input)
         checks.same_dtype("all_gather", output, input)
-        expected = part_sizes(output.numel(), self.size)[self.rank]
+        expected = part_size(output.numel(), self.size, self.rank)
         checks.numel("all_gather", "input", input, expected, f"part {self.rank} of the output's {output.numel()}")
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
 
@@ -389,7 +389,7 @@ class Group:
         checks.tensor_arg("all_to_all", "output", output)
         checks.tensor_arg("all_to_all", "input", input)
         checks.same_dtype("all_to_all", output, input)
-        expected = self.size * part_sizes(input.numel(), self.size)[self.rank]
+        expected = self.size * part_size(input.numel(), self.size, self.rank)
         checks.numel("all_to_all", "output", output, expected, f"{self.size} pieces of rank {self.rank}'s part")
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
 

@@ -47,6 +47,13 @@ def part_sizes(count: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+def part_size(count: int, parts: int, index: int) -> int:
+    """part_sizes(count, parts)[index], without the list (every reduce-scatter and all-gather
+    call checks its buffer's size with it)."""
+    base, extra = divmod(count, parts)
+    return base + (index < extra)
+
+
 def split_parts(flat: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
     """Views of the `parts` pieces of `part_sizes(flat.numel(), parts)`, made in one call."""
     return flat.tensor_split(parts)

@@ -119,13 +119,21 @@ def all_reduce_twoshot(link: Link, buf: torch.Tensor, op: str) -> None:
 
 @_on_cpu(direct.reduce_scatter)
 def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: str) -> None:
-    """Each rank copies its input into its slot, block by destination; rank r reduces block r of
-    every slot into its output."""
+    """Each rank copies its input into its slot; rank r reduces part r of every slot into its
+    output. An input larger than a slot goes in pieces, each a block per destination."""
     arena, size, n = _arena(link), input.element_size(), link.size
     bounds = part_bounds(input.numel(), n)
-    per_block = arena.slot_bytes // (n * size)
     address = input.data_ptr()
-    mine = bounds[link.rank][1] - bounds[link.rank][0]
+    low, high = bounds[link.rank]
+    if input.numel() * size <= arena.slot_bytes:  # one piece: the input as it is, in one copy
+        half = arena.next_half()
+        memmove(arena.slot_address(half, link.rank), address, input.numel() * size)
+        arena.arrive_and_wait(link.timeout)
+        if high > low:
+            _reduce_rows(arena.rows(half, input.dtype, low, high - low), output, op)
+        return
+    per_block = arena.slot_bytes // (n * size)
+    mine = high - low
     for offset in _pieces(bounds[0][1], per_block):  # part 0 is the longest
         half = arena.next_half()
         slot = arena.slot_address(half, link.rank)
