@@ -19,7 +19,11 @@ def test_explain_on_one_host_names_shared_memory_and_picks_our_algorithms(monkey
     assert result.exit_code == 0, result.output
     assert "transport shm (gloo's processes, every message through shared memory)" in result.output
     picks = [line.split()[2] for line in result.output.splitlines() if line.startswith("  all_reduce")]
-    assert picks == ["oneshot", "twoshot", "twoshot"]  # 16 KiB, 1 MiB, 64 MiB: the defaults on one host
+    assert picks == ["oneshot", "oneshot", "oneshot"]  # 16 KiB, 1 MiB, 64 MiB on 2 ranks: the defaults on one host
+    result = bench("--explain", "--launcher", "processes", "--nproc", "4", "--ops", "all_reduce", "--min-bytes", "16K",
+                   "--max-bytes", "64M", "--factor", "64")
+    picks = [line.split()[2] for line in result.output.splitlines() if line.startswith("  all_reduce")]
+    assert picks == ["oneshot", "twoshot", "twoshot"]  # on 4 ranks, each reduces a quarter from 1 MiB
     assert "why it can win" not in result.output
 
 

@@ -9,8 +9,8 @@ For each pair (a, b) and size S, with the other ranks waiting at a barrier:
 - bidirectional a <-> b: both send S and receive S at once (sendrecv); the bandwidth counts both
   directions' bytes: 2S / median round.
 
-Then the all-to-all aggregate: every rank sends S(n-1)/n to the others at once (the backend's
-all_to_all); per-rank bandwidth is what one rank sends per second (median round of the slowest
+Then the all-to-all aggregate: every rank sends S(n-1)/n to the others at once (the group's
+all_to_all, `auto`: on one host through the shared segment); per-rank bandwidth is what one rank sends per second (median round of the slowest
 rank), aggregate n times that.
 
 Each rank times only the tests it leads and writes the seconds into its slot of a table that
@@ -126,4 +126,4 @@ def _all_to_all(group, size: int, device, sweep: P2PSweep) -> float:
     count = max(size // group.size, 1) * group.size
     out = torch.ones(count, dtype=torch.uint8, device=device)
     into = torch.empty_like(out)
-    return _median_round(lambda: group.all_to_all(into, out, algo="native"), sweep)
+    return _median_round(lambda: group.all_to_all(into, out, algo="auto"), sweep)

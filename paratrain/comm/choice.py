@@ -37,7 +37,7 @@ def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Cho
     if transport == "nccl":
         return Choice("native", "NCCL's own kernels pick ring or tree on the GPU itself")
     if transport == "shm":
-        return _on_shared_memory(op, nbytes)
+        return _on_shared_memory(op, nbytes, world_size)
     if transport == "gloo":
         if op == "reduce_scatter" and nbytes >= 256 * KIB:
             return Choice(
@@ -58,14 +58,17 @@ def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Cho
 _SHM_WHY = "on one host every rank reads its peers' copies in the shared segment, no messages"
 
 
-def _on_shared_memory(op: str, nbytes: int) -> Choice:
+def _on_shared_memory(op: str, nbytes: int, world_size: int) -> Choice:
     """The defaults for the shared-memory transport: a process group whose ranks all share one host
     (kind "shm", transport/shm_transport.py)."""
     if op == "barrier":
         return Choice("oneshot", f"{_SHM_WHY}; oneshot: a step in the segment is the barrier itself")
     if op != "all_reduce":
         return Choice("oneshot", f"{_SHM_WHY}; oneshot: one copy in, one step, one pass over the copies")
-    if nbytes < 512 * KIB:
+    if world_size == 2:
+        return Choice("oneshot", f"{_SHM_WHY}; oneshot: with 2 ranks each adds its peer's copy to its own "
+                                 "buffer, as few bytes moved as twoshot and one step instead of two")
+    if nbytes < 256 * KIB:
         return Choice("oneshot", f"{_SHM_WHY}; oneshot: small message, every rank reduces it all after one step")
     return Choice("twoshot", f"{_SHM_WHY}; twoshot: large message, each rank reduces 1/n of it, then all copy")
 

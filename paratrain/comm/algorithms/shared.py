@@ -9,9 +9,10 @@ it into a staging buffer, and only then reduced, and each message costs its book
 
 "oneshot": every rank does the whole of its part of the work from every slot: for an all-reduce,
 every rank reduces the whole message (cheapest in steps and copies; each rank reads n slots).
-"twoshot": the all-reduce as MPI does it for large messages: rank r reduces part r of every
-slot into its own slot, a step, then every rank copies each part from its owner's slot; each
-rank reads about twice its message whatever n is, instead of n times, for one step more.
+"twoshot": the all-reduce as MPI does it for large messages, a reduce-scatter and an all-gather
+in place in the segment: rank r reduces part r from every peer's slot, a step, then every rank
+copies each part from its owner's slot; each rank reads about twice its message whatever n is,
+instead of n times, for one step more.
 
 A message larger than a slot goes through in pieces of a slot each; the halves of the segment
 alternate, so one piece's copy-in does not wait for the peers still reading the previous one.
@@ -95,26 +96,35 @@ def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
 
 @_on_cpu(direct.all_reduce)
 def all_reduce_twoshot(link: Link, buf: torch.Tensor, op: str) -> None:
-    """Two-shot: rank r reduces part r of every rank's copy into its own slot, then every rank
-    copies each part from the slot of the rank that reduced it."""
-    arena, size = _arena(link), buf.element_size()
+    """Two-shot, in place in the segment: each rank copies in only the parts its peers reduce
+    (part j for rank j), and reduces its own part r straight into its buffer from its peers'
+    copies; it publishes the result in the part-r place of its slot, which no peer reads before
+    the second step; then every rank copies each part from its owner. Each rank copies in
+    (n-1)/n of the message, not all of it, and nothing of its own part leaves its buffer
+    before it is reduced."""
+    arena, size, n, me = _arena(link), buf.element_size(), link.size, link.rank
     total, address = buf.numel(), buf.data_ptr()
     per_piece = arena.slot_bytes // size
-    others = [peer for peer in range(link.size) if peer != link.rank]
+    others = [peer for peer in range(n) if peer != me]
     for start in _pieces(total, per_piece):
         count = min(per_piece, total - start)
         half = arena.next_half()
-        memmove(arena.slot_address(half, link.rank), address + start * size, count * size)
+        bounds = part_bounds(count, n)
+        low, high = bounds[me]
+        slot, piece = arena.slot_address(half, me), address + start * size
+        memmove(slot, piece, low * size)  # the parts before ours, then those after it
+        memmove(slot + high * size, piece + high * size, (count - high) * size)
         arena.arrive_and_wait(link.timeout)
-        bounds = part_bounds(count, link.size)
-        low, high = bounds[link.rank]
         if high > low:
+            mine = buf[start + low : start + high]
             rows = arena.rows(half, buf.dtype, low, high - low).each
-            for peer in others:  # only this rank writes part `rank` of its own slot
-                combine_(rows[link.rank], rows[peer], op)
+            for peer in others:  # in rank order: every run folds the same way
+                combine_(mine, rows[peer], op)
+            memmove(slot + low * size, mine.data_ptr(), (high - low) * size)
         arena.arrive_and_wait(link.timeout)
-        for owner, (low, high) in enumerate(bounds):
-            memmove(address + (start + low) * size, arena.slot_address(half, owner) + low * size, (high - low) * size)
+        for owner in others:
+            low, high = bounds[owner]
+            memmove(piece + low * size, arena.slot_address(half, owner) + low * size, (high - low) * size)
 
 
 @_on_cpu(direct.reduce_scatter)
