@@ -159,19 +159,24 @@ def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: st
 
 @_on_cpu(direct.all_gather)
 def all_gather(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
-    """Each rank copies its part into its slot; every rank copies every slot into its output."""
-    arena, size, n = _arena(link), output.element_size(), link.size
+    """Each rank copies its part into its slot, and into its output while its peers catch up;
+    then it copies every peer's slot into its output."""
+    arena, size, n, me = _arena(link), output.element_size(), link.size, link.rank
     bounds = part_bounds(output.numel(), n)
-    per_piece = arena.slot_bytes // size
     source, address = input.data_ptr(), output.data_ptr()
+    own = address + bounds[me][0] * size
+    if own != source:  # not in place (an in-place input is already its part of the output)
+        memmove(own, source, input.numel() * size)
+    per_piece = arena.slot_bytes // size
     mine = input.numel()
     for offset in _pieces(bounds[0][1], per_piece):
         half = arena.next_half()
-        memmove(arena.slot_address(half, link.rank), source + offset * size, max(0, min(per_piece, mine - offset)) * size)
+        memmove(arena.slot_address(half, me), source + offset * size, max(0, min(per_piece, mine - offset)) * size)
         arena.arrive_and_wait(link.timeout)
         for owner, (low, high) in enumerate(bounds):
             count = max(0, min(per_piece, high - low - offset))
-            memmove(address + (low + offset) * size, arena.slot_address(half, owner), count * size)
+            if owner != me:
+                memmove(address + (low + offset) * size, arena.slot_address(half, owner), count * size)
 
 
 @_on_cpu(direct.broadcast)
