@@ -224,10 +224,13 @@ def test_overhead_prints_ours_beside_the_bare_replay_per_algorithm_and_size():
 
 def test_overhead_on_processes_also_times_the_replay_through_dist_isend_irecv():
     result = bench("--overhead", "--launcher", "processes", "--nproc", "2", "--warmup", "0", "--iters", "2",
-                   "--algos", "ring,native", "--min-bytes", "4K", "--max-bytes", "4K")
+                   "--algos", "ring,native,oneshot", "--min-bytes", "4K", "--max-bytes", "4K")
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.output.splitlines() if not line.startswith("#")]
-    assert [r[2] for r in rows] == ["ring", "native"]
+    assert [r[2] for r in rows] == ["ring", "native", "oneshot"]
+    shared = rows.pop()  # through the shared segment: no transport call, so no bare or dist replay
+    assert shared[3] == "0" and shared[5] == shared[6] == shared[7] == shared[14] == "-"
+    assert float(shared[4]) > 0 and float(shared[13]) > 0  # ours, and its path in a segment of its own
     for row in rows:
         ours, dist_alone, ratio, dist_cpu = float(row[4]), float(row[14]), float(row[15].rstrip("x")), float(row[16])
         assert dist_alone > 0 and dist_cpu > 0 and ratio == pytest.approx(ours / dist_alone, abs=0.006)

@@ -43,6 +43,7 @@ import torch
 from paratrain.bench.collectives import DTYPES, _build_case, _synchronize
 from paratrain.comm.group import Group
 from paratrain.comm.transport import SharedMemoryTransport
+from paratrain.comm.transport.shm_arena import Arena
 from paratrain.comm.transport.base import P2POp
 
 
@@ -97,6 +98,9 @@ class NullTransport:
         # Copied, not forwarded: a lookup through __getattr__ on every call would be timed too.
         for name in ("rank", "size", "kind", "global_ranks", "flight", "segment_bytes", "posts_ahead"):
             setattr(self, name, getattr(inner, name))
+        # The shared-segment algorithms copy and reduce in a segment of this process's own whose
+        # steps wait for nobody: their path is their copies and reductions, not the peers' pace.
+        self.arena = Arena.alone(inner.size, inner.rank) if getattr(inner, "arena", None) is not None else None
 
     def __getattr__(self, name):
         if name.startswith("native_"):
@@ -330,6 +334,8 @@ def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadR
     everyone = group.all_gather(medians.new_empty(len(mine) * group.size), medians, algo="native").cpu()
     slowest = everyone.view(group.size, len(mine)).max(dim=0).values.mul_(1e6).tolist()
     messages = sum(len(event[1]) for event in events if event[0] == "start")
+    if not events:  # the shared segment's algorithms: no transport call to replay bare
+        slowest[2] = slowest[3] = slowest[5] = slowest[7] = slowest[8] = math.nan
     del keep_alive
     return OverheadRow(op, algo if algo == chosen else f"{algo}({chosen})", count * dtype.itemsize, messages,
                        ours_us=slowest[0], ours_cpu_us=slowest[1], bare_us=slowest[2], bare_cpu_us=slowest[3],
@@ -349,6 +355,13 @@ def _path_alone(group: Group, op, count, dtype, device, algo) -> float:
     return path
 
 
+def _us(value: float, width: int, unit: str = "") -> str:
+    """A figure, or '-' where there is none (nan: no bare replay for the shared segment's algorithms)."""
+    if value != value:
+        return f"{'-':>{width + len(unit)}}"
+    return f"{value:>{width}.{2 if unit else 1}f}{unit}"
+
+
 def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
     lines = [
         "#",
@@ -360,7 +373,9 @@ def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
         "# nothing (checks, table, flight recorder, Group, Link, algorithm; no transport).",
         "# dist = the same bare replay through dist.isend/dist.irecv, as a user's own script would",
         "# post them (processes only; always over gloo's sockets, never shared memory), timed in the",
-        "# same alternation as ours and bare.",
+        "# same alternation as ours and bare. The shared segment's algorithms (oneshot, twoshot) make no",
+        "# transport call to replay: no bare side ('-'); their path copies and reduces in a segment that",
+        "# waits for no peer.",
         f"# {'op':<10}  {'size (B)':>9}  {'algo':<10}  {'msgs':>4}  {'ours':>8}  {'bare':>8}  {'overhead':>8}"
         f"  {'ratio':>6}  {'burst':>8}  {'burst':>8}  {'burst':>6}  {'ours':>7}  {'bare':>7}  {'path':>6}"
         f"  {'dist':>8}  {'ours /':>6}  {'dist':>7}",
@@ -373,9 +388,10 @@ def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
     ]
     for r in rows:
         lines.append(
-            f"  {r.op:<10}  {r.bytes:>9}  {r.algo:<10}  {r.messages:>4}  {r.ours_us:>8.1f}  {r.bare_us:>8.1f}"
-            f"  {r.overhead_us:>8.1f}  {r.ours_us / r.bare_us:>5.2f}x  {r.burst_ours_us:>8.1f}  {r.burst_bare_us:>8.1f}"
-            f"  {r.burst_ours_us / r.burst_bare_us:>5.2f}x  {r.ours_cpu_us:>7.1f}  {r.bare_cpu_us:>7.1f}  {r.path_us:>6.1f}"
+            f"  {r.op:<10}  {r.bytes:>9}  {r.algo:<10}  {r.messages:>4}  {r.ours_us:>8.1f}  {_us(r.bare_us, 8)}"
+            f"  {_us(r.overhead_us, 8)}  {_us(r.ours_us / r.bare_us, 5, 'x')}  {r.burst_ours_us:>8.1f}"
+            f"  {_us(r.burst_bare_us, 8)}  {_us(r.burst_ours_us / r.burst_bare_us, 5, 'x')}  {r.ours_cpu_us:>7.1f}"
+            f"  {_us(r.bare_cpu_us, 7)}  {r.path_us:>6.1f}"
             + (f"  {r.dist_us:>8.1f}  {r.ours_us / r.dist_us:>5.2f}x  {r.dist_cpu_us:>7.1f}" if r.dist_us == r.dist_us
                else f"  {'-':>8}  {'-':>6}  {'-':>7}")  # nan: no dist side on this transport
         )
@@ -383,7 +399,7 @@ def overhead_lines(rows: list[OverheadRow], rounds: int) -> list[str]:
         worst = max(rows, key=lambda r: r.path_us)
         lines.append(f"# largest path: {worst.path_us:.1f} us ({worst.op} {worst.algo} at {worst.bytes} B); "
                      f"budget 50 us: {'within' if worst.path_us <= 50 else 'OVER'}")
-        ratios = [r.burst_ours_us / r.burst_bare_us for r in rows if r.messages]
+        ratios = [r.burst_ours_us / r.burst_bare_us for r in rows if r.messages and r.burst_bare_us == r.burst_bare_us]
         if ratios:
             lines.append(f"# burst ratio of our algorithms (ours / bare, per call): {min(ratios):.2f}x to {max(ratios):.2f}x")
         public = [r for r in rows if r.messages and r.dist_us == r.dist_us]

@@ -78,23 +78,15 @@ class Rows(NamedTuple):
 class Arena:
     """This rank's mapping of its group's segment."""
 
-    def __init__(self, path: str, ranks: int, rank: int, create: bool, peers: dict[int, tuple[int, bytes]],
+    def __init__(self, mapping: mmap.mmap, ranks: int, rank: int, peers: dict[int, tuple[int, bytes]],
                  spin_s: float):
+        """`mapping` holds the segment; a step waits for the ranks of `peers`."""
         self.size, self.rank = ranks, rank
         self.slot_bytes = slot_bytes_for(ranks)
-        size = arena_bytes(ranks)
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)  # sparse, and zero: every step starts at 0
-            elif os.fstat(fd).st_size != size:
-                raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {size}")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = mapping
         self._words = memoryview(self._map).cast("q")
         self._mine = rank * _WORDS_PER_LINE
-        self._others = [(peer, peer * _WORDS_PER_LINE) for peer in range(ranks) if peer != rank]
+        self._others = [(peer, peer * _WORDS_PER_LINE) for peer in sorted(peers)]
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._data = ranks * LINE  # where the halves start
         self.address = self._bytes.data_ptr()
@@ -105,6 +97,27 @@ class Arena:
         self.uses = 0  # pieces so far: which half the next one takes
         self._rows: dict[tuple, Rows] = {}
         self._populated = False
+
+    @classmethod
+    def open(cls, path: str, ranks: int, rank: int, create: bool, peers: dict[int, tuple[int, bytes]],
+             spin_s: float) -> Arena:
+        """The segment in the file at `path`: created (by the group's rank 0) or opened."""
+        size = arena_bytes(ranks)
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)  # sparse, and zero: every step starts at 0
+            elif os.fstat(fd).st_size != size:
+                raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {size}")
+            return cls(mmap.mmap(fd, size), ranks, rank, peers, spin_s)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def alone(cls, ranks: int, rank: int) -> Arena:
+        """A segment of this process's own memory whose steps wait for nobody: what paratrain's
+        own code is timed against (`bench collectives --overhead`'s path)."""
+        return cls(mmap.mmap(-1, arena_bytes(ranks)), ranks, rank, {}, 0.0)
 
     # ---- where things are ---------------------------------------------------------------
 

@@ -197,7 +197,7 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     if neighbours:
         outgoing = {peer: Ring(_ring_path(own, peer), capacity, create=True) for peer in neighbours}
         if everyone_here and inner.rank == 0:
-            arena = Arena(_arena_path(own), inner.size, 0, True, peers, spin_s(settings, ranks_here))
+            arena = Arena.open(_arena_path(own), inner.size, 0, True, peers, spin_s(settings, ranks_here))
         os.mkfifo(_bell_path(own), 0o600)
         bell = (os.open(_bell_path(own), os.O_RDONLY | os.O_NONBLOCK),
                 os.open(_bell_path(own), os.O_WRONLY | os.O_NONBLOCK))
@@ -206,7 +206,7 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
         incoming[peer] = Ring(_ring_path(owners[peer], inner.rank), capacity, create=False)
         bells[peer] = os.open(_bell_path(owners[peer]), os.O_WRONLY | os.O_NONBLOCK)
     if everyone_here and inner.rank != 0:
-        arena = Arena(_arena_path(owners[0]), inner.size, inner.rank, False, peers, spin_s(settings, ranks_here))
+        arena = Arena.open(_arena_path(owners[0]), inner.size, inner.rank, False, peers, spin_s(settings, ranks_here))
     inner.native_barrier(timeout)  # every peer has opened ours: the names can go
     cleanup()
     atexit.unregister(cleanup)
