@@ -67,6 +67,12 @@ def _fixture(folder: Path) -> None:
             {**collective, "op": "barrier", "algo": "native", "bytes": 0, "time_us": 90.0,
              "algbw_gbps": None, "busbw_gbps": None},
         ],
+        "collectives-mpi-2": [
+            {**collective, "op": "all_reduce", "algo": "auto(oneshot)", "bytes": 16384, "time_us": 12.0,
+             "algbw_gbps": 1.37, "busbw_gbps": 1.37},
+            {**collective, "op": "all_reduce", "algo": "mpi", "bytes": 16384, "time_us": 6.0,
+             "algbw_gbps": 2.73, "busbw_gbps": 2.73},
+        ],
         "p2p-shm": [
             {"test": "uni", "src": 0, "dst": 1, "bytes": 8, "time_us": 36.0, "gbps": 0.0002, "latency_us": 18.0,
              "launcher": "processes", "transport": "gloo (shared memory)", "world_size": 2},
@@ -121,6 +127,7 @@ def test_results_page_is_rendered_from_the_benchmarks_json(tmp_path):
 
     # the tables carry the records' numbers
     assert "| 16K | 241 (0.07) | 500 (0.03) | 250 (0.07) | direct | 2.00x |" in page
+    assert "| 16K | 12.0 (1.37) | 6.00 (2.73) | oneshot | 2.00x |" in page and "*auto / MPI* = our time" in page
     assert "| - | - | 90 | - | - |" not in page and "| - | 90 |" in page  # a barrier: time only
     assert "| 8 | 40.0 | 0.000 | 0.001 | - |" in page and "Latency (half the round at 8 B): 20.0 us" in page
     assert "| mlp16 | 16,793,600 | ddp | 171.5 ± 3.00 | 0.79x | - | 60.0 | 12.0 | 35% |" in page

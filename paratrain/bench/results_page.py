@@ -45,8 +45,15 @@ class Sweep:
 
 SWEEPS = (
     Sweep("collectives-2", "collectives", "Collectives on 2 processes: each algorithm against gloo's own",
-          ("--nproc", "2", "--ops", "all_reduce,reduce_scatter,all_gather", "--algos", "ring,hd,native,auto",
-           "--min-bytes", "16K", "--max-bytes", "16M", "--factor", "4", "--iters", "10"), plot=True),
+          ("--nproc", "2", "--ops", "all_reduce,reduce_scatter,all_gather", "--algos",
+           "ring,hd,oneshot,twoshot,native,auto", "--min-bytes", "16K", "--max-bytes", "16M", "--factor", "4",
+           "--iters", "10"), plot=True),
+    Sweep("collectives-mpi-2", "collectives", "Collectives on 2 processes beside MPICH's (mpi4py), rounds alternating",
+          ("--peer", "mpi", "--nproc", "2", "--ops", "all_reduce,reduce_scatter,all_gather", "--min-bytes", "16K",
+           "--max-bytes", "64M", "--factor", "4", "--iters", "20")),
+    Sweep("collectives-mpi-4", "collectives", "Collectives on 4 processes (of 2 cores) beside MPICH's",
+          ("--peer", "mpi", "--nproc", "4", "--ops", "all_reduce,reduce_scatter,all_gather", "--min-bytes", "16K",
+           "--max-bytes", "64M", "--factor", "4", "--iters", "20")),
     Sweep("collectives-4", "collectives", "Every collective on 4 processes: the default pick (auto) against gloo's own",
           ("--nproc", "4", "--algos", "auto,native", "--min-bytes", "16K", "--max-bytes", "16M",
            "--factor", "4", "--iters", "10")),
@@ -177,7 +184,10 @@ def render_collectives(records: list[dict]) -> list[str]:
     lines.append(f"{first['world_size']} ranks, launcher {first['launcher']}, transport "
                  f"{first.get('transport', '?')}, {first['dtype']}. Time per call in us (slowest rank; "
                  "bus bandwidth in GB/s in brackets)"
-                 + ("; *auto ran*: the algorithm `auto` picked; *vs native* = native's time / auto's." if has_auto
+                 + ("; *auto ran*: the algorithm `auto` picked; *vs native* = native's time / auto's" if has_auto
+                    else "")
+                 + ("; *mpi*: MPICH through mpi4py in the same run (the median of rounds alternating with ours), "
+                    "*auto / MPI* = our time / MPI's, below 1 ours is faster." if any(r["algo"] == "mpi" for r in records)
                     else "."))
     for op in dict.fromkeys(r["op"] for r in records):
         rows = [r for r in records if r["op"] == op]
@@ -190,8 +200,11 @@ def render_collectives(records: list[dict]) -> list[str]:
                 cells.append(at["auto"]["algo"][5:-1])  # "auto(ring)" ran the ring
             if "auto" in at and "native" in at:
                 cells.append(f"{at['native']['time_us'] / at['auto']['time_us']:.2f}x")
+            if "auto" in at and "mpi" in at:
+                cells.append(f"{at['auto']['time_us'] / at['mpi']['time_us']:.2f}x")
             table.append(["-" if op == "barrier" else _size(nbytes), *cells])
         extra = (["auto ran"] if "auto" in algos else []) + (["vs native"] if {"auto", "native"} <= set(algos) else [])
+        extra += ["auto / MPI"] if {"auto", "mpi"} <= set(algos) else []
         lines += ["", f"**{op}**", ""] + _table(["size (B)", *algos, *extra], table)
     wrong = sum(r["wrong"] for r in records)
     return lines + ["", f"Wrong elements: {wrong}."]
