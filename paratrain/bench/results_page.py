@@ -173,7 +173,9 @@ def _time_and_busbw(record: dict | None) -> str:
     if record is None:
         return "-"
     busbw = record["busbw_gbps"]
-    return f"{record['time_us']:.0f}" + (f" ({busbw:.2f})" if busbw is not None else "")
+    time_us = record["time_us"]
+    shown = f"{time_us:.0f}" if time_us >= 100 else f"{time_us:.3g}"  # small calls keep a tenth of a us
+    return shown + (f" ({busbw:.2f})" if busbw is not None else "")
 
 
 def render_collectives(records: list[dict]) -> list[str]:
