@@ -279,3 +279,27 @@ def test_a_recorded_choice_replaces_the_one_auto_remembered():
     assert table.choose("all_reduce", 4096, 2, "gloo").algo == "native"  # not measured: the default
     table.record("gloo", 2, "all_reduce", 4096, "hd", "faster by 30%")
     assert table.choose("all_reduce", 4096, 2, "gloo") == Choice("hd", "faster by 30%; measured at 4 KiB on gloo x2")
+
+
+def shared_segment_plans(group: Group) -> list:
+    """oneshot and twoshot plans: calls after the second go straight to the algorithm, and an
+    async call on a planned tensor (the communication thread takes the whole path) runs it too."""
+    seen = []
+    for algo in ("oneshot", "twoshot"):
+        group = Group(group.transport, timeout=group.timeout)  # no communication thread yet
+        whole = []
+        whole_path = group._run
+        group._run = lambda *args, whole=whole, **kwargs: whole.append(1) or whole_path(*args, **kwargs)
+        tensor = torch.ones(100, dtype=torch.float64)
+        for _ in range(4):
+            group.all_reduce(tensor, algo=algo)
+        group.all_reduce(tensor, algo=algo, async_op=True).wait()
+        group.all_reduce(tensor, algo=algo, async_op=True).wait()
+        group.close()
+        seen.append((algo, len(whole), torch.equal(tensor, torch.full((100,), float(group.size ** 6), dtype=torch.float64))))
+    return seen
+
+
+def test_shared_segment_calls_go_straight_to_their_plan_and_async_calls_run_it_too():
+    results = paratrain.run(shared_segment_plans, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert results[0] == results[1] == [("oneshot", 4, True), ("twoshot", 4, True)]  # 2 recording + 2 async

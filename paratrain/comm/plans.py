@@ -113,7 +113,10 @@ class CallPlans:
         key = id(tensor)
         plan = self.planned.get(key)
         if plan is not None and plan.fits(tensor, buf, algo, op):
-            link.replay(plan.schedule, plan.messages, plan.compiled)
+            if plan.run is not None:
+                plan.run(link)
+            else:
+                link.replay(plan.schedule, plan.messages, plan.compiled)
             return
         plan = self.noted.pop(key, None)
         if plan is None or not plan.fits(tensor, buf, algo, op):  # first seen: only noted
