@@ -170,3 +170,25 @@ def test_the_segment_leaves_no_file_behind():
     before = _segment_files()
     paratrain.run(_back_to_back, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
     assert _segment_files() == before
+
+
+def _late_peer(group) -> list[str]:
+    """Rank 0 arrives late, so rank 1 waits long enough to sleep on its doorbell (no polling:
+    PARATRAIN_SHM_SPIN_US=0), on the main thread and on the communication thread."""
+    failures = []
+    for async_op in (False, True):
+        if group.rank == 0:
+            time.sleep(0.3)
+        tensor = torch.full((1000,), float(group.rank + 1))
+        handle = group.all_reduce(tensor, algo="oneshot", async_op=async_op)
+        if async_op:
+            handle.wait()
+        if not torch.equal(tensor, torch.full((1000,), 3.0)):
+            failures.append(f"rank {group.rank}: a sleeping waiter's all-reduce (async {async_op}) is wrong")
+    group.close()
+    return failures
+
+
+def test_a_rank_asleep_in_a_step_is_woken_by_its_peer(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "0")
+    assert_no_failures(paratrain.run(_late_peer, 2, launcher="processes", timeout=RUN_TIMEOUT_S))

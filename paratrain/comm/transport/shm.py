@@ -231,7 +231,7 @@ class SharedMemoryP2P:
                 send.done = True
                 channel.queue.popleft()
         if moved and ring.receiver_sleeping:
-            self._ring_bell(peer)
+            self.ring_bell(peer)
         return moved
 
     def _pull(self, peer: int, channel: _Incoming) -> bool:
@@ -255,7 +255,7 @@ class SharedMemoryP2P:
                 channel.current = None
         if ring.sender_waiting:
             ring.set_sender_waiting(False)
-            self._ring_bell(peer)
+            self.ring_bell(peer)
         return True
 
     def _landing_for(self, channel: _Incoming, fragment: Fragment):
@@ -280,7 +280,7 @@ class SharedMemoryP2P:
                     moved = True
         return moved
 
-    def _ring_bell(self, peer: int) -> None:
+    def ring_bell(self, peer: int) -> None:
         try:
             os.write(self._bells[peer], b"\0")
         except BlockingIOError:  # its pipe is full of rings it has not read: it will look anyway

@@ -8,7 +8,8 @@ copies. The arena is that segment; algorithms/shared.py are the collectives over
 
 Layout of the file (created by the group's rank 0, opened by the others, see shm_setup.py):
 
-    a 64-byte line per rank: word 0 is that rank's step, how many times it has arrived
+    a 64-byte line per rank: word 0 is that rank's step, how many times it has arrived;
+                             word 1 is up while it sleeps waiting for a step
     two halves, each a slot of `slot_bytes` per rank
 
 A step is a barrier without messages: a rank writes its new step and waits until every other
@@ -17,7 +18,11 @@ writes into a half only after a step that every peer reached after reading it th
 so one step per piece is all the synchronization a one-shot collective needs.
 
 A wait polls the peers' steps (yielding the core between looks, as MPI's shared-memory polling
-does) for `spin_s`, then naps, a little longer each time up to _NAP_S. Every _LOOK_S it checks
+does) for `spin_s`, then sleeps on this process's doorbell (the rings' named pipe, shm.py), having
+raised its flag (word 1 of its line): a rank that takes a step rings the bell of every peer whose
+flag is up. A sleep lasts at most _NAP_S, a little longer each time from _FIRST_NAP_S, so a ring
+lost in the window x86 leaves between a flag and a step (or taken by another thread of the
+process sleeping on the same bell) costs that much at most. Every _LOOK_S it checks
 that the ranks it waits for still exist (TransportFailure when one has gone) and it gives up
 after its timeout (TransportTimeout), naming the rank it was waiting for. While it waits it moves
 this process's messages in the rings too (`progress`): a peer may be blocked on a ring we must
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import threading
 import time
 from typing import NamedTuple
@@ -93,6 +99,8 @@ class Arena:
         self.peers = peers  # rank -> (pid, start time), to tell that it still runs
         self.spin_s = spin_s
         self.progress = None  # moves this process's ring messages while it waits (SharedMemoryP2P)
+        self.bell = None  # the read end of this process's doorbell, to sleep on (shm_setup.py)
+        self.ring = None  # ring(peer): write a byte to peer's doorbell
         self.step = 0
         self.uses = 0  # pieces so far: which half the next one takes
         self._rows: dict[tuple, Rows] = {}
@@ -164,6 +172,10 @@ class Arena:
         self.step += 1
         step, words = self.step, self._words
         words[self._mine] = step
+        if self.ring is not None:
+            for peer, index in self._others:
+                if words[index + 1]:  # asleep waiting for this step, or for a later one
+                    self.ring(peer)
         for peer, index in self._others:
             if words[index] < step:
                 self._wait_for(peer, index, step, timeout)
@@ -193,8 +205,27 @@ class Arena:
                 look_at = now + _LOOK_S
             if self.progress is not None:
                 self.progress()
-            time.sleep(nap)
+            self._sleep(nap, index, step)
             nap = min(nap * 2, _NAP_S)
+
+    def _sleep(self, seconds: float, index: int, step: int) -> None:
+        """Sleep until a peer rings (or `seconds`): the flag goes up first, then the bell is
+        emptied (a system call: the flag is out before the step is looked at again), then the
+        step is looked at once more, so a step taken in between is not slept past."""
+        if self.bell is None:
+            time.sleep(seconds)
+            return
+        words = self._words
+        words[self._mine + 1] = 1
+        try:
+            try:
+                os.read(self.bell, 1 << 16)
+            except BlockingIOError:
+                pass
+            if words[index] < step:
+                select.select([self.bell], [], [], seconds)
+        finally:
+            words[self._mine + 1] = 0
 
     def _check_alive(self, peer: int) -> None:
         pid, started = self.peers[peer]

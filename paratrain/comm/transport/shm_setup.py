@@ -215,6 +215,7 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     p2p = SharedMemoryP2P(inner, outgoing, incoming, bells, bell, peers, spin_s(settings, ranks_here))
     if arena is not None:
         arena.progress = p2p.progress  # a peer blocked on a full ring to us must be read while we wait
+        arena.bell, arena.ring = bell[0], p2p.ring_bell  # a long wait sleeps on the rings' doorbell
     p2p.arena = arena
     return p2p
 
