@@ -77,7 +77,9 @@ def _pieces(count: int, per_piece: int) -> range:
 
 @_on_cpu(direct.all_reduce)
 def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
-    """One-shot: every rank reduces every rank's copy of the whole message."""
+    """One-shot: every rank reduces every rank's copy of the whole message. (The loop of
+    _pieces_through_slots written out: a small all-reduce is the call a training step makes
+    most, and a generator costs it a little.)"""
     arena, size = _arena(link), buf.element_size()
     total, address = buf.numel(), buf.data_ptr()
     per_piece = arena.slot_bytes // size
@@ -179,18 +181,25 @@ def all_gather(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
                 memmove(address + (low + offset) * size, arena.slot_address(half, owner), count * size)
 
 
-@_on_cpu(direct.broadcast)
-def broadcast(link: Link, buf: torch.Tensor, root: int) -> None:
-    """The root copies into its slot; every other rank copies out of it."""
-    arena, size = _arena(link), buf.element_size()
-    total, address = buf.numel(), buf.data_ptr()
+def _pieces_through_slots(link: Link, arena, buf: torch.Tensor, copying: bool):
+    """For each piece of `buf`: copy it into this rank's slot (where `copying`), take the step,
+    then yield (half, start, count) for the caller to read the slots."""
+    size, total, address = buf.element_size(), buf.numel(), buf.data_ptr()
     per_piece = arena.slot_bytes // size
     for start in _pieces(total, per_piece):
         count = min(per_piece, total - start)
         half = arena.next_half()
-        if link.rank == root:
-            memmove(arena.slot_address(half, root), address + start * size, count * size)
+        if copying:
+            memmove(arena.slot_address(half, link.rank), address + start * size, count * size)
         arena.arrive_and_wait(link.timeout)
+        yield half, start, count
+
+
+@_on_cpu(direct.broadcast)
+def broadcast(link: Link, buf: torch.Tensor, root: int) -> None:
+    """The root copies into its slot; every other rank copies out of it."""
+    arena, size, address = _arena(link), buf.element_size(), buf.data_ptr()
+    for half, start, count in _pieces_through_slots(link, arena, buf, copying=link.rank == root):
         if link.rank != root:
             memmove(address + start * size, arena.slot_address(half, root), count * size)
 
@@ -198,14 +207,8 @@ def broadcast(link: Link, buf: torch.Tensor, root: int) -> None:
 @_on_cpu(direct.reduce)
 def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
     """Every rank copies into its slot; the root reduces them all."""
-    arena, size = _arena(link), buf.element_size()
-    total, address = buf.numel(), buf.data_ptr()
-    per_piece = arena.slot_bytes // size
-    for start in _pieces(total, per_piece):
-        count = min(per_piece, total - start)
-        half = arena.next_half()
-        memmove(arena.slot_address(half, link.rank), address + start * size, count * size)
-        arena.arrive_and_wait(link.timeout)
+    arena = _arena(link)
+    for half, start, count in _pieces_through_slots(link, arena, buf, copying=True):
         if link.rank == root:
             _reduce_rows(arena.rows(half, buf.dtype, 0, count), buf[start : start + count], op)
 
