@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from paratrain.comm.algorithms.shared import SHARED_ALGORITHMS
+from paratrain.comm.algorithms.shared import SHARED_ALGORITHMS, planned_all_reduce
 from paratrain.comm.checks import CallSignature
 from paratrain.comm.link import Link
 from paratrain.comm.transport.base import POST, P2POp, Schedule
@@ -127,7 +127,8 @@ class CallPlans:
         if algo in CALLED:
             algorithm(link, buf, op)
             flat = _alias(buf)
-            plan.run = lambda link: algorithm(link, flat, op)
+            planned = planned_all_reduce(link, flat, op) if algo == "oneshot" else None
+            plan.run = planned or (lambda link: algorithm(link, flat, op))
             self._keep(self.planned, key, plan)
             self.made += 1
             return

@@ -96,6 +96,29 @@ def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
             _reduce_rows(rows, out, op)
 
 
+def planned_all_reduce(link: Link, buf: torch.Tensor, op: str):
+    """The one-shot all-reduce of `buf` with everything about it worked out once (its slots,
+    the views it reduces, its byte count): a function of the call's Link that only copies, steps
+    and reduces, for a call plan (plans.py). None where it takes several pieces or is off the CPU."""
+    arena, n, me = _arena(link), link.size, link.rank
+    nbytes, address = buf.numel() * buf.element_size(), buf.data_ptr()
+    if buf.device.type != "cpu" or nbytes > arena.slot_bytes:
+        return None
+    slots = [arena.slot_address(half, me) for half in (0, 1)]
+    rows = [arena.rows(half, buf.dtype, 0, buf.numel()) for half in (0, 1)]
+
+    def run(link: Link) -> None:
+        half = arena.next_half()
+        memmove(slots[half], address, nbytes)
+        arena.arrive_and_wait(link.timeout)
+        if n == 2:  # as in all_reduce
+            combine_(buf, rows[half].each[1 - me], op)
+        else:
+            _reduce_rows(rows[half], buf, op)
+
+    return run
+
+
 @_on_cpu(direct.all_reduce)
 def all_reduce_twoshot(link: Link, buf: torch.Tensor, op: str) -> None:
     """Two-shot, in place in the segment: each rank copies in only the parts its peers reduce
