@@ -178,7 +178,7 @@ def test_an_algorithm_posting_its_own_messages_cannot_be_recorded():
 
 
 def straight_calls(group: Group) -> dict[str, object]:
-    """Which calls go straight to their tensor's plan (Group._run_plan) and which take the whole
+    """Which calls go straight to their tensor's plan (Group._run_straight) and which take the whole
     path (Group._run), and that both give exact sums and true flight records."""
     taken = []
     whole_path = group._run
@@ -303,3 +303,42 @@ def shared_segment_plans(group: Group) -> list:
 def test_shared_segment_calls_go_straight_to_their_plan_and_async_calls_run_it_too():
     results = paratrain.run(shared_segment_plans, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
     assert results[0] == results[1] == [("oneshot", 4, True), ("twoshot", 4, True)]  # 2 recording + 2 async
+
+
+def repeated_scatters_and_gathers(group: Group) -> dict:
+    """A reduce-scatter and an all-gather made again on the same tensors: the first two take the
+    whole path, the rest go straight, all with the right values; other tensors, or the same
+    tensor with new memory, take the whole path again; an entry goes with its tensor."""
+    whole = []
+    whole_path = group._run
+    group._run = lambda *args, **kwargs: whole.append(args[0]) or whole_path(*args, **kwargs)
+    n, me = group.size, group.rank
+    full, part = torch.empty(4 * n), torch.empty(4)
+    exact = True
+    for step in range(5):
+        full.copy_(torch.arange(4 * n, dtype=torch.float32) * (me + 1) + step)
+        group.reduce_scatter(part, full, op="avg")
+        want = (torch.arange(4 * me, 4 * me + 4, dtype=torch.float32) * sum(range(1, n + 1)) + n * step) / n
+        exact = exact and torch.allclose(part, want)
+        part.fill_(float(me + step))
+        group.all_gather(full, part)
+        exact = exact and torch.equal(full, torch.cat([torch.full((4,), float(r + step)) for r in range(n)]))
+    seen = {"whole path": list(whole), "exact": exact, "entries": len(group._repeats.calls)}
+    whole.clear()
+    full.set_(torch.empty(4 * n).untyped_storage())  # the same tensor, new memory
+    group.all_gather(full, part)
+    seen["new memory"] = list(whole)
+    del full
+    seen["entries after a tensor went"] = len(group._repeats.calls)
+    group._run = whole_path
+    return seen
+
+
+@pytest.mark.parametrize("launcher", ["threads", "processes"])
+def test_repeated_reduce_scatters_and_all_gathers_go_straight(launcher):
+    results = paratrain.run(repeated_scatters_and_gathers, 2, launcher=launcher, timeout=RUN_TIMEOUT_S)
+    for rank in range(2):
+        assert results[rank] == {
+            "whole path": ["reduce_scatter", "all_gather"] * 2, "exact": True, "entries": 2,
+            "new memory": ["all_gather"], "entries after a tensor went": 0,  # both held `full`
+        }, rank

@@ -14,6 +14,7 @@ without them, the defaults (300 s, no checks, the algorithm defaults of choice.p
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +28,7 @@ from paratrain.comm.flight import Call
 from paratrain.comm.handles import CollectiveHandle, P2PHandle, timed
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
 from paratrain.comm.ops import check_reduce_op, divide_, part_size
-from paratrain.comm.plans import CallPlans
+from paratrain.comm.plans import CallPlans, RepeatedCalls
 from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.transport.base import P2POp
 from paratrain.settings import Settings
@@ -70,6 +71,7 @@ class Group:
         self._executor: ThreadPoolExecutor | None = None
         self._scratch = ScratchPool()  # collectives run one at a time, so one pool serves all
         self._plans = CallPlans()  # the messages of recent all-reduces, replayed when a tensor comes back
+        self._repeats = RepeatedCalls()  # recent reduce-scatters and all-gathers, made again straight
         self._token: torch.Tensor | None = None  # what a barrier reduces
         # The works of the last calls, freed only once newer calls have finished. gloo frees a
         # finished message's buffer by spinning (sched_yield) until its I/O thread lets go of it;
@@ -211,34 +213,32 @@ class Group:
             return self._executor.submit(execute).result()
         return execute()
 
-    def _run_plan(self, plan, tensor: torch.Tensor) -> torch.Tensor:
-        """An all-reduce straight from `tensor`'s plan (plans.py): the plan's messages (compiled,
-        where the transport compiles) and nothing else, numbered, recorded and failed like any
-        other call. What `_run` and `all_reduce` would do besides (check the arguments, describe
-        the call, build its closures) the call that recorded the plan has done for this one."""
+    def _run_straight(self, op_name: str, entry, result, averaged: torch.Tensor | None = None):
+        """A call made again from what an earlier one noted (an all-reduce's plan, a repeated
+        reduce-scatter or all-gather, plans.py): its `run` and nothing else, numbered, recorded
+        and failed like any other call; `averaged` is divided by the world size after. What
+        `_run` and the op would do besides (check the arguments, describe the call, build its
+        closures) the call that noted it has done for this one."""
         self._collective_seq += 1
         seq = self._collective_seq
-        call = self._recorder.start(self._key, "collective", seq, "all_reduce", plan.signature, plan.algo)
+        call = self._recorder.start(self._key, "collective", seq, op_name, entry.signature, entry.algo)
         link = Link(
-            self.transport, "all_reduce", seq, _USER_TAGS + seq % _USER_TAGS, self.timeout,
+            self.transport, op_name, seq, _USER_TAGS + seq % _USER_TAGS, self.timeout,
             self.segment_bytes, self._scratch,
         )
         try:
-            if plan.run is not None:
-                try:
-                    plan.run(link)
-                except TRANSPORT_ERRORS as error:  # the shared segment's own waits
-                    raise comm_error(error, self.rank, "all_reduce", seq, self.timeout) from original_cause(error)
-            else:
-                link.replay(plan.schedule, plan.messages, plan.compiled)
+            try:
+                entry.run(link)
+            except TRANSPORT_ERRORS as error:  # the shared segment's own waits (Link's say who already)
+                raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
         except Exception as error:
             self._failed(call, error)
             raise
-        if plan.signature.reduce_op == "avg":
-            divide_(tensor, self.size)
+        if averaged is not None:
+            divide_(averaged, self.size)
         self._retire(link.finished)
         call.complete()
-        return tensor
+        return result
 
     def _comm_thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -253,6 +253,7 @@ class Group:
             self._executor = None
         self._retired.clear()
         self._plans.clear()
+        self._repeats.clear()
 
     def resolve(self, op_name: str, algo: str, nbytes: int) -> str:
         """The algorithm that will run: `algo` itself, or the table's pick for `auto`."""
@@ -272,7 +273,7 @@ class Group:
         if not (async_op or self.debug or self._executor is not None):
             plan = self._plans.ready(tensor, op)
             if plan is not None and self.resolve("all_reduce", algo, plan.nbytes) == plan.algo:
-                return self._run_plan(plan, tensor)
+                return self._run_straight("all_reduce", plan, tensor, tensor if op == "avg" else None)
         checks.tensor_arg("all_reduce", "tensor", tensor)
         check_reduce_op(op)
         buf = checks.flat_buffer(tensor)
@@ -298,6 +299,11 @@ class Group:
         async_op: bool = False,
     ):
         """Reduce `input` over all ranks; rank r gets part r (torch.tensor_split's parts)."""
+        straight = not (async_op or self.debug or self._executor is not None)
+        if straight:
+            repeat = self._repeats.ready("reduce_scatter", output, input, op)
+            if repeat is not None and self.resolve("reduce_scatter", algo, repeat.nbytes) == repeat.algo:
+                return self._run_straight("reduce_scatter", repeat, output, output if op == "avg" else None)
         checks.tensor_arg("reduce_scatter", "output", output)
         checks.tensor_arg("reduce_scatter", "input", input)
         check_reduce_op(op)
@@ -307,14 +313,20 @@ class Group:
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
         base = "sum" if op == "avg" else op
 
-        def body(chosen, link):
+        def run(chosen, flat_out, flat_in, link):
             if flat_in.numel():
                 if chosen == "native":
                     self.transport.native_reduce_scatter(flat_out, flat_in, base, self.timeout)
                 else:
                     ALGORITHMS["reduce_scatter"][chosen](link, flat_in, flat_out, base)
+
+        def body(chosen, link):
+            run(chosen, flat_out, flat_in, link)
             if op == "avg":
                 divide_(flat_out, self.size)
+            if straight:  # made again on these tensors, it will run straight
+                self._repeats.note("reduce_scatter", output, input, op, chosen, _nbytes(input), signature,
+                                   lambda out, inp: functools.partial(run, chosen, out, inp))
             return checks.write_back(output, flat_out)
 
         signature = checks.CallSignature.of("reduce_scatter", input, reduce_op=op)
@@ -322,6 +334,11 @@ class Group:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto", async_op: bool = False):
         """Concatenate every rank's `input` into `output` (rank r's input is part r)."""
+        straight = not (async_op or self.debug or self._executor is not None)
+        if straight:
+            repeat = self._repeats.ready("all_gather", output, input, "")
+            if repeat is not None and self.resolve("all_gather", algo, repeat.nbytes) == repeat.algo:
+                return self._run_straight("all_gather", repeat, output)
         checks.tensor_arg("all_gather", "output", output)
         checks.tensor_arg("all_gather", "input", input)
         checks.same_dtype("all_gather", output, input)
@@ -329,13 +346,19 @@ class Group:
         checks.numel("all_gather", "input", input, expected, f"part {self.rank} of the output's {output.numel()}")
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
 
-        def body(chosen, link):
+        def run(chosen, flat_out, flat_in, link):
             if not flat_out.numel():
-                return output
+                return
             if chosen == "native":
                 self.transport.native_all_gather(flat_out, flat_in, self.timeout)
             else:
                 ALGORITHMS["all_gather"][chosen](link, flat_in, flat_out)
+
+        def body(chosen, link):
+            run(chosen, flat_out, flat_in, link)
+            if straight:  # made again on these tensors, it will run straight
+                self._repeats.note("all_gather", output, input, "", chosen, _nbytes(output), signature,
+                                   lambda out, inp: functools.partial(run, chosen, out, inp))
             return checks.write_back(output, flat_out)
 
         signature = checks.CallSignature.of("all_gather", output)

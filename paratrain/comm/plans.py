@@ -22,7 +22,7 @@ A plan is recorded as a Schedule (transport/base.py): every post and every wait 
 in order. A transport that can compile one (TorchTransport on gloo) turns it into its own calls
 once, and a replay then runs those with nothing in between (MPI's persistent requests); other
 transports replay the schedule through Link. A call on a planned tensor goes straight to its
-plan (CallPlans.ready, Group._run_plan), skipping the checks and the description of the call
+plan (CallPlans.ready, Group._run_straight), skipping the checks and the description of the call
 that the recording call already made.
 
 A plan holds its tensor's memory, so it is dropped when the tensor is (a weak reference on the
@@ -63,7 +63,7 @@ class _Plan:
         self.schedule: Schedule | None = None  # recorded by the second call
         self.messages: list[P2POp] = []  # every P2POp of the schedule, for retagging
         self.compiled = None  # the transport's own form of the schedule, where it has one
-        self.run = None  # for CALLED algorithms: run(link), the algorithm on the tensor's memory
+        self.run = None  # run(link): the call again (its messages replayed, or a CALLED algorithm run)
 
     def fits(self, tensor: torch.Tensor, buf: torch.Tensor, algo: str, op: str) -> bool:
         return (self.owner() is tensor and self.algo == algo and self.op == op
@@ -92,7 +92,7 @@ class CallPlans:
     def ready(self, tensor, reduce_op: str) -> _Plan | None:
         """`tensor`'s plan if it was recorded by a call just like this one: the same tensor,
         memory, shape, dtype and reduce op. Such a call needs nothing but the plan replayed
-        (Group._run_plan), since the recording call's checks hold for it too. `tensor` may be
+        (Group._run_straight), since the recording call's checks hold for it too. `tensor` may be
         anything a caller passed: only a planned tensor matches."""
         plan = self.planned.get(id(tensor))
         if plan is None or plan.owner() is not tensor:
@@ -113,10 +113,7 @@ class CallPlans:
         key = id(tensor)
         plan = self.planned.get(key)
         if plan is not None and plan.fits(tensor, buf, algo, op):
-            if plan.run is not None:
-                plan.run(link)
-            else:
-                link.replay(plan.schedule, plan.messages, plan.compiled)
+            plan.run(link)
             return
         plan = self.noted.pop(key, None)
         if plan is None or not plan.fits(tensor, buf, algo, op):  # first seen: only noted
@@ -140,6 +137,7 @@ class CallPlans:
             op.tensor = _alias(op.tensor)
         compile_schedule = getattr(link.transport, "compile", None)
         plan.compiled = compile_schedule(plan.schedule) if compile_schedule is not None else None
+        plan.run = lambda link: link.replay(plan.schedule, plan.messages, plan.compiled)
         self._keep(self.planned, key, plan)
         self.made += 1
 
@@ -162,3 +160,72 @@ class CallPlans:
     def clear(self) -> None:
         self.noted.clear()
         self.planned.clear()
+
+
+class _Repeat:
+    """A reduce-scatter or all-gather noted with its tensors: what Group._run_straight needs to
+    make it again (its signature for the flight recorder, the algorithm it ran, `run(link)`)."""
+
+    __slots__ = ("owners", "pointers", "shapes", "dtype", "algo", "nbytes", "signature", "run")
+
+    def __init__(self, owners, output: torch.Tensor, input: torch.Tensor, algo: str, nbytes: int,
+                 signature: CallSignature, run: Callable[[Link], None]):
+        self.owners = owners  # weak references to (output, input)
+        self.pointers = (output.data_ptr(), input.data_ptr())
+        self.shapes, self.dtype = (output.shape, input.shape), output.dtype
+        self.algo, self.nbytes, self.signature, self.run = algo, nbytes, signature, run
+
+
+class RepeatedCalls:
+    """A group's last reduce-scatters and all-gathers, by the op, their two tensors and the
+    reduction: a call like one of them (the same tensors, memory, shapes and dtype, both
+    contiguous) needs none of its checks again and runs straight (Group._run_straight), as an
+    all-reduce's plan does. ZeRO and FSDP make the same calls on the same buffers every step.
+    Entries hold views of the tensors' memory, not the tensors, and go when either tensor does.
+    As with plans, a call is only seen the first time (its key kept) and noted the second: fresh
+    tensors every call (a layer's activations) never pay for an entry."""
+
+    def __init__(self, capacity: int = CAPACITY):
+        self.capacity = capacity
+        self.calls: dict[tuple, _Repeat] = {}
+        self.seen: dict[tuple, None] = {}  # keys of calls made once
+
+    def ready(self, op_name: str, output, input, reduce_op: str) -> _Repeat | None:
+        entry = self.calls.get((op_name, id(output), id(input), reduce_op))
+        if (entry is None or entry.owners[0]() is not output or entry.owners[1]() is not input
+                or entry.pointers != (output.data_ptr(), input.data_ptr())
+                or entry.shapes != (output.shape, input.shape) or entry.dtype != output.dtype
+                or not (output.is_contiguous() and input.is_contiguous())):
+            return None
+        return entry
+
+    def note(self, op_name: str, output: torch.Tensor, input: torch.Tensor, reduce_op: str, algo: str,
+             nbytes: int, signature: CallSignature, make_run: Callable) -> None:
+        """Keep the call just made; `make_run(output, input)` makes its run(link) from views of
+        the two tensors' memory (_alias), so that the entry does not hold the tensors."""
+        if not (output.is_contiguous() and input.is_contiguous()):
+            return
+        key = (op_name, id(output), id(input), reduce_op)
+        if key not in self.seen:  # a first sighting: only its key is kept
+            if len(self.seen) >= self.capacity:
+                del self.seen[next(iter(self.seen))]
+            self.seen[key] = None
+            return
+        del self.seen[key]
+        calls = self.calls
+
+        def forget(ref) -> None:
+            entry = calls.get(key)
+            if entry is not None and ref in entry.owners:
+                del calls[key]
+
+        run = make_run(_alias(output.view(-1)), _alias(input.view(-1)))
+        owners = (weakref.ref(output, forget), weakref.ref(input, forget))
+        calls.pop(key, None)
+        if len(calls) >= self.capacity:
+            del calls[next(iter(calls))]
+        calls[key] = _Repeat(owners, output, input, algo, nbytes, signature, run)
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.seen.clear()
