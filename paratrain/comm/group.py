@@ -1,5 +1,5 @@
-"""`Group`: what a rank talks through. Point-to-point, and the collectives with a choice of
-algorithm, over any transport.
+"""`Group`: what a rank talks through. Point-to-point (p2p_calls.py), and the collectives
+with a choice of algorithm, over any transport.
 
 Every collective call gets a sequence number (the same on every rank, since all ranks make
 the same calls in the same order); its messages carry a tag made from it, so they never match
@@ -25,20 +25,19 @@ from paratrain.comm.algorithms import ALGORITHMS, OPS, SHARED_ALGORITHMS, algori
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from paratrain.comm.flight import Call
-from paratrain.comm.handles import CollectiveHandle, P2PHandle, timed
+from paratrain.comm.handles import CollectiveHandle, timed
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
 from paratrain.comm.ops import check_reduce_op, divide_, part_size
+from paratrain.comm.p2p_calls import USER_TAGS, PointToPoint
 from paratrain.comm.plans import CallPlans, RepeatedCalls
 from paratrain.comm.scratch import ScratchPool
-from paratrain.comm.transport.base import P2POp
 from paratrain.settings import Settings
 
-_USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
 _DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
 _VALID = {kind: {op: frozenset(algorithms_for(op, kind)) for op in OPS} for kind in (None, "shm")}  # built once
 
 
-class Group:
+class Group(PointToPoint):
     def __init__(
         self,
         transport,
@@ -105,24 +104,7 @@ class Group:
             settings=self.settings,
         )
 
-    # ---- point-to-point ------------------------------------------------------------------
-
-    def _start_p2p(self, op: P2POp, target: torch.Tensor | None = None) -> P2PHandle:
-        """Start `op`; `target` is where a receive into a staging buffer ends up."""
-        if not isinstance(op.tag, int) or not 0 <= op.tag < _USER_TAGS:
-            raise ValueError(f"{op.kind}: tag must be an int in [0, {_USER_TAGS}), got {op.tag!r}")
-        self._p2p_seq += 1
-        call = self._recorder.start(
-            self._key, "p2p", self._p2p_seq, op.kind, (op.tensor.shape, op.tensor.dtype), None, op.peer,
-        )
-        link = Link(self.transport, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes, self._scratch)
-        try:
-            (work,) = link.start([op])
-        except Exception as error:
-            self._failed(call, error)
-            raise
-        return P2PHandle(call, link, work, op.tensor if target is None else target, op.tensor,
-                         self._failed, self._retire)
+    # ---- what point-to-point and the collectives share ---------------------------------
 
     def _retire(self, works: list) -> None:
         """Keep finished works until two newer batches have finished (see `_retired`)."""
@@ -145,36 +127,6 @@ class Group:
             return
         error.trace_dir = directory
 
-    def _check_peer(self, op_name: str, peer: int) -> None:
-        if not isinstance(peer, int) or not 0 <= peer < self.size:
-            raise ValueError(f"{op_name}: peer rank {peer!r} out of range [0, {self.size})")
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PHandle:
-        checks.tensor_arg("isend", "tensor", tensor)
-        self._check_peer("isend", dst)
-        return self._start_p2p(P2POp("send", tensor.contiguous(), dst, tag))
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PHandle:
-        checks.tensor_arg("irecv", "tensor", tensor)
-        self._check_peer("irecv", src)
-        staging = tensor if tensor.is_contiguous() else torch.empty_like(tensor).contiguous()
-        return self._start_p2p(P2POp("recv", staging, src, tag), target=tensor)
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(tensor, dst, tag).wait()
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.irecv(tensor, src, tag).wait()
-        return tensor
-
-    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0):
-        """Send to `dst` and receive from `src` at once (the step of every ring)."""
-        receiving = self.irecv(recv, src, tag)
-        sending = self.isend(send, dst, tag)
-        receiving.wait()
-        sending.wait()
-        return recv
-
     # ---- collectives ---------------------------------------------------------------------
 
     def _run(self, op_name: str, algo: str, nbytes: int, signature: checks.CallSignature, body,
@@ -186,7 +138,7 @@ class Group:
         seq = self._collective_seq
         call = self._recorder.start(self._key, "collective", seq, op_name, signature, chosen)
         link = Link(
-            self.transport, op_name, seq, _USER_TAGS + seq % _USER_TAGS, self.timeout,
+            self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
             self.segment_bytes, self._scratch,
         )
 
@@ -223,7 +175,7 @@ class Group:
         seq = self._collective_seq
         call = self._recorder.start(self._key, "collective", seq, op_name, entry.signature, entry.algo)
         link = Link(
-            self.transport, op_name, seq, _USER_TAGS + seq % _USER_TAGS, self.timeout,
+            self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
             self.segment_bytes, self._scratch,
         )
         try:

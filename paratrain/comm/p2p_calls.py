@@ -1,0 +1,63 @@
+"""A Group's point-to-point: isend, irecv, send, recv, sendrecv, checked, numbered and recorded
+like its collectives (a mixin of `Group`, group.py, which holds the transport, the flight
+recorder and what both kinds of call share: `_failed`, `_retire`)."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.comm import checks
+from paratrain.comm.handles import P2PHandle
+from paratrain.comm.link import Link
+from paratrain.comm.transport.base import P2POp
+
+USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
+
+
+class PointToPoint:
+    def _start_p2p(self, op: P2POp, target: torch.Tensor | None = None) -> P2PHandle:
+        """Start `op`; `target` is where a receive into a staging buffer ends up."""
+        if not isinstance(op.tag, int) or not 0 <= op.tag < USER_TAGS:
+            raise ValueError(f"{op.kind}: tag must be an int in [0, {USER_TAGS}), got {op.tag!r}")
+        self._p2p_seq += 1
+        call = self._recorder.start(
+            self._key, "p2p", self._p2p_seq, op.kind, (op.tensor.shape, op.tensor.dtype), None, op.peer,
+        )
+        link = Link(self.transport, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes, self._scratch)
+        try:
+            (work,) = link.start([op])
+        except Exception as error:
+            self._failed(call, error)
+            raise
+        return P2PHandle(call, link, work, op.tensor if target is None else target, op.tensor,
+                         self._failed, self._retire)
+
+    def _check_peer(self, op_name: str, peer: int) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.size:
+            raise ValueError(f"{op_name}: peer rank {peer!r} out of range [0, {self.size})")
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PHandle:
+        checks.tensor_arg("isend", "tensor", tensor)
+        self._check_peer("isend", dst)
+        return self._start_p2p(P2POp("send", tensor.contiguous(), dst, tag))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> P2PHandle:
+        checks.tensor_arg("irecv", "tensor", tensor)
+        self._check_peer("irecv", src)
+        staging = tensor if tensor.is_contiguous() else torch.empty_like(tensor).contiguous()
+        return self._start_p2p(P2POp("recv", staging, src, tag), target=tensor)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(tensor, dst, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self.irecv(tensor, src, tag).wait()
+        return tensor
+
+    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0):
+        """Send to `dst` and receive from `src` at once (the step of every ring)."""
+        receiving = self.irecv(recv, src, tag)
+        sending = self.isend(send, dst, tag)
+        receiving.wait()
+        sending.wait()
+        return recv
