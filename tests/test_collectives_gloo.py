@@ -46,3 +46,11 @@ def test_every_collective_and_algorithm_matches_reference_on_gloo(world_size):
     assert sorted(results) == list(range(world_size))
     assert {result["transport"] for result in results.values()} == {"shm"}
     assert_no_failures({rank: result["failures"] for rank, result in results.items()})
+
+
+def test_every_collective_and_algorithm_matches_reference_over_gloo_sockets(monkeypatch):
+    """PARATRAIN_SHM=0: every message over gloo's sockets, and no shared-segment algorithm."""
+    monkeypatch.setenv("PARATRAIN_SHM", "0")
+    results = paratrain.run(check_everything_on_this_rank, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert {result["transport"] for result in results.values()} == {"gloo"}
+    assert_no_failures({rank: result["failures"] for rank, result in results.items()})
