@@ -184,7 +184,7 @@ class Arena:
         words = self._words
         started = time.perf_counter()
         main = threading.current_thread() is threading.main_thread()
-        # A helper thread (an async collective beside a backward pass) naps at once: the
+        # A helper thread (an async collective beside a backward pass) sleeps at once: the
         # core is the compute's it overlaps.
         spin_until = started + (max(self.spin_s, _LEAST_POLL_S) if main else 0.0)
         look_at, deadline, nap = started + _LOOK_S, started + timeout, _FIRST_NAP_S
