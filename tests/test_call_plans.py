@@ -342,3 +342,29 @@ def test_repeated_reduce_scatters_and_all_gathers_go_straight(launcher):
             "whole path": ["reduce_scatter", "all_gather"] * 2, "exact": True, "entries": 2,
             "new memory": ["all_gather"], "entries after a tensor went": 0,  # both held `full`
         }, rank
+
+
+def uneven_repeats(group: Group) -> bool:
+    """Repeated calls on parts of unequal sizes (3 ranks, 3n+2 elements), in place too: the
+    planned one-shot reduce-scatter and all-gather match the reference every time."""
+    from paratrain.comm.ops import part_bounds
+
+    n, me = group.size, group.rank
+    count = 3 * n + 2
+    low, high = part_bounds(count, n)[me]
+    full, part, gathered = torch.empty(count), torch.empty(high - low), torch.empty(count)
+    mine = gathered[low:high]  # in place: the input is this rank's part of the output
+    exact = True
+    for step in range(4):
+        full.copy_(torch.arange(count, dtype=torch.float32) + me + step)
+        group.reduce_scatter(part, full, op="max")
+        exact = exact and torch.equal(part, torch.arange(low, high, dtype=torch.float32) + n - 1 + step)
+        mine.fill_(float(me * step))
+        group.all_gather(gathered, mine)
+        want = torch.cat([torch.full((b - a,), float(r * step)) for r, (a, b) in enumerate(part_bounds(count, n))])
+        exact = exact and torch.equal(gathered, want)
+    return exact and len(group._repeats.calls) == 2  # both went straight after their second call
+
+
+def test_repeated_calls_on_uneven_parts_and_in_place_match_the_reference():
+    assert paratrain.run(uneven_repeats, 3, launcher="processes", timeout=RUN_TIMEOUT_S) == {0: True, 1: True, 2: True}

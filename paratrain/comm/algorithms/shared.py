@@ -119,6 +119,52 @@ def planned_all_reduce(link: Link, buf: torch.Tensor, op: str):
     return run
 
 
+def planned_reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: str):
+    """reduce_scatter's call on these tensors worked out once, as planned_all_reduce's (for
+    RepeatedCalls, plans.py); None where it takes several pieces, or is empty or off the CPU."""
+    arena, me = _arena(link), link.rank
+    nbytes, address = input.numel() * input.element_size(), input.data_ptr()
+    if input.device.type != "cpu" or not 0 < nbytes <= arena.slot_bytes:
+        return None
+    low, high = part_bounds(input.numel(), link.size)[me]
+    slots = [arena.slot_address(half, me) for half in (0, 1)]
+    rows = [arena.rows(half, input.dtype, low, high - low) for half in (0, 1)]
+
+    def run(link: Link) -> None:
+        half = arena.next_half()
+        memmove(slots[half], address, nbytes)
+        arena.arrive_and_wait(link.timeout)
+        if high > low:
+            _reduce_rows(rows[half], output, op)
+
+    return run
+
+
+def planned_all_gather(link: Link, input: torch.Tensor, output: torch.Tensor):
+    """all_gather's call on these tensors worked out once: every copy's addresses and sizes,
+    for both halves. None where it takes several pieces, or is empty or off the CPU."""
+    arena, me, size = _arena(link), link.rank, output.element_size()
+    bounds = part_bounds(output.numel(), link.size)
+    if output.device.type != "cpu" or not 0 < (bounds[0][1] - bounds[0][0]) * size <= arena.slot_bytes:
+        return None
+    source, address, nbytes = input.data_ptr(), output.data_ptr(), input.numel() * size
+    own = address + bounds[me][0] * size
+    slots = [arena.slot_address(half, me) for half in (0, 1)]
+    copies = [[(address + low * size, arena.slot_address(half, owner), (high - low) * size)
+               for owner, (low, high) in enumerate(bounds) if owner != me] for half in (0, 1)]
+
+    def run(link: Link) -> None:
+        if own != source:
+            memmove(own, source, nbytes)
+        half = arena.next_half()
+        memmove(slots[half], source, nbytes)
+        arena.arrive_and_wait(link.timeout)
+        for into, out_of, count in copies[half]:
+            memmove(into, out_of, count)
+
+    return run
+
+
 @_on_cpu(direct.all_reduce)
 def all_reduce_twoshot(link: Link, buf: torch.Tensor, op: str) -> None:
     """Two-shot, in place in the segment: each rank copies in only the parts its peers reduce
