@@ -80,6 +80,29 @@ def _gloo_rank(rank: int, store_file: str, result_file: str) -> None:
     os._exit(0)  # skip destroy_process_group: its peer is gone
 
 
+def rank_1_leaves(rank: int, store_file: str, result_file: str, together, waiting) -> None:
+    """Two gloo ranks (over shared memory where they share this host) make `together(group)`;
+    then rank 1 leaves without a word while rank 0 makes `waiting(group)`, and rank 0 writes
+    what it saw into `result_file`: the PeerLostError's text and peer, and the group's kind.
+    A target for run_two_gloo_ranks (with functools.partial: both calls module-level)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    group = Group(over_process_group(TorchTransport(), Settings()), timeout=60)
+    together(group)
+    if rank == 1:
+        os._exit(3)
+    try:
+        waiting(group)
+        seen = {"text": f"{waiting.__name__} returned"}
+    except PeerLostError as error:
+        seen = {"text": str(error), "peer": error.peer, "shm": group.kind == "shm"}
+    with open(result_file, "w") as file:
+        json.dump(seen, file)
+    os._exit(0)  # skip destroy_process_group: its peer is gone
+
+
 def run_two_gloo_ranks(target, tmp_path) -> tuple[list[int | None], Path]:
     """Run target(rank, store file, result file) in 2 spawned processes, outside any launcher
     (which would stop the survivor as soon as the other exits); returns their exit codes and

@@ -10,25 +10,23 @@ The sweeps of every op, algorithm and size below a slot run in test_collectives_
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 
 import paratrain
-from paratrain.comm import CommTimeoutError, Group, PeerLostError, TorchTransport
-from paratrain.comm.transport import over_process_group
+from paratrain.comm import CommTimeoutError, Group
 from paratrain.comm.transport.shm_arena import LINE, arena_bytes, slot_bytes_for
-from paratrain.settings import Settings
 
 from collective_checks import (
     Report, assert_no_failures, check_all_gather, check_all_reduce, check_all_to_all, check_broadcast,
     check_reduce, check_reduce_scatter,
 )
-from test_failures import run_two_gloo_ranks
+from test_failures import rank_1_leaves, run_two_gloo_ranks
 from test_p2p import RUN_TIMEOUT_S
 
 SHARED = ("oneshot", "twoshot")
@@ -131,29 +129,14 @@ def test_a_silent_peer_times_out_naming_it():
     assert said[0].startswith("rank 0: barrier (call #1) timed out after 0.5s waiting for rank 1"), said[0]
 
 
-def _rank_whose_peer_exits_mid_all_reduce(rank: int, store_file: str, result_file: str) -> None:
-    """Rank 1 leaves without a word; rank 0 is in an all-reduce through the segment."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    group = Group(over_process_group(TorchTransport(), Settings()), timeout=60)
+def _all_reduce_through_the_segment(group) -> None:
     group.all_reduce(torch.ones(8), algo="oneshot")
-    if rank == 1:
-        os._exit(3)
-    try:
-        group.all_reduce(torch.ones(8), algo="oneshot")
-        seen = {"text": "all_reduce returned"}
-    except PeerLostError as error:
-        seen = {"text": str(error), "peer": error.peer, "shm": group.kind == "shm"}
-    with open(result_file, "w") as file:
-        json.dump(seen, file)
-    os._exit(0)  # skip destroy_process_group: its peer is gone
 
 
 @pytest.mark.timeout(60)  # the group's timeout is 60 s: finishing first means the exit was noticed
 def test_a_peer_that_exits_mid_collective_is_named(tmp_path):
-    exit_codes, result_file = run_two_gloo_ranks(_rank_whose_peer_exits_mid_all_reduce, tmp_path)
+    exit_codes, result_file = run_two_gloo_ranks(functools.partial(
+        rank_1_leaves, together=_all_reduce_through_the_segment, waiting=_all_reduce_through_the_segment), tmp_path)
     assert exit_codes == [0, 3]
     seen = json.loads(result_file.read_text())
     assert seen["shm"] and seen["peer"] == 1

@@ -10,10 +10,10 @@ for each rank.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import paratrain
-from paratrain.comm import CommTimeoutError, Group, PeerLostError, SharedMemoryTransport, TorchTransport
+from paratrain.comm import CommTimeoutError, Group, SharedMemoryTransport, TorchTransport
 from paratrain.comm.transport import over_process_group, shm_setup
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
 from paratrain.settings import Settings, SettingsError
 
-from test_failures import run_two_gloo_ranks
+from test_failures import rank_1_leaves, run_two_gloo_ranks
 from test_p2p import RUN_TIMEOUT_S, _assert_no_failures, every_p2p_check, sendrecv_around_the_ring
 
 # ---- the ring alone: one process, both ends mapped -------------------------------------------
@@ -239,29 +239,18 @@ def test_processes_of_one_host_get_the_shm_transport_and_paratrain_shm_0_leaves_
         0: ("TorchTransport", "gloo"), 1: ("TorchTransport", "gloo")}
 
 
-def _rank_whose_peer_exits(rank: int, store_file: str, result_file: str) -> None:
-    """Rank 1 leaves without a word; rank 0 is waiting for its message."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    group = Group(over_process_group(TorchTransport(), Settings()), timeout=60)
+def _barrier(group) -> None:
     group.barrier()
-    if rank == 1:
-        os._exit(3)
-    try:
-        group.recv(torch.empty(4), src=1, tag=0)
-        seen = {"text": "recv returned"}
-    except PeerLostError as error:
-        seen = {"text": str(error), "peer": error.peer, "shm": group.kind == "shm"}
-    with open(result_file, "w") as file:
-        json.dump(seen, file)
-    os._exit(0)  # skip destroy_process_group: its peer is gone
+
+
+def _receive_from_rank_1(group) -> None:
+    group.recv(torch.empty(4), src=1, tag=0)
 
 
 @pytest.mark.timeout(60)  # the group's timeout is 60 s: finishing first means the exit was noticed
 def test_a_peer_process_that_exits_is_named_by_the_rank_waiting_for_it(tmp_path):
-    exit_codes, result_file = run_two_gloo_ranks(_rank_whose_peer_exits, tmp_path)
+    exit_codes, result_file = run_two_gloo_ranks(
+        functools.partial(rank_1_leaves, together=_barrier, waiting=_receive_from_rank_1), tmp_path)
     assert exit_codes == [0, 3]
     seen = json.loads(result_file.read_text())
     assert seen["shm"] and seen["peer"] == 1
