@@ -216,7 +216,11 @@ def test_overhead_prints_ours_beside_the_bare_replay_per_algorithm_and_size():
         ours, bare, overhead = map(float, row[4:7])
         assert overhead == pytest.approx(ours - bare, abs=0.11)
         burst_ours, burst_bare, burst_ratio = float(row[8]), float(row[9]), float(row[10].rstrip("x"))
-        assert burst_ratio == pytest.approx(burst_ours / burst_bare, abs=0.006)
+        # the times are printed to 0.1 us and the ratio to 0.01: the ratio of the printed times
+        # may differ from it by their rounding (a bare burst of 8 us moves it by 0.6%)
+        low = (burst_ours - 0.05) / (burst_bare + 0.05) - 0.005
+        high = (burst_ours + 0.05) / (burst_bare - 0.05) + 0.005
+        assert low <= burst_ratio <= high, (burst_ours, burst_bare, burst_ratio)
         assert float(row[13]) > 0  # paratrain's own call path, against a transport that moves nothing
         assert row[14:] == ["-", "-", "-"]  # no dist.isend/irecv replay on threads
     assert "# largest path: " in result.output
