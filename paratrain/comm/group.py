@@ -22,7 +22,6 @@ import torch
 
 from paratrain.comm import checks
 from paratrain.comm.algorithms import ALGORITHMS, OPS, SHARED_ALGORITHMS, algorithms_for
-from paratrain.comm.algorithms.shared import planned_all_gather, planned_reduce_scatter
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from paratrain.comm.flight import Call
@@ -278,9 +277,8 @@ class Group(PointToPoint):
             if op == "avg":
                 divide_(flat_out, self.size)
             if straight:  # made again on these tensors, it will run straight
-                self._repeats.note("reduce_scatter", output, input, op, chosen, _nbytes(input), signature,
-                                   lambda out, inp: chosen == "oneshot" and planned_reduce_scatter(link, inp, out, base)
-                                   or functools.partial(run, chosen, out, inp))
+                self._repeats.note(link, output, input, op, chosen, _nbytes(input), signature,
+                                   lambda out, inp: functools.partial(run, chosen, out, inp))
             return checks.write_back(output, flat_out)
 
         signature = checks.CallSignature.of("reduce_scatter", input, reduce_op=op)
@@ -311,9 +309,8 @@ class Group(PointToPoint):
         def body(chosen, link):
             run(chosen, flat_out, flat_in, link)
             if straight:  # made again on these tensors, it will run straight
-                self._repeats.note("all_gather", output, input, "", chosen, _nbytes(output), signature,
-                                   lambda out, inp: chosen == "oneshot" and planned_all_gather(link, inp, out)
-                                   or functools.partial(run, chosen, out, inp))
+                self._repeats.note(link, output, input, "", chosen, _nbytes(output), signature,
+                                   lambda out, inp: functools.partial(run, chosen, out, inp))
             return checks.write_back(output, flat_out)
 
         signature = checks.CallSignature.of("all_gather", output)

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from paratrain.comm.algorithms.shared import SHARED_ALGORITHMS, planned_all_reduce
+from paratrain.comm.algorithms.shared import SHARED_ALGORITHMS, planned_call
 from paratrain.comm.checks import CallSignature
 from paratrain.comm.link import Link
 from paratrain.comm.transport.base import POST, P2POp, Schedule
@@ -124,8 +124,7 @@ class CallPlans:
         if algo in CALLED:
             algorithm(link, buf, op)
             flat = _alias(buf)
-            planned = planned_all_reduce(link, flat, op) if algo == "oneshot" else None
-            plan.run = planned or (lambda link: algorithm(link, flat, op))
+            plan.run = planned_call("all_reduce", algo, link, flat, flat, op) or (lambda link: algorithm(link, flat, op))
             self._keep(self.planned, key, plan)
             self.made += 1
             return
@@ -199,10 +198,12 @@ class RepeatedCalls:
             return None
         return entry
 
-    def note(self, op_name: str, output: torch.Tensor, input: torch.Tensor, reduce_op: str, algo: str,
+    def note(self, link: Link, output: torch.Tensor, input: torch.Tensor, reduce_op: str, algo: str,
              nbytes: int, signature: CallSignature, make_run: Callable) -> None:
-        """Keep the call just made; `make_run(output, input)` makes its run(link) from views of
+        """Keep the call just made through `link`; its run(link) is the algorithm's planned call
+        (algorithms/shared.py) where it has one, else `make_run(output, input)`, both on views of
         the two tensors' memory (_alias), so that the entry does not hold the tensors."""
+        op_name = link.op_name
         if not (output.is_contiguous() and input.is_contiguous()):
             return
         key = (op_name, id(output), id(input), reduce_op)
@@ -219,7 +220,9 @@ class RepeatedCalls:
             if entry is not None and ref in entry.owners:
                 del calls[key]
 
-        run = make_run(_alias(output.view(-1)), _alias(input.view(-1)))
+        out, inp = _alias(output.view(-1)), _alias(input.view(-1))
+        base = "sum" if reduce_op == "avg" else reduce_op  # an average is divided after (Group)
+        run = planned_call(op_name, algo, link, inp, out, base) or make_run(out, inp)
         owners = (weakref.ref(output, forget), weakref.ref(input, forget))
         calls.pop(key, None)
         if len(calls) >= self.capacity:

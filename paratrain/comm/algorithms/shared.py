@@ -169,6 +169,21 @@ def planned_all_gather(link: Link, input: torch.Tensor, output: torch.Tensor):
     return run
 
 
+def planned_call(op_name: str, algo: str, link: Link, input: torch.Tensor, output: torch.Tensor, op: str):
+    """The planned form of `algo`'s call of `op_name` on these tensors (flat views of their
+    memory; for an all-reduce both are its buffer), where there is one: a one-shot call that
+    fits a slot. None elsewhere: the caller runs the algorithm itself each time."""
+    if algo != "oneshot":
+        return None
+    if op_name == "all_reduce":
+        return planned_all_reduce(link, output, op)
+    if op_name == "reduce_scatter":
+        return planned_reduce_scatter(link, input, output, op)
+    if op_name == "all_gather":
+        return planned_all_gather(link, input, output)
+    return None
+
+
 @_on_cpu(direct.all_reduce)
 def all_reduce_twoshot(link: Link, buf: torch.Tensor, op: str) -> None:
     """Two-shot, in place in the segment: each rank copies in only the parts its peers reduce
