@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from paratrain.comm import native
 from paratrain.launch import LAUNCHERS, algorithm_table, expected_transport
 from paratrain.settings import SPECS, Settings, SettingsError
 
@@ -66,6 +67,8 @@ def env(nproc: int) -> None:
     for launcher in LAUNCHERS:
         kind = expected_transport(launcher, nproc, settings)
         lines.append(f"  --launcher {launcher:<10} {kind:<6} {_TRANSPORTS[kind]}")
+    if settings.shm and settings.native:  # loading builds the kernels on first use, as a world's setup would
+        lines.append(f"  shared segment: {native.load(settings.cache_dir, settings.cc)[1]}")
     where = settings.launch
     if where.in_torchrun:
         lines.append(f"  this process (torchrun): rank {where.rank} of {where.world_size}, "

@@ -83,8 +83,10 @@ class AlgorithmTable:
         self.host = host  # where it was measured (None: a table written before hosts were kept)
         self.status = status  # whether and why it is in use, in words
         # choose()'s answers so far: a training loop asks about the same few sizes every step,
-        # and each lookup costs microseconds of every call. record() forgets them.
+        # and each lookup costs microseconds of every call. record() forgets them, and counts
+        # up `version`, so that what others remembered of an answer can be checked in one compare.
         self._chosen: dict[tuple, Choice] = {}
+        self.version = 0
 
     @classmethod
     def load(cls, path: Path | str) -> AlgorithmTable:
@@ -147,6 +149,7 @@ class AlgorithmTable:
         else:
             reasons.pop(str(nbytes), None)
         self._chosen.clear()
+        self.version += 1
 
     def choose(self, op: str, nbytes: int, world_size: int, transport: str) -> Choice:
         key = (op, nbytes, world_size, transport)

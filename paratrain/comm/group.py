@@ -165,6 +165,15 @@ class Group(PointToPoint):
             return self._executor.submit(execute).result()
         return execute()
 
+    def _confirms(self, entry, op_name: str, algo: str) -> bool:
+        """Whether `algo` (the caller's argument) resolves to the algorithm `entry` (a plan or a
+        repeated call, plans.py) runs; remembered on the entry, with the table's version, when it
+        does: until the table changes, the same argument resolves the same way."""
+        if self.resolve(op_name, algo, entry.nbytes) != entry.algo:
+            return False
+        entry.asked = (algo, self.table.version)
+        return True
+
     def _run_straight(self, op_name: str, entry, result, averaged: torch.Tensor | None = None):
         """A call made again from what an earlier one noted (an all-reduce's plan, a repeated
         reduce-scatter or all-gather, plans.py): its `run` and nothing else, numbered, recorded
@@ -224,7 +233,7 @@ class Group(PointToPoint):
         """Reduce `tensor` over all ranks, in place; every rank gets the result."""
         if not (async_op or self.debug or self._executor is not None):
             plan = self._plans.ready(tensor, op)
-            if plan is not None and self.resolve("all_reduce", algo, plan.nbytes) == plan.algo:
+            if plan is not None and (plan.asked == (algo, self.table.version) or self._confirms(plan, "all_reduce", algo)):
                 return self._run_straight("all_reduce", plan, tensor, tensor if op == "avg" else None)
         checks.tensor_arg("all_reduce", "tensor", tensor)
         check_reduce_op(op)
@@ -254,7 +263,7 @@ class Group(PointToPoint):
         straight = not (async_op or self.debug or self._executor is not None)
         if straight:
             repeat = self._repeats.ready("reduce_scatter", output, input, op)
-            if repeat is not None and self.resolve("reduce_scatter", algo, repeat.nbytes) == repeat.algo:
+            if repeat is not None and (repeat.asked == (algo, self.table.version) or self._confirms(repeat, "reduce_scatter", algo)):
                 return self._run_straight("reduce_scatter", repeat, output, output if op == "avg" else None)
         checks.tensor_arg("reduce_scatter", "output", output)
         checks.tensor_arg("reduce_scatter", "input", input)
@@ -289,7 +298,7 @@ class Group(PointToPoint):
         straight = not (async_op or self.debug or self._executor is not None)
         if straight:
             repeat = self._repeats.ready("all_gather", output, input, "")
-            if repeat is not None and self.resolve("all_gather", algo, repeat.nbytes) == repeat.algo:
+            if repeat is not None and (repeat.asked == (algo, self.table.version) or self._confirms(repeat, "all_gather", algo)):
                 return self._run_straight("all_gather", repeat, output)
         checks.tensor_arg("all_gather", "output", output)
         checks.tensor_arg("all_gather", "input", input)

@@ -52,7 +52,7 @@ CAPACITY = 64  # tensors planned at once: DDP's buckets, with room; the oldest g
 
 class _Plan:
     __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "signature", "nbytes", "schedule",
-                 "messages", "compiled", "run")
+                 "messages", "compiled", "run", "facts", "asked")
 
     def __init__(self, owner, buf: torch.Tensor, algo: str, op: str, signature: CallSignature):
         self.owner = owner  # weakref to the caller's tensor
@@ -64,6 +64,8 @@ class _Plan:
         self.messages: list[P2POp] = []  # every P2POp of the schedule, for retagging
         self.compiled = None  # the transport's own form of the schedule, where it has one
         self.run = None  # run(link): the call again (its messages replayed, or a CALLED algorithm run)
+        self.facts = None  # (memory, shape, dtype, reduce op) of the planned call, all at once (ready)
+        self.asked = None  # (the `algo` argument, table version) confirmed to resolve to `algo` (Group)
 
     def fits(self, tensor: torch.Tensor, buf: torch.Tensor, algo: str, op: str) -> bool:
         return (self.owner() is tensor and self.algo == algo and self.op == op
@@ -95,11 +97,9 @@ class CallPlans:
         (Group._run_straight), since the recording call's checks hold for it too. `tensor` may be
         anything a caller passed: only a planned tensor matches."""
         plan = self.planned.get(id(tensor))
-        if plan is None or plan.owner() is not tensor:
-            return None
-        signature = plan.signature
-        if (signature.reduce_op != reduce_op or plan.data_ptr != tensor.data_ptr() or signature.shape != tensor.shape
-                or signature.dtype != tensor.dtype or not tensor.is_contiguous()):
+        if (plan is None or plan.owner() is not tensor
+                or plan.facts != (tensor.data_ptr(), tensor.shape, tensor.dtype, reduce_op)
+                or not tensor.is_contiguous()):
             return None
         return plan
 
@@ -121,6 +121,7 @@ class CallPlans:
             self._keep(self.noted, key, _Plan(self._owner(tensor, key), buf, algo, op, signature))
             return
         plan.signature = signature
+        plan.facts = (plan.data_ptr, signature.shape, signature.dtype, signature.reduce_op)
         if algo in CALLED:
             algorithm(link, buf, op)
             flat = _alias(buf)
@@ -165,7 +166,7 @@ class _Repeat:
     """A reduce-scatter or all-gather noted with its tensors: what Group._run_straight needs to
     make it again (its signature for the flight recorder, the algorithm it ran, `run(link)`)."""
 
-    __slots__ = ("owners", "pointers", "shapes", "dtype", "algo", "nbytes", "signature", "run")
+    __slots__ = ("owners", "pointers", "shapes", "dtype", "algo", "nbytes", "signature", "run", "asked")
 
     def __init__(self, owners, output: torch.Tensor, input: torch.Tensor, algo: str, nbytes: int,
                  signature: CallSignature, run: Callable[[Link], None]):
@@ -173,6 +174,7 @@ class _Repeat:
         self.pointers = (output.data_ptr(), input.data_ptr())
         self.shapes, self.dtype = (output.shape, input.shape), output.dtype
         self.algo, self.nbytes, self.signature, self.run = algo, nbytes, signature, run
+        self.asked = None  # as _Plan's
 
 
 class RepeatedCalls:

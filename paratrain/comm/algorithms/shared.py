@@ -24,11 +24,14 @@ tensors with its addresses and views worked out once, for a call made again on t
 
 from __future__ import annotations
 
+import ctypes
 import functools
+from collections.abc import Callable
 from ctypes import memmove
 
 import torch
 
+from paratrain.comm import native
 from paratrain.comm.algorithms import direct
 from paratrain.comm.link import Link
 from paratrain.comm.ops import combine_, part_bounds, part_sizes
@@ -100,6 +103,36 @@ def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
             _reduce_rows(rows, out, op)
 
 
+def _native_plans(arena, dtype: torch.dtype, op: str, copy_from: int, copy_bytes: int, out: int,
+                  rows: Callable[[int], list[int]], count: int):
+    """For each half, the native form of a one-shot piece (native.OneShotPlan): copy `copy_bytes`
+    from `copy_from` into this rank's slot, take the step, then out <- the sum of the `count`
+    elements at each of rows(half). None where the native kernels do not apply (no library, an
+    op other than a sum, a dtype they do not have)."""
+    if arena.native is None or op not in ("sum", "avg") or dtype not in native.DTYPES or arena.size > native.MOST_ROWS:
+        return None
+    plans = []
+    for half in (0, 1):
+        plan = native.OneShotPlan(slot=arena.slot_address(half, arena.rank), input=copy_from, copy_bytes=copy_bytes,
+                                  words=arena.address, mine=arena.step_word(arena.rank), npeers=arena.size - 1,
+                                  out=out, nrows=len(rows(half)), count=count, dtype=native.DTYPES[dtype])
+        plan.peers[: arena.size - 1] = [arena.step_word(peer) for peer in range(arena.size) if peer != arena.rank]
+        plan.rows[: plan.nrows] = rows(half)
+        plans.append(plan)
+    return plans
+
+
+def _running(arena, plans: list) -> Callable[[Link], None]:
+    """The call that runs the native plan of the half each piece takes."""
+    addresses = [ctypes.addressof(plan) for plan in plans]
+
+    def run_native(link: Link) -> None:
+        arena.run_native(addresses[arena.next_half()], link.timeout)
+
+    run_native.plans = plans  # they live as long as the call that reads them
+    return run_native
+
+
 def planned_all_reduce(link: Link, buf: torch.Tensor, op: str):
     """The one-shot all-reduce of `buf` with everything about it worked out once (its slots,
     the views it reduces, its byte count): a function of the call's Link that only copies, steps
@@ -108,6 +141,13 @@ def planned_all_reduce(link: Link, buf: torch.Tensor, op: str):
     nbytes, address = buf.numel() * buf.element_size(), buf.data_ptr()
     if buf.device.type != "cpu" or nbytes > arena.slot_bytes:
         return None
+    # Two ranks add the peer's copy to their own values (a + b == b + a: the same bits on both);
+    # more fold every slot in rank order, the same order on every rank.
+    peer_or_all = (lambda half: [address, arena.slot_address(half, 1 - me)]) if n == 2 else (
+        lambda half: [arena.slot_address(half, rank) for rank in range(n)])
+    plans = _native_plans(arena, buf.dtype, op, address, nbytes, address, peer_or_all, buf.numel())
+    if plans is not None:
+        return _running(arena, plans)
     slots = [arena.slot_address(half, me) for half in (0, 1)]
     rows = [arena.rows(half, buf.dtype, 0, buf.numel()) for half in (0, 1)]
 
@@ -131,6 +171,12 @@ def planned_reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor
     if input.device.type != "cpu" or not 0 < nbytes <= arena.slot_bytes:
         return None
     low, high = part_bounds(input.numel(), link.size)[me]
+    size = input.element_size()
+    plans = _native_plans(arena, input.dtype, op, address, nbytes, output.data_ptr(),
+                          lambda half: [arena.slot_address(half, rank) + low * size for rank in range(link.size)],
+                          high - low)
+    if plans is not None:
+        return _running(arena, plans)
     slots = [arena.slot_address(half, me) for half in (0, 1)]
     rows = [arena.rows(half, input.dtype, low, high - low) for half in (0, 1)]
 

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from paratrain.comm import native
 from paratrain.comm.errors import TransportFailure, TransportTimeout
 from paratrain.comm.transport.shm import start_time
 
@@ -63,6 +64,10 @@ _BUDGET_BYTES = 16 << 20
 _MOST_SLOT_BYTES = 1 << 20
 _LEAST_SLOT_BYTES = 64 << 10
 _VIEWS_KEPT = 256  # views of the slots (Arena.rows), per arena
+# A native piece polls at most this long before Python takes over the wait (which also moves the
+# rings' messages and checks that the peers live); spin_s may be 50 ms.
+_MOST_NATIVE_POLL_NS = 1_000_000
+_MAIN_THREAD = threading.main_thread().ident
 
 
 def slot_bytes_for(ranks: int) -> int:
@@ -98,9 +103,11 @@ class Arena:
         self.address = self._bytes.data_ptr()
         self.peers = peers  # rank -> (pid, start time), to tell that it still runs
         self.spin_s = spin_s
+        self._native_poll_ns = min(int(max(spin_s, _LEAST_POLL_S) * 1e9), _MOST_NATIVE_POLL_NS)
         self.progress = None  # moves this process's ring messages while it waits (SharedMemoryP2P)
         self.bell = None  # the read end of this process's doorbell, to sleep on (shm_setup.py)
         self.ring = None  # ring(peer): write a byte to peer's doorbell
+        self.native = None  # native.Kernels where every rank of the group loaded them (shm_setup.py)
         self.step = 0
         self.uses = 0  # pieces so far: which half the next one takes
         self._rows: dict[tuple, Rows] = {}
@@ -140,6 +147,10 @@ class Arena:
     def slot_address(self, half: int, rank: int) -> int:
         return self.address + self._data + (half * self.size + rank) * self.slot_bytes
 
+    def step_word(self, rank: int) -> int:
+        """The index of `rank`'s step among the segment's 8-byte words (its sleeping flag is next)."""
+        return rank * _WORDS_PER_LINE
+
     def rows(self, half: int, dtype: torch.dtype, start: int, count: int) -> Rows:
         """Elements [start, start + count) of every rank's slot of `half`, as `dtype`: the rows of
         one tensor (ranks x count), so one reduction over dimension 0 combines them all, and each
@@ -170,12 +181,34 @@ class Arena:
     def arrive_and_wait(self, timeout: float) -> None:
         """Take the next step: say so, then wait until every other rank has taken it."""
         self.step += 1
-        step, words = self.step, self._words
-        words[self._mine] = step
+        self._words[self._mine] = self.step
+        self._ring_sleepers()
+        self._wait_for_all(self.step, timeout)
+
+    def run_native(self, plan: int, timeout: float) -> None:
+        """One piece of a one-shot collective in native code (native.OneShotPlan at address
+        `plan`): copy in, take the next step and reduce, in one call where every peer arrives
+        within the poll; past that, this rings whom it must and waits as arrive_and_wait does."""
+        self.step += 1
+        # As _wait_for: a helper thread does not poll, the core is the compute's it overlaps.
+        poll_ns = self._native_poll_ns if threading.get_ident() == _MAIN_THREAD else 0
+        status = self.native.oneshot(plan, self.step, poll_ns)
+        if status == native.DONE:
+            return
+        if status == native.WAIT_AND_RING:
+            self._ring_sleepers()
+        self._wait_for_all(self.step, timeout)
+        self.native.finish(plan)
+
+    def _ring_sleepers(self) -> None:
+        words = self._words
         if self.ring is not None:
             for peer, index in self._others:
                 if words[index + 1]:  # asleep waiting for this step, or for a later one
                     self.ring(peer)
+
+    def _wait_for_all(self, step: int, timeout: float) -> None:
+        words = self._words
         for peer, index in self._others:
             if words[index] < step:
                 self._wait_for(peer, index, step, timeout)

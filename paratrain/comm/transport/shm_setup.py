@@ -31,6 +31,7 @@ import sys
 
 import torch
 
+from paratrain.comm import native
 from paratrain.comm.transport.shm import SharedMemoryP2P, start_time
 from paratrain.comm.transport.shm_arena import Arena
 from paratrain.comm.transport.shm_ring import Ring, round_up
@@ -82,6 +83,9 @@ def _host_key() -> int:
 
 
 SHM_DIR = "/dev/shm"
+# What each rank says of itself at setup: offers shared memory, host, pid, token, parent pid, has
+# the native kernels.
+_FIELDS = 6
 _FILE_NAME = re.compile(r"^paratrain-(\d+)-(\d+)-(\d+)-[0-9a-f]{16}-(to-\d+|bell|arena)$")  # namespace, parent, pid
 
 
@@ -159,18 +163,22 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     calls this (one all-gather, and two barriers where any two ranks share a host). Returns
     None where this rank shares a host with none of the others (or offers no shared memory);
     the returned transport's `arena` is the group's shared segment where all of them do (else None)."""
-    me = torch.zeros(5, dtype=torch.int64)
+    me = torch.zeros(_FIELDS, dtype=torch.int64)
     offered = enabled(settings)
     token = secrets.randbits(62)
+    kernels = None
     if offered:
         try:
-            me[:] = torch.tensor([1, _host_key(), os.getpid(), token, settings.launch.launcher_pid or os.getppid()])
+            me[:5] = torch.tensor([1, _host_key(), os.getpid(), token, settings.launch.launcher_pid or os.getppid()])
         except OSError:  # no /proc: not a Linux we know how to watch
             offered = False
-    everyone = torch.empty(inner.size * 5, dtype=torch.int64)
+    if offered and settings.native and inner.size > 1:
+        kernels, _ = native.load(settings.cache_dir, settings.cc)
+        me[5] = kernels is not None
+    everyone = torch.empty(inner.size * _FIELDS, dtype=torch.int64)
     timeout = inner.own_timeout or settings.timeout
     inner.native_all_gather(everyone, me, timeout)
-    table = everyone.view(inner.size, 5).tolist()
+    table = everyone.view(inner.size, _FIELDS).tolist()
     hosts = {}
     for rank, (offers, key, *_) in enumerate(table):
         if offers:
@@ -216,6 +224,8 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     if arena is not None:
         arena.progress = p2p.progress  # a peer blocked on a full ring to us must be read while we wait
         arena.bell, arena.ring = bell[0], p2p.ring_bell  # a long wait sleeps on the rings' doorbell
+        # Native code only where every rank has it: then all of them reduce alike, to the same bits.
+        arena.native = kernels if all(row[5] for row in table) else None
     p2p.arena = arena
     return p2p
 

@@ -1,0 +1,100 @@
+"""Native code for the shared segment's collectives (arena_kernels.c), built on first use.
+
+The C file is compiled with the host's C compiler (`cc`, or the settings' CC) into paratrain's cache folder,
+named by a hash of its source and flags, so every process of a host loads the same library and
+a changed source builds anew. Two processes building at once each write their own file and
+rename it into place. Where no compiler is found or the build fails, `load` says why and the
+collectives run through torch's ops instead (shared.py), as they do with PARATRAIN_NATIVE=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("arena_kernels.c")
+# -O3 vectorizes the folds; no -ffast-math, so each add is the IEEE add torch's is (the same bits).
+FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-D_GNU_SOURCE")
+MOST_ROWS = 64  # arena_kernels.c's MOST_ROWS: a plan reads at most this many rows
+DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
+DONE, WAIT, WAIT_AND_RING = 0, 1, 2
+
+
+class OneShotPlan(ctypes.Structure):
+    """arena_kernels.c's struct oneshot_plan: one call's addresses, worked out once."""
+
+    _fields_ = [("slot", ctypes.c_void_p), ("input", ctypes.c_void_p), ("copy_bytes", ctypes.c_int64),
+                ("words", ctypes.c_void_p), ("mine", ctypes.c_int64), ("peers", ctypes.c_int64 * MOST_ROWS),
+                ("npeers", ctypes.c_int64), ("out", ctypes.c_void_p), ("rows", ctypes.c_void_p * MOST_ROWS),
+                ("nrows", ctypes.c_int64), ("count", ctypes.c_int64), ("dtype", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded library: `oneshot(plan, step, poll_ns)`, and `finish(plan)` for the reduction of
+    a plan whose oneshot returned before its peers arrived."""
+
+    path: Path
+    oneshot: object
+    finish: object
+
+
+def _compiler(named: str | None) -> str | None:
+    return named or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def library_path(cache_dir: str) -> Path:
+    """Where the library built from this source with these flags lives on this machine."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode())
+    return Path(cache_dir).expanduser() / "paratrain" / "native" / f"arena_kernels-{key.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: str, compiler: str | None = None) -> Path:
+    """The library, compiled (by `compiler`, else the first of cc, gcc, clang) if it is not in
+    the cache yet. Raises OSError saying why it cannot be."""
+    target = library_path(cache_dir)
+    if target.exists():
+        return target
+    compiler = _compiler(compiler)
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or clang; or set CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(handle)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            said = done.stderr.strip().splitlines()
+            raise OSError(f"{compiler} failed (exit code {done.returncode})" + (f": {said[-1]}" if said else ""))
+        os.replace(partial, target)  # another process building at once renames the same bytes
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def load(cache_dir: str, compiler: str | None = None) -> tuple[Kernels | None, str]:
+    """The kernels, or None and why not (the reason is shown by `paratrain env`)."""
+    if platform.machine() not in ("x86_64", "AMD64"):  # the step's store order is x86-64's (shm_arena.py)
+        return None, f"no native kernels for {platform.machine()}"
+    try:
+        path = build(cache_dir, compiler)
+        library = ctypes.CDLL(str(path))  # CDLL releases the GIL for the call: a wait blocks no thread
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"native kernels not built: {error}"
+    oneshot, finish = library.pt_oneshot, library.pt_finish
+    oneshot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    oneshot.restype = ctypes.c_int
+    finish.argtypes = [ctypes.c_void_p]
+    finish.restype = None
+    return Kernels(path, oneshot, finish), f"native kernels: {path}"

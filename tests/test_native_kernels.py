@@ -1,0 +1,132 @@
+"""The shared segment's one-shot calls in native code (comm/native): the library builds once per
+source into the cache and is found there after, a compiler that fails leaves the torch path with
+a reason, and a planned call through the kernels gives the same bits as the same call through
+torch's ops, on 2 and 3 processes, for each dtype they take, when the peers arrive at once, late
+(the wait goes back to Python) and asleep on their doorbell (they must be rung); with
+PARATRAIN_NATIVE=0 no group loads them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.comm import Group, native
+
+from collective_checks import assert_no_failures
+from test_p2p import RUN_TIMEOUT_S
+
+DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+CALLS = 6  # the first two take the whole path, the rest run the plan; both halves, twice
+
+
+def test_the_library_is_built_once_into_the_cache_and_loaded_from_there(tmp_path):
+    kernels, why = native.load(str(tmp_path))
+    assert kernels is not None, why
+    assert kernels.path.parent == tmp_path / "paratrain" / "native" and str(kernels.path) in why
+    built = kernels.path.stat().st_mtime_ns
+    again, _ = native.load(str(tmp_path))
+    assert again.path == kernels.path and again.path.stat().st_mtime_ns == built
+    assert [p.name for p in kernels.path.parent.iterdir()] == [kernels.path.name]  # no partial files left
+
+
+def test_a_compiler_that_fails_leaves_torchs_path_and_says_why(tmp_path):
+    kernels, why = native.load(str(tmp_path), "false")
+    assert kernels is None and why == "native kernels not built: false failed (exit code 1)", why
+    assert list((tmp_path / "paratrain" / "native").iterdir()) == []
+
+
+def _inputs(rank: int, dtype: torch.dtype, count: int, call: int) -> torch.Tensor:
+    """Values whose float sums round differently in different orders, so a kernel that folded
+    in another order than the torch path would show."""
+    generator = torch.Generator().manual_seed(1000 * call + rank)
+    if dtype.is_floating_point:
+        return (torch.randn(count, generator=generator, dtype=torch.float64) * 10 ** (rank % 3)).to(dtype)
+    return torch.randint(-1000, 1000, (count,), generator=generator, dtype=dtype)
+
+
+def _calls(group: Group, late: float) -> dict:
+    """CALLS all-reduces and reduce-scatters of each dtype on the same tensors (so they are planned),
+    with rank 0 arriving `late` seconds after its peers at every call."""
+    results = {}
+    for dtype in DTYPES:
+        count = 1000 * group.size + 3
+        buf, rs_in, rs_out = torch.empty(count, dtype=dtype), torch.empty(count, dtype=dtype), None
+        rs_out = torch.empty(len(torch.tensor_split(rs_in, group.size)[group.rank]), dtype=dtype)
+        for call in range(CALLS):
+            buf.copy_(_inputs(group.rank, dtype, count, call))
+            rs_in.copy_(_inputs(group.rank, dtype, count, call + 100))
+            if late and group.rank == 0:
+                time.sleep(late)
+            group.all_reduce(buf)
+            group.reduce_scatter(rs_out, rs_in)
+            results[(dtype, call)] = (buf.clone(), rs_out.clone())
+        runs = [plan.run for plan in group._plans.planned.values()] + [r.run for r in group._repeats.calls.values()]
+        results[(dtype, "native")] = len(runs) == 2 and all(hasattr(run, "plans") for run in runs)
+    return results
+
+
+class _Counting:
+    """The kernels, counting what each oneshot call returned."""
+
+    def __init__(self, kernels: native.Kernels):
+        self.kernels, self.returned = kernels, []
+        self.finish = kernels.finish
+
+    def oneshot(self, plan, step, poll_ns):
+        status = self.kernels.oneshot(plan, step, poll_ns)
+        self.returned.append(status)
+        return status
+
+
+def _native_against_torch(group: Group, late: float = 0.0, expected: tuple = ()) -> list[str]:
+    """Native and torch's results compared; `expected`: (rank, status) pairs that some oneshot
+    call of that rank must have returned."""
+    arena = group.transport.arena
+    if arena is None or arena.native is None:
+        return [f"rank {group.rank}: no native kernels in the segment"]
+    kernels, failures = arena.native, []
+    arena.native = counting = _Counting(kernels)
+    through_native = Group(group.transport, timeout=group.timeout)
+    natively = _calls(through_native, late)
+    for rank, status in expected:
+        if rank == group.rank and status not in counting.returned:
+            failures.append(f"rank {rank}: no oneshot call returned {status}: {sorted(set(counting.returned))}")
+    arena.native = None  # a new group plans anew, through torch's ops
+    through_torch = Group(group.transport, timeout=group.timeout)
+    plain = _calls(through_torch, late)
+    arena.native = kernels
+    for key, result in natively.items():
+        if key[1] == "native":
+            if not result or plain[key]:
+                failures.append(f"rank {group.rank}: {key[0]}: the plans ran native {result}, then {plain[key]}")
+        elif not (torch.equal(result[0], plain[key][0]) and torch.equal(result[1], plain[key][1])):
+            failures.append(f"rank {group.rank}: {key}: native and torch's results differ")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_native_calls_give_the_bits_of_torchs_ops(world_size):
+    assert_no_failures(paratrain.run(_native_against_torch, world_size, launcher="processes", timeout=RUN_TIMEOUT_S))
+
+
+def test_a_late_peer_is_waited_for_and_a_sleeping_one_is_rung(monkeypatch):
+    # Rank 0 comes 5 ms late: past rank 1's poll in the kernel, so its wait goes on in Python
+    # (WAIT); with no spinning there, rank 1 sleeps on its doorbell, and rank 0's kernel finds its
+    # flag up and returns to ring it (WAIT_AND_RING).
+    late = dict(launcher="processes", timeout=RUN_TIMEOUT_S)
+    assert_no_failures(paratrain.run(_native_against_torch, 2, args=(0.005, ((1, native.WAIT),)), **late))
+    monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "0")
+    assert_no_failures(paratrain.run(_native_against_torch, 2, args=(0.005, ((0, native.WAIT_AND_RING),)), **late))
+
+
+def _has_native(group: Group) -> bool:
+    return group.transport.arena.native is not None
+
+
+def test_paratrain_native_0_keeps_every_group_on_torchs_ops(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_NATIVE", "0")
+    assert paratrain.run(_has_native, 2, launcher="processes", timeout=RUN_TIMEOUT_S) == {0: False, 1: False}
