@@ -308,3 +308,21 @@ def test_a_runs_signature_is_its_computation_not_its_handles():
                                  "    t2_0 = op_relu(t1_0)", "    return (t2_0,)"]
     (result,) = codegen.function(text, "region", _run(10, 2.0))(x)
     assert torch.equal(result, torch.relu(x * 2.0 + x))
+
+
+def test_bench_frontend_compile_reports_the_compiled_step_beside_torchs_eager_and_compiled(two_workers, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from paratrain.cli import main as paratrain_cli
+
+    out = tmp_path / "compiled.json"
+    result = CliRunner().invoke(paratrain_cli, ["bench", "frontend", "--compile", "--server", two_workers[0],
+                                                "--sizes", "4x8", "--repeats", "1", "--steps", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "torch compiled ms" in result.output
+    (record,) = json.loads(out.read_text())
+    assert record["compiled_runs"] > 0 and record["compile_failures"] == 0
+    assert min(record["frontend_ms"], record["compiled_ms"], record["torch_ms"], record["torch_compiled_ms"]) > 0
+    assert record["torch_compiled_vs_torch"] == pytest.approx(record["torch_compiled_ms"] / record["torch_ms"])
