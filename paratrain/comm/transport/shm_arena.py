@@ -34,6 +34,7 @@ which x86-64 keeps: the arena exists only where the rings do.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import select
@@ -68,6 +69,9 @@ _VIEWS_KEPT = 256  # views of the slots (Arena.rows), per arena
 # rings' messages and checks that the peers live); spin_s may be 50 ms.
 _MOST_NATIVE_POLL_NS = 1_000_000
 _MAIN_THREAD = threading.main_thread().ident
+# How long a native poll spins before it yields between looks, where each rank has a core: about
+# the time peers of a collective take to arrive after one another on a quiet host.
+_NATIVE_SPIN_NS = 20_000
 
 
 def slot_bytes_for(ranks: int) -> int:
@@ -104,6 +108,9 @@ class Arena:
         self.peers = peers  # rank -> (pid, start time), to tell that it still runs
         self.spin_s = spin_s
         self._native_poll_ns = min(int(max(spin_s, _LEAST_POLL_S) * 1e9), _MOST_NATIVE_POLL_NS)
+        # Spin without yielding only where every rank has a core (spin_s > 0, shm_setup.spin_s).
+        self._native_spin_ns = _NATIVE_SPIN_NS if spin_s > 0 else 0
+        self._barrier = None  # the native plan of a step alone (barrier_plan)
         self.progress = None  # moves this process's ring messages while it waits (SharedMemoryP2P)
         self.bell = None  # the read end of this process's doorbell, to sleep on (shm_setup.py)
         self.ring = None  # ring(peer): write a byte to peer's doorbell
@@ -185,14 +192,29 @@ class Arena:
         self._ring_sleepers()
         self._wait_for_all(self.step, timeout)
 
+    def barrier(self, timeout: float) -> None:
+        """A step and nothing else; in native code where the group has it, so that ranks leave
+        it as close together as they can (a collective timed from a barrier counts the gap)."""
+        if self.native is None:
+            self.arrive_and_wait(timeout)
+            return
+        if self._barrier is None:
+            others = [peer for peer, _ in self._others]
+            plan = native.OneShotPlan(words=self.address, mine=self._mine, npeers=len(others))
+            plan.peers[: len(others)] = [self.step_word(peer) for peer in others]
+            self._barrier = (plan, ctypes.addressof(plan))
+        self.run_native(self._barrier[1], timeout)
+
     def run_native(self, plan: int, timeout: float) -> None:
         """One piece of a one-shot collective in native code (native.OneShotPlan at address
         `plan`): copy in, take the next step and reduce, in one call where every peer arrives
         within the poll; past that, this rings whom it must and waits as arrive_and_wait does."""
         self.step += 1
         # As _wait_for: a helper thread does not poll, the core is the compute's it overlaps.
-        poll_ns = self._native_poll_ns if threading.get_ident() == _MAIN_THREAD else 0
-        status = self.native.oneshot(plan, self.step, poll_ns)
+        if threading.get_ident() == _MAIN_THREAD:
+            status = self.native.oneshot(plan, self.step, self._native_poll_ns, self._native_spin_ns)
+        else:
+            status = self.native.oneshot(plan, self.step, 0, 0)
         if status == native.DONE:
             return
         if status == native.WAIT_AND_RING:
