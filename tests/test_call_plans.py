@@ -267,6 +267,27 @@ def auto_and_debug_calls(group: Group) -> list[tuple[int, bool]]:
     return seen
 
 
+def swapped_table_calls(group: Group) -> list[str]:
+    """A plan made while one table said ring is not run once another table (with as many
+    records, so the same version number) says native."""
+    nbytes = 64 * 8
+    ring, native = AlgorithmTable(), AlgorithmTable()
+    ring.record(group.kind, group.size, "all_reduce", nbytes, "ring")
+    native.record(group.kind, group.size, "all_reduce", nbytes, "native")
+    g = Group(group.transport, timeout=group.timeout, table=ring)
+    tensor = torch.ones(64, dtype=torch.float64)
+    ran = []
+    for table in (ring, ring, ring, ring, native, ring):
+        g.table = table
+        g.all_reduce(tensor)
+        ran.append(g._recorder.calls[-1].algo)
+    return ran
+
+
+def test_a_group_given_another_table_resolves_auto_by_it():
+    assert paratrain.run(swapped_table_calls, 2)[0] == ["ring"] * 4 + ["native", "ring"]
+
+
 @pytest.mark.parametrize("launcher", ["threads", "processes"])
 def test_auto_calls_go_straight_to_the_plan_of_the_algorithm_auto_picks_and_debug_calls_never_do(launcher):
     results = paratrain.run(auto_and_debug_calls, 2, launcher=launcher, timeout=RUN_TIMEOUT_S)

@@ -165,13 +165,18 @@ class Group(PointToPoint):
             return self._executor.submit(execute).result()
         return execute()
 
+    def _goes_straight(self, entry, op_name: str, algo: str) -> bool:
+        """Whether a call that found `entry` (a plan or a repeated call, plans.py, or None) runs it."""
+        return entry is not None and (entry.asked == (algo, self.table, self.table.version)
+                                      or self._confirms(entry, op_name, algo))
+
     def _confirms(self, entry, op_name: str, algo: str) -> bool:
         """Whether `algo` (the caller's argument) resolves to the algorithm `entry` (a plan or a
-        repeated call, plans.py) runs; remembered on the entry, with the table's version, when it
-        does: until the table changes, the same argument resolves the same way."""
+        repeated call, plans.py) runs; remembered on the entry, with the table and its version,
+        when it does: until the table changes or is replaced, the same argument resolves the same way."""
         if self.resolve(op_name, algo, entry.nbytes) != entry.algo:
             return False
-        entry.asked = (algo, self.table.version)
+        entry.asked = (algo, self.table, self.table.version)
         return True
 
     def _run_straight(self, op_name: str, entry, result, averaged: torch.Tensor | None = None):
@@ -233,7 +238,7 @@ class Group(PointToPoint):
         """Reduce `tensor` over all ranks, in place; every rank gets the result."""
         if not (async_op or self.debug or self._executor is not None):
             plan = self._plans.ready(tensor, op)
-            if plan is not None and (plan.asked == (algo, self.table.version) or self._confirms(plan, "all_reduce", algo)):
+            if self._goes_straight(plan, "all_reduce", algo):
                 return self._run_straight("all_reduce", plan, tensor, tensor if op == "avg" else None)
         checks.tensor_arg("all_reduce", "tensor", tensor)
         check_reduce_op(op)
@@ -263,7 +268,7 @@ class Group(PointToPoint):
         straight = not (async_op or self.debug or self._executor is not None)
         if straight:
             repeat = self._repeats.ready("reduce_scatter", output, input, op)
-            if repeat is not None and (repeat.asked == (algo, self.table.version) or self._confirms(repeat, "reduce_scatter", algo)):
+            if self._goes_straight(repeat, "reduce_scatter", algo):
                 return self._run_straight("reduce_scatter", repeat, output, output if op == "avg" else None)
         checks.tensor_arg("reduce_scatter", "output", output)
         checks.tensor_arg("reduce_scatter", "input", input)
@@ -298,7 +303,7 @@ class Group(PointToPoint):
         straight = not (async_op or self.debug or self._executor is not None)
         if straight:
             repeat = self._repeats.ready("all_gather", output, input, "")
-            if repeat is not None and (repeat.asked == (algo, self.table.version) or self._confirms(repeat, "all_gather", algo)):
+            if self._goes_straight(repeat, "all_gather", algo):
                 return self._run_straight("all_gather", repeat, output)
         checks.tensor_arg("all_gather", "output", output)
         checks.tensor_arg("all_gather", "input", input)

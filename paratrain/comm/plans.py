@@ -65,7 +65,7 @@ class _Plan:
         self.compiled = None  # the transport's own form of the schedule, where it has one
         self.run = None  # run(link): the call again (its messages replayed, or a CALLED algorithm run)
         self.facts = None  # (memory, shape, dtype, reduce op) of the planned call, all at once (ready)
-        self.asked = None  # (the `algo` argument, table version) confirmed to resolve to `algo` (Group)
+        self.asked = None  # (the `algo` argument, table, its version) confirmed to resolve to `algo` (Group)
 
     def fits(self, tensor: torch.Tensor, buf: torch.Tensor, algo: str, op: str) -> bool:
         return (self.owner() is tensor and self.algo == algo and self.op == op
