@@ -76,8 +76,8 @@ class _Counting:
         self.kernels, self.returned = kernels, []
         self.finish = kernels.finish
 
-    def oneshot(self, plan, step, poll_ns, spin_ns):
-        status = self.kernels.oneshot(plan, step, poll_ns, spin_ns)
+    def oneshot(self, plan, step, poll_ns):
+        status = self.kernels.oneshot(plan, step, poll_ns)
         self.returned.append(status)
         return status
 

@@ -40,7 +40,7 @@ class OneShotPlan(ctypes.Structure):
 
 @dataclass(frozen=True)
 class Kernels:
-    """The loaded library: `oneshot(plan, step, poll_ns, spin_ns)`, and `finish(plan)` for the reduction of
+    """The loaded library: `oneshot(plan, step, poll_ns)`, and `finish(plan)` for the reduction of
     a plan whose oneshot returned before its peers arrived."""
 
     path: Path
@@ -93,7 +93,7 @@ def load(cache_dir: str, compiler: str | None = None) -> tuple[Kernels | None, s
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"native kernels not built: {error}"
     oneshot, finish = library.pt_oneshot, library.pt_finish
-    oneshot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    oneshot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     oneshot.restype = ctypes.c_int
     finish.argtypes = [ctypes.c_void_p]
     finish.restype = None

@@ -82,15 +82,14 @@ static int all_arrived(const struct oneshot_plan *p, int64_t step) {
     return 1;
 }
 
-/* One piece of a one-shot collective: copy in, take `step`, poll the peers for up to `poll_ns`,
-   then reduce. For the first `spin_ns` of the poll it only spins (where each rank has a core of
-   its own: a yield is a system call, and the peer's step is noticed that much later); after
-   that it yields the core between looks. A plan that copies nothing and reduces nothing is a
-   barrier.
+/* One piece of a one-shot collective: copy in, take `step`, poll the peers for up to `poll_ns`
+   (yielding the core between looks: spinning without yielding cost 30 us a call in the minutes
+   when both ranks shared a core), then reduce. A plan that copies nothing and reduces nothing is
+   a barrier.
    DONE: all of it happened. WAIT: the step is taken but a peer has not arrived; the caller waits
    (Arena.run_native) and then calls pt_finish. WAIT_AND_RING: as WAIT, and a peer sleeps
    on its doorbell: the caller rings it first. */
-int pt_oneshot(const struct oneshot_plan *p, int64_t step, int64_t poll_ns, int64_t spin_ns) {
+int pt_oneshot(const struct oneshot_plan *p, int64_t step, int64_t poll_ns) {
     if (p->copy_bytes) memcpy(p->slot, p->input, (size_t)p->copy_bytes);
     __atomic_store_n(&p->words[p->mine], step, __ATOMIC_RELEASE);
     /* A sleeper raises its flag and then looks at our step; we wrote our step and now look at
@@ -99,14 +98,10 @@ int pt_oneshot(const struct oneshot_plan *p, int64_t step, int64_t poll_ns, int6
     for (int64_t i = 0; i < p->npeers; i++)
         if (__atomic_load_n(&p->words[p->peers[i] + 1], __ATOMIC_RELAXED)) return WAIT_AND_RING;
     if (!all_arrived(p, step)) {
-        int64_t start = now_ns(), now;
+        int64_t until = now_ns() + poll_ns;
         do {
-            now = now_ns();
-            if (now - start >= poll_ns) return WAIT;
-            if (now - start < spin_ns)
-                for (int i = 0; i < 16; i++) __builtin_ia32_pause();
-            else
-                sched_yield();
+            if (now_ns() >= until) return WAIT;
+            sched_yield();
         } while (!all_arrived(p, step));
     }
     pt_finish(p);

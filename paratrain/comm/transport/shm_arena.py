@@ -69,9 +69,6 @@ _VIEWS_KEPT = 256  # views of the slots (Arena.rows), per arena
 # rings' messages and checks that the peers live); spin_s may be 50 ms.
 _MOST_NATIVE_POLL_NS = 1_000_000
 _MAIN_THREAD = threading.main_thread().ident
-# How long a native poll spins before it yields between looks, where each rank has a core: about
-# the time peers of a collective take to arrive after one another on a quiet host.
-_NATIVE_SPIN_NS = 20_000
 
 
 def slot_bytes_for(ranks: int) -> int:
@@ -108,8 +105,6 @@ class Arena:
         self.peers = peers  # rank -> (pid, start time), to tell that it still runs
         self.spin_s = spin_s
         self._native_poll_ns = min(int(max(spin_s, _LEAST_POLL_S) * 1e9), _MOST_NATIVE_POLL_NS)
-        # Spin without yielding only where every rank has a core (spin_s > 0, shm_setup.spin_s).
-        self._native_spin_ns = _NATIVE_SPIN_NS if spin_s > 0 else 0
         self._barrier = None  # the native plan of a step alone (barrier_plan)
         self.progress = None  # moves this process's ring messages while it waits (SharedMemoryP2P)
         self.bell = None  # the read end of this process's doorbell, to sleep on (shm_setup.py)
@@ -211,10 +206,8 @@ class Arena:
         within the poll; past that, this rings whom it must and waits as arrive_and_wait does."""
         self.step += 1
         # As _wait_for: a helper thread does not poll, the core is the compute's it overlaps.
-        if threading.get_ident() == _MAIN_THREAD:
-            status = self.native.oneshot(plan, self.step, self._native_poll_ns, self._native_spin_ns)
-        else:
-            status = self.native.oneshot(plan, self.step, 0, 0)
+        poll_ns = self._native_poll_ns if threading.get_ident() == _MAIN_THREAD else 0
+        status = self.native.oneshot(plan, self.step, poll_ns)
         if status == native.DONE:
             return
         if status == native.WAIT_AND_RING:
