@@ -64,7 +64,7 @@ def _calls(group: Group, late: float) -> dict:
             group.all_reduce(buf)
             group.reduce_scatter(rs_out, rs_in)
             results[(dtype, call)] = (buf.clone(), rs_out.clone())
-        runs = [plan.run for plan in group._plans.planned.values()] + [r.run for r in group._repeats.calls.values()]
+        runs = [plan.timed for plan in group._plans.planned.values()] + [r.timed for r in group._repeats.calls.values()]
         results[(dtype, "native")] = len(runs) == 2 and all(hasattr(run, "plans") for run in runs)
     return results
 

@@ -188,13 +188,15 @@ class Group(PointToPoint):
         self._collective_seq += 1
         seq = self._collective_seq
         call = self._recorder.start(self._key, "collective", seq, op_name, entry.signature, entry.algo)
-        link = Link(
-            self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
-            self.segment_bytes, self._scratch,
-        )
+        link = None
         try:
             try:
-                entry.run(link)
+                if entry.timed is not None:  # a shared-segment plan: no message, so no Link to make
+                    entry.timed(self.timeout)
+                else:
+                    link = Link(self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
+                                self.segment_bytes, self._scratch)
+                    entry.run(link)
             except TRANSPORT_ERRORS as error:  # the shared segment's own waits (Link's say who already)
                 raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
         except Exception as error:
@@ -202,7 +204,8 @@ class Group(PointToPoint):
             raise
         if averaged is not None:
             divide_(averaged, self.size)
-        self._retire(link.finished)
+        if link is not None:
+            self._retire(link.finished)
         call.complete()
         return result
 

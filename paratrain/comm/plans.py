@@ -52,7 +52,7 @@ CAPACITY = 64  # tensors planned at once: DDP's buckets, with room; the oldest g
 
 class _Plan:
     __slots__ = ("owner", "data_ptr", "numel", "dtype", "algo", "op", "signature", "nbytes", "schedule",
-                 "messages", "compiled", "run", "facts", "asked")
+                 "messages", "compiled", "run", "timed", "facts", "asked")
 
     def __init__(self, owner, buf: torch.Tensor, algo: str, op: str, signature: CallSignature):
         self.owner = owner  # weakref to the caller's tensor
@@ -64,6 +64,7 @@ class _Plan:
         self.messages: list[P2POp] = []  # every P2POp of the schedule, for retagging
         self.compiled = None  # the transport's own form of the schedule, where it has one
         self.run = None  # run(link): the call again (its messages replayed, or a CALLED algorithm run)
+        self.timed = None  # timed(timeout): the call again where it sends no message (a shared-segment plan)
         self.facts = None  # (memory, shape, dtype, reduce op) of the planned call, all at once (ready)
         self.asked = None  # (the `algo` argument, table, its version) confirmed to resolve to `algo` (Group)
 
@@ -125,7 +126,9 @@ class CallPlans:
         if algo in CALLED:
             algorithm(link, buf, op)
             flat = _alias(buf)
-            plan.run = planned_call("all_reduce", algo, link, flat, flat, op) or (lambda link: algorithm(link, flat, op))
+            plan.timed = planned_call("all_reduce", algo, link, flat, flat, op)
+            timed = plan.timed
+            plan.run = (lambda link: timed(link.timeout)) if timed else (lambda link: algorithm(link, flat, op))
             self._keep(self.planned, key, plan)
             self.made += 1
             return
@@ -166,14 +169,15 @@ class _Repeat:
     """A reduce-scatter or all-gather noted with its tensors: what Group._run_straight needs to
     make it again (its signature for the flight recorder, the algorithm it ran, `run(link)`)."""
 
-    __slots__ = ("owners", "pointers", "shapes", "dtype", "algo", "nbytes", "signature", "run", "asked")
+    __slots__ = ("owners", "pointers", "shapes", "dtype", "algo", "nbytes", "signature", "run", "timed", "asked")
 
     def __init__(self, owners, output: torch.Tensor, input: torch.Tensor, algo: str, nbytes: int,
-                 signature: CallSignature, run: Callable[[Link], None]):
+                 signature: CallSignature, run: Callable[[Link], None] | None,
+                 timed: Callable[[float], None] | None):
         self.owners = owners  # weak references to (output, input)
         self.pointers = (output.data_ptr(), input.data_ptr())
         self.shapes, self.dtype = (output.shape, input.shape), output.dtype
-        self.algo, self.nbytes, self.signature, self.run = algo, nbytes, signature, run
+        self.algo, self.nbytes, self.signature, self.run, self.timed = algo, nbytes, signature, run, timed
         self.asked = None  # as _Plan's
 
 
@@ -202,9 +206,9 @@ class RepeatedCalls:
 
     def note(self, link: Link, output: torch.Tensor, input: torch.Tensor, reduce_op: str, algo: str,
              nbytes: int, signature: CallSignature, make_run: Callable) -> None:
-        """Keep the call just made through `link`; its run(link) is the algorithm's planned call
-        (algorithms/shared.py) where it has one, else `make_run(output, input)`, both on views of
-        the two tensors' memory (_alias), so that the entry does not hold the tensors."""
+        """Keep the call just made through `link`: the algorithm's planned call (algorithms/shared.py,
+        `timed`) where it has one, else `make_run(output, input)` (`run`), both on views of the two
+        tensors' memory (_alias), so that the entry does not hold the tensors."""
         op_name = link.op_name
         if not (output.is_contiguous() and input.is_contiguous()):
             return
@@ -224,12 +228,13 @@ class RepeatedCalls:
 
         out, inp = _alias(output.view(-1)), _alias(input.view(-1))
         base = "sum" if reduce_op == "avg" else reduce_op  # an average is divided after (Group)
-        run = planned_call(op_name, algo, link, inp, out, base) or make_run(out, inp)
+        timed = planned_call(op_name, algo, link, inp, out, base)
+        run = None if timed else make_run(out, inp)
         owners = (weakref.ref(output, forget), weakref.ref(input, forget))
         calls.pop(key, None)
         if len(calls) >= self.capacity:
             del calls[next(iter(calls))]
-        calls[key] = _Repeat(owners, output, input, algo, nbytes, signature, run)
+        calls[key] = _Repeat(owners, output, input, algo, nbytes, signature, run, timed)
 
     def clear(self) -> None:
         self.calls.clear()

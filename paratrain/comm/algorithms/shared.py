@@ -122,12 +122,12 @@ def _native_plans(arena, dtype: torch.dtype, op: str, copy_from: int, copy_bytes
     return plans
 
 
-def _running(arena, plans: list) -> Callable[[Link], None]:
+def _running(arena, plans: list) -> Callable[[float], None]:
     """The call that runs the native plan of the half each piece takes."""
     addresses = [ctypes.addressof(plan) for plan in plans]
 
-    def run_native(link: Link) -> None:
-        arena.run_native(addresses[arena.next_half()], link.timeout)
+    def run_native(timeout: float) -> None:
+        arena.run_native(addresses[arena.next_half()], timeout)
 
     run_native.plans = plans  # they live as long as the call that reads them
     return run_native
@@ -136,7 +136,8 @@ def _running(arena, plans: list) -> Callable[[Link], None]:
 def planned_all_reduce(link: Link, buf: torch.Tensor, op: str):
     """The one-shot all-reduce of `buf` with everything about it worked out once (its slots,
     the views it reduces, its byte count): a function of the call's Link that only copies, steps
-    and reduces, for a call plan (plans.py). None where it takes several pieces or is off the CPU."""
+    and reduces, for a call plan (plans.py): run(timeout), since it sends no message it needs no
+    Link. None where it takes several pieces or is off the CPU."""
     arena, n, me = _arena(link), link.size, link.rank
     nbytes, address = buf.numel() * buf.element_size(), buf.data_ptr()
     if buf.device.type != "cpu" or nbytes > arena.slot_bytes:
@@ -151,10 +152,10 @@ def planned_all_reduce(link: Link, buf: torch.Tensor, op: str):
     slots = [arena.slot_address(half, me) for half in (0, 1)]
     rows = [arena.rows(half, buf.dtype, 0, buf.numel()) for half in (0, 1)]
 
-    def run(link: Link) -> None:
+    def run(timeout: float) -> None:
         half = arena.next_half()
         memmove(slots[half], address, nbytes)
-        arena.arrive_and_wait(link.timeout)
+        arena.arrive_and_wait(timeout)
         if n == 2:  # as in all_reduce
             combine_(buf, rows[half].each[1 - me], op)
         else:
@@ -180,10 +181,10 @@ def planned_reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor
     slots = [arena.slot_address(half, me) for half in (0, 1)]
     rows = [arena.rows(half, input.dtype, low, high - low) for half in (0, 1)]
 
-    def run(link: Link) -> None:
+    def run(timeout: float) -> None:
         half = arena.next_half()
         memmove(slots[half], address, nbytes)
-        arena.arrive_and_wait(link.timeout)
+        arena.arrive_and_wait(timeout)
         if high > low:
             _reduce_rows(rows[half], output, op)
 
@@ -203,12 +204,12 @@ def planned_all_gather(link: Link, input: torch.Tensor, output: torch.Tensor):
     copies = [[(address + low * size, arena.slot_address(half, owner), (high - low) * size)
                for owner, (low, high) in enumerate(bounds) if owner != me] for half in (0, 1)]
 
-    def run(link: Link) -> None:
+    def run(timeout: float) -> None:
         if own != source:
             memmove(own, source, nbytes)
         half = arena.next_half()
         memmove(slots[half], source, nbytes)
-        arena.arrive_and_wait(link.timeout)
+        arena.arrive_and_wait(timeout)
         for into, out_of, count in copies[half]:
             memmove(into, out_of, count)
 
@@ -218,7 +219,7 @@ def planned_all_gather(link: Link, input: torch.Tensor, output: torch.Tensor):
 def planned_call(op_name: str, algo: str, link: Link, input: torch.Tensor, output: torch.Tensor, op: str):
     """The planned form of `algo`'s call of `op_name` on these tensors (flat views of their
     memory; for an all-reduce both are its buffer), where there is one: a one-shot call that
-    fits a slot. None elsewhere: the caller runs the algorithm itself each time."""
+    fits a slot, as run(timeout). None elsewhere: the caller runs the algorithm itself each time."""
     if algo != "oneshot":
         return None
     if op_name == "all_reduce":
