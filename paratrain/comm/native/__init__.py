@@ -1,20 +1,24 @@
 """Native code for the shared segment's collectives (arena_kernels.c), built on first use.
 
-The C file is compiled with the host's C compiler (`cc`, or the settings' CC) into paratrain's cache folder,
-named by a hash of its source and flags, so every process of a host loads the same library and
-a changed source builds anew. Two processes building at once each write their own file and
-rename it into place. Where no compiler is found or the build fails, `load` says why and the
-collectives run through torch's ops instead (shared.py), as they do with PARATRAIN_NATIVE=0.
+The C file is a Python extension module, compiled with the host's C compiler (`cc`, or the
+settings' CC) and this Python's headers into paratrain's cache folder, named by a hash of its
+source, flags and the interpreter's ABI, so every process of a host loads the same module and a
+changed source builds anew. Two processes building at once each write their own file and rename
+it into place. Where no compiler or headers are found or the build fails, `load` says why and
+the collectives run through torch's ops instead (shared.py), as they do with PARATRAIN_NATIVE=0.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import platform
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +26,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("arena_kernels.c")
+MODULE = "_arena_kernels"  # the name its PyInit_ function carries
 # -O3 vectorizes the folds; no -ffast-math, so each add is the IEEE add torch's is (the same bits).
-FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-D_GNU_SOURCE")
+FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
 MOST_ROWS = 64  # arena_kernels.c's MOST_ROWS: a plan reads at most this many rows
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
 DONE, WAIT, WAIT_AND_RING = 0, 1, 2
@@ -40,8 +45,8 @@ class OneShotPlan(ctypes.Structure):
 
 @dataclass(frozen=True)
 class Kernels:
-    """The loaded library: `oneshot(plan, step, poll_ns)`, and `finish(plan)` for the reduction of
-    a plan whose oneshot returned before its peers arrived."""
+    """The loaded module: `oneshot(plan_address, step, poll_ns)`, and `finish(plan_address)` for
+    the reduction of a plan whose oneshot returned before its peers arrived."""
 
     path: Path
     oneshot: object
@@ -53,13 +58,15 @@ def _compiler(named: str | None) -> str | None:
 
 
 def library_path(cache_dir: str) -> Path:
-    """Where the library built from this source with these flags lives on this machine."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode())
-    return Path(cache_dir).expanduser() / "paratrain" / "native" / f"arena_kernels-{key.hexdigest()[:16]}.so"
+    """Where the module built from this source, with these flags, for this Python lives here."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + suffix.encode()
+                         + platform.machine().encode())
+    return Path(cache_dir).expanduser() / "paratrain" / "native" / f"arena_kernels-{key.hexdigest()[:16]}{suffix}"
 
 
 def build(cache_dir: str, compiler: str | None = None) -> Path:
-    """The library, compiled (by `compiler`, else the first of cc, gcc, clang) if it is not in
+    """The module, compiled (by `compiler`, else the first of cc, gcc, clang) if it is not in
     the cache yet. Raises OSError saying why it cannot be."""
     target = library_path(cache_dir)
     if target.exists():
@@ -67,12 +74,15 @@ def build(cache_dir: str, compiler: str | None = None) -> Path:
     compiler = _compiler(compiler)
     if compiler is None:
         raise OSError("no C compiler (cc, gcc or clang; or set CC)")
+    headers = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(headers, "Python.h")):
+        raise OSError(f"no Python.h in {headers} (the Python headers: python3-dev)")
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(handle)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run([compiler, *FLAGS, f"-I{headers}", "-o", partial, str(SOURCE)], capture_output=True,
+                              text=True, timeout=120)
         if done.returncode != 0:
             said = done.stderr.strip().splitlines()
             raise OSError(f"{compiler} failed (exit code {done.returncode})" + (f": {said[-1]}" if said else ""))
@@ -89,12 +99,9 @@ def load(cache_dir: str, compiler: str | None = None) -> tuple[Kernels | None, s
         return None, f"no native kernels for {platform.machine()}"
     try:
         path = build(cache_dir, compiler)
-        library = ctypes.CDLL(str(path))  # CDLL releases the GIL for the call: a wait blocks no thread
-    except (OSError, subprocess.SubprocessError) as error:
+        loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(MODULE, path, loader=loader))
+        loader.exec_module(module)
+    except (OSError, ImportError, subprocess.SubprocessError) as error:
         return None, f"native kernels not built: {error}"
-    oneshot, finish = library.pt_oneshot, library.pt_finish
-    oneshot.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    oneshot.restype = ctypes.c_int
-    finish.argtypes = [ctypes.c_void_p]
-    finish.restype = None
-    return Kernels(path, oneshot, finish), f"native kernels: {path}"
+    return Kernels(path, module.oneshot, module.finish), f"native kernels: {path}"
