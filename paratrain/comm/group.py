@@ -1,5 +1,6 @@
 """`Group`: what a rank talks through. Point-to-point (p2p_calls.py), and the collectives
-with a choice of algorithm, over any transport.
+with a choice of algorithm, over any transport; a call made again on the same tensors goes
+straight to what the earlier one worked out (straight_calls.py).
 
 Every collective call gets a sequence number (the same on every rank, since all ranks make
 the same calls in the same order); its messages carry a tag made from it, so they never match
@@ -31,13 +32,14 @@ from paratrain.comm.ops import check_reduce_op, divide_, part_size
 from paratrain.comm.p2p_calls import USER_TAGS, PointToPoint
 from paratrain.comm.plans import CallPlans, RepeatedCalls
 from paratrain.comm.scratch import ScratchPool
+from paratrain.comm.straight_calls import StraightCalls
 from paratrain.settings import Settings
 
 _DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
 _VALID = {kind: {op: frozenset(algorithms_for(op, kind)) for op in OPS} for kind in (None, "shm")}  # built once
 
 
-class Group(PointToPoint):
+class Group(PointToPoint, StraightCalls):
     def __init__(
         self,
         transport,
@@ -164,50 +166,6 @@ class Group(PointToPoint):
             # other's different calls: a blocking call queues behind the pending async ones.
             return self._executor.submit(execute).result()
         return execute()
-
-    def _goes_straight(self, entry, op_name: str, algo: str) -> bool:
-        """Whether a call that found `entry` (a plan or a repeated call, plans.py, or None) runs it."""
-        return entry is not None and (entry.asked == (algo, self.table, self.table.version)
-                                      or self._confirms(entry, op_name, algo))
-
-    def _confirms(self, entry, op_name: str, algo: str) -> bool:
-        """Whether `algo` (the caller's argument) resolves to the algorithm `entry` (a plan or a
-        repeated call, plans.py) runs; remembered on the entry, with the table and its version,
-        when it does: until the table changes or is replaced, the same argument resolves the same way."""
-        if self.resolve(op_name, algo, entry.nbytes) != entry.algo:
-            return False
-        entry.asked = (algo, self.table, self.table.version)
-        return True
-
-    def _run_straight(self, op_name: str, entry, result, averaged: torch.Tensor | None = None):
-        """A call made again from what an earlier one noted (an all-reduce's plan, a repeated
-        reduce-scatter or all-gather, plans.py): its `run` and nothing else, numbered, recorded
-        and failed like any other call; `averaged` is divided by the world size after. What
-        `_run` and the op would do besides (check the arguments, describe the call, build its
-        closures) the call that noted it has done for this one."""
-        self._collective_seq += 1
-        seq = self._collective_seq
-        call = self._recorder.start(self._key, "collective", seq, op_name, entry.signature, entry.algo)
-        link = None
-        try:
-            try:
-                if entry.timed is not None:  # a shared-segment plan: no message, so no Link to make
-                    entry.timed(self.timeout)
-                else:
-                    link = Link(self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
-                                self.segment_bytes, self._scratch)
-                    entry.run(link)
-            except TRANSPORT_ERRORS as error:  # the shared segment's own waits (Link's say who already)
-                raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
-        except Exception as error:
-            self._failed(call, error)
-            raise
-        if averaged is not None:
-            divide_(averaged, self.size)
-        if link is not None:
-            self._retire(link.finished)
-        call.complete()
-        return result
 
     def _comm_thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
