@@ -69,6 +69,8 @@ def env(nproc: int) -> None:
         lines.append(f"  --launcher {launcher:<10} {kind:<6} {_TRANSPORTS[kind]}")
     if settings.shm and settings.native:  # loading builds the kernels on first use, as a world's setup would
         lines.append(f"  shared segment: {native.load(settings.cache_dir, settings.cc)[1]}")
+    elif settings.shm:
+        lines.append("  shared segment: torch's ops (native kernels off: PARATRAIN_NATIVE)")
     where = settings.launch
     if where.in_torchrun:
         lines.append(f"  this process (torchrun): rank {where.rank} of {where.world_size}, "

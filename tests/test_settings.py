@@ -85,6 +85,15 @@ def test_paratrain_env_prints_every_setting_its_value_and_source(tmp_path):
     assert refused.exit_code == 2 and "PARATRAIN_SHM_BYTES must be a whole number, got 'many'" in refused.output
 
 
+def test_paratrain_env_says_whether_the_native_kernels_are_built(tmp_path):
+    built = CliRunner().invoke(main, ["env"], env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert f"shared segment: native kernels: {tmp_path}/paratrain/native/arena_kernels-" in built.output
+    failed = CliRunner().invoke(main, ["env"], env={"XDG_CACHE_HOME": str(tmp_path / "other"), "CC": "false"})
+    assert "shared segment: native kernels not built: false failed (exit code 1)" in failed.output
+    off = CliRunner().invoke(main, ["env"], env={"PARATRAIN_NATIVE": "0"})
+    assert off.exit_code == 0 and "shared segment: torch's ops (native kernels off: PARATRAIN_NATIVE)" in off.output
+
+
 def _cached_table(tmp_path, host: str, world: int) -> Path:
     path = tmp_path / "cache" / "paratrain" / "algorithms.json"
     table = AlgorithmTable(path=path)
