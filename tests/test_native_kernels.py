@@ -1,7 +1,8 @@
 """The shared segment's one-shot calls in native code (comm/native): the library builds once per
 source into the cache and is found there after, a compiler that fails leaves the torch path with
 a reason, and a planned call through the kernels gives the same bits as the same call through
-torch's ops, on 2 and 3 processes, for each dtype they take, when the peers arrive at once, late
+torch's ops, on 2 and 3 processes, for each dtype they take, for one piece and several, when the
+peers arrive at once, late
 (the wait goes back to Python) and asleep on their doorbell (they must be rung); with
 PARATRAIN_NATIVE=0 no group loads them.
 """
@@ -15,6 +16,7 @@ import torch
 
 import paratrain
 from paratrain.comm import Group, native
+from paratrain.comm.transport.shm_arena import slot_bytes_for
 
 from collective_checks import assert_no_failures
 from test_p2p import RUN_TIMEOUT_S
@@ -50,22 +52,28 @@ def _inputs(rank: int, dtype: torch.dtype, count: int, call: int) -> torch.Tenso
 
 def _calls(group: Group, late: float) -> dict:
     """CALLS all-reduces and reduce-scatters of each dtype on the same tensors (so they are planned),
-    with rank 0 arriving `late` seconds after its peers at every call."""
+    and an all-reduce of 2.5 slots (three pieces, never planned), with rank 0 arriving `late`
+    seconds after its peers at every call."""
     results = {}
+    big_count = slot_bytes_for(group.size) * 5 // 16  # 2.5 slots of 8-byte elements, 5 of 4-byte ones
     for dtype in DTYPES:
         count = 1000 * group.size + 3
-        buf, rs_in, rs_out = torch.empty(count, dtype=dtype), torch.empty(count, dtype=dtype), None
+        buf, rs_in = torch.empty(count, dtype=dtype), torch.empty(count, dtype=dtype)
+        big = torch.empty(big_count, dtype=dtype)
         rs_out = torch.empty(len(torch.tensor_split(rs_in, group.size)[group.rank]), dtype=dtype)
         for call in range(CALLS):
             buf.copy_(_inputs(group.rank, dtype, count, call))
             rs_in.copy_(_inputs(group.rank, dtype, count, call + 100))
+            big.copy_(_inputs(group.rank, dtype, big_count, call + 200))
             if late and group.rank == 0:
                 time.sleep(late)
             group.all_reduce(buf)
             group.reduce_scatter(rs_out, rs_in)
-            results[(dtype, call)] = (buf.clone(), rs_out.clone())
-        runs = [plan.timed for plan in group._plans.planned.values()] + [r.timed for r in group._repeats.calls.values()]
-        results[(dtype, "native")] = len(runs) == 2 and all(hasattr(run, "plans") for run in runs)
+            group.all_reduce(big, algo="oneshot")  # auto takes twoshot for it beyond 2 ranks
+            results[(dtype, call)] = (buf.clone(), rs_out.clone(), big.clone())
+        runs = [plan.timed for plan in group._plans.planned.values()] + [
+            repeat.timed for repeat in group._repeats.calls.values()]
+        results[(dtype, "native")] = sum(hasattr(run, "plans") for run in runs) == 2  # the big one has no plan
     return results
 
 
@@ -92,6 +100,14 @@ def _native_against_torch(group: Group, late: float = 0.0, expected: tuple = ())
     arena.native = counting = _Counting(kernels)
     through_native = Group(group.transport, timeout=group.timeout)
     natively = _calls(through_native, late)
+    # Every call through the kernels: each round's pieces of the big all-reduce (ceil of 2.5 or 1.25
+    # slots), the small all-reduce's every call (unplanned ones go through the piece loop), and the
+    # reduce-scatter's planned ones.
+    pieces = sum(-(-slot_bytes_for(group.size) * 5 // 16 * torch.empty(0, dtype=d).element_size()
+                   // slot_bytes_for(group.size)) for d in DTYPES)
+    expected_calls = CALLS * pieces + len(DTYPES) * (CALLS + CALLS - 2)
+    if len(counting.returned) != expected_calls:
+        failures.append(f"rank {group.rank}: {len(counting.returned)} native calls, expected {expected_calls}")
     for rank, status in expected:
         if rank == group.rank and status not in counting.returned:
             failures.append(f"rank {rank}: no oneshot call returned {status}: {sorted(set(counting.returned))}")
@@ -103,8 +119,10 @@ def _native_against_torch(group: Group, late: float = 0.0, expected: tuple = ())
         if key[1] == "native":
             if not result or plain[key]:
                 failures.append(f"rank {group.rank}: {key[0]}: the plans ran native {result}, then {plain[key]}")
-        elif not (torch.equal(result[0], plain[key][0]) and torch.equal(result[1], plain[key][1])):
-            failures.append(f"rank {group.rank}: {key}: native and torch's results differ")
+        else:
+            for name, mine, theirs in zip(("all-reduce", "reduce-scatter", "pieces"), result, plain[key]):
+                if not torch.equal(mine, theirs):
+                    failures.append(f"rank {group.rank}: {key}: the {name}'s native and torch's results differ")
     return failures
 
 
