@@ -138,6 +138,7 @@ def run_sweep(group, sweep: Sweep) -> SweepResult | None:
 
 
 SWEEP_WARM_UP_CALLS = 100  # at 64 KiB or less; fewer above (at least 5), the same on every rank
+SETTLE_S = 0.5  # calls before the sweep: a world's first second or two ran its calls slower
 
 
 def _warm_up(group, sweep: Sweep, device) -> None:
@@ -146,6 +147,7 @@ def _warm_up(group, sweep: Sweep, device) -> None:
     state, the shared segment's pages, the first calls' code paths, the cores' clocks ramping
     up). Measured: a 16 KiB all-reduce on 2 processes took 8.8 us as the first size of a sweep,
     5.4 us as the third. Every side of a comparison runs this same code (mpi_peer.py too)."""
+    _settle(group, sweep, device)
     for op, algos in sweep.plan:
         case = _build_case(group, op, sweep.counts_for(op)[0], DTYPES[sweep.dtype], device)
         case.reset()
@@ -155,6 +157,24 @@ def _warm_up(group, sweep: Sweep, device) -> None:
                 case.call(algo)
             group.barrier(algo="auto")
     _synchronize(device)
+
+
+def _settle(group, sweep: Sweep, device) -> None:
+    """About SETTLE_S of the sweep's first call before anything is timed (rank 0 counts the calls
+    and tells the others, so that all make as many). Seen on the 2-core machine: in a world's
+    first second or two the 16 KiB all-reduce took 6.1-6.6 us a call, 4.7 us after; started
+    after a 3 s sleep, 4.7 us from the first call."""
+    op, algos = sweep.plan[0]
+    case = _build_case(group, op, sweep.counts_for(op)[0], DTYPES[sweep.dtype], device)
+    case.reset()
+    started = time.perf_counter()
+    for _ in range(3):
+        case.call(algos[0])
+    calls = torch.tensor([min(int(SETTLE_S * 3 / max(time.perf_counter() - started, 1e-6)), 200_000)],
+                         dtype=torch.int64, device=device)
+    group.broadcast(calls, 0)
+    for _ in range(int(calls.item())):
+        case.call(algos[0])
 
 
 def _measure(group, case: _Case, op: str, algo: str, bursts: list[float], sweep: Sweep, device) -> Measurement:
