@@ -101,6 +101,8 @@ class NullTransport:
         # The shared-segment algorithms copy and reduce in a segment of this process's own whose
         # steps wait for nobody: their path is their copies and reductions, not the peers' pace.
         self.arena = Arena.alone(inner.size, inner.rank) if getattr(inner, "arena", None) is not None else None
+        if self.arena is not None:  # the kernels the group's own segment runs, if it has them
+            self.arena.native = inner.arena.native
 
     def __getattr__(self, name):
         if name.startswith("native_"):

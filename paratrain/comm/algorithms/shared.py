@@ -113,12 +113,12 @@ def _native_plans(arena, dtype: torch.dtype, op: str, copy_from: int, copy_bytes
     op other than a sum, a dtype they do not have)."""
     if arena.native is None or op not in ("sum", "avg") or dtype not in native.DTYPES or arena.size > native.MOST_ROWS:
         return None
-    plans = []
+    plans, peers = [], arena.waited_for
     for half in (0, 1):
         plan = native.OneShotPlan(slot=arena.slot_address(half, arena.rank), input=copy_from, copy_bytes=copy_bytes,
-                                  words=arena.address, mine=arena.step_word(arena.rank), npeers=arena.size - 1,
+                                  words=arena.address, mine=arena.step_word(arena.rank), npeers=len(peers),
                                   out=out, nrows=len(rows(half)), count=count, dtype=native.DTYPES[dtype])
-        plan.peers[: arena.size - 1] = [arena.step_word(peer) for peer in range(arena.size) if peer != arena.rank]
+        plan.peers[: len(peers)] = [arena.step_word(peer) for peer in peers]
         plan.rows[: plan.nrows] = rows(half)
         plans.append(plan)
     return plans

@@ -149,6 +149,11 @@ class Arena:
     def slot_address(self, half: int, rank: int) -> int:
         return self.address + self._data + (half * self.size + rank) * self.slot_bytes
 
+    @property
+    def waited_for(self) -> list[int]:
+        """The ranks a step waits for: every other rank of the group (none for `alone`)."""
+        return [peer for peer, _ in self._others]
+
     def step_word(self, rank: int) -> int:
         """The index of `rank`'s step among the segment's 8-byte words (its sleeping flag is next)."""
         return rank * _WORDS_PER_LINE
@@ -194,7 +199,7 @@ class Arena:
             self.arrive_and_wait(timeout)
             return
         if self._barrier is None:
-            others = [peer for peer, _ in self._others]
+            others = self.waited_for
             plan = native.OneShotPlan(words=self.address, mine=self._mine, npeers=len(others))
             plan.peers[: len(others)] = [self.step_word(peer) for peer in others]
             self._barrier = (plan, ctypes.addressof(plan))
