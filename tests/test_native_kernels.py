@@ -32,6 +32,7 @@ def test_the_library_is_built_once_into_the_cache_and_loaded_from_there(tmp_path
     built = kernels.path.stat().st_mtime_ns
     again, _ = native.load(str(tmp_path))
     assert again.path == kernels.path and again.path.stat().st_mtime_ns == built
+    assert native.build(str(tmp_path)) == kernels.path and kernels.path.stat().st_mtime_ns == built  # another process
     assert [p.name for p in kernels.path.parent.iterdir()] == [kernels.path.name]  # no partial files left
 
 

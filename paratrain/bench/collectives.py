@@ -147,9 +147,9 @@ def _warm_up(group, sweep: Sweep, device) -> None:
     state, the shared segment's pages, the first calls' code paths, the cores' clocks ramping
     up). Measured: a 16 KiB all-reduce on 2 processes took 8.8 us as the first size of a sweep,
     5.4 us as the third. Every side of a comparison runs this same code (mpi_peer.py too)."""
-    _settle(group, sweep, device)
-    for op, algos in sweep.plan:
-        case = _build_case(group, op, sweep.counts_for(op)[0], DTYPES[sweep.dtype], device)
+    cases = [_build_case(group, op, sweep.counts_for(op)[0], DTYPES[sweep.dtype], device) for op, _ in sweep.plan]
+    _settle(cases[0], sweep.plan[0][1][0], group, device)
+    for case, (op, algos) in zip(cases, sweep.plan):
         case.reset()
         calls = max(5, min(SWEEP_WARM_UP_CALLS, SWEEP_WARM_UP_CALLS * (64 << 10) // max(case.nbytes, 1)))
         for algo in algos:
@@ -159,22 +159,20 @@ def _warm_up(group, sweep: Sweep, device) -> None:
     _synchronize(device)
 
 
-def _settle(group, sweep: Sweep, device) -> None:
-    """About SETTLE_S of the sweep's first call before anything is timed (rank 0 counts the calls
-    and tells the others, so that all make as many). Seen on the 2-core machine: in a world's
-    first second or two the 16 KiB all-reduce took 6.1-6.6 us a call, 4.7 us after; started
-    after a 3 s sleep, 4.7 us from the first call."""
-    op, algos = sweep.plan[0]
-    case = _build_case(group, op, sweep.counts_for(op)[0], DTYPES[sweep.dtype], device)
+def _settle(case: _Case, algo: str, group, device) -> None:
+    """About SETTLE_S of `case`'s call before anything is timed (rank 0 counts the calls and
+    tells the others, so that all make as many). Seen on the 2-core machine: in a world's first
+    second or two the 16 KiB all-reduce took 6.1-6.6 us a call, 4.7 us after; started after a
+    3 s sleep, 4.7 us from the first call."""
     case.reset()
     started = time.perf_counter()
     for _ in range(3):
-        case.call(algos[0])
+        case.call(algo)
     calls = torch.tensor([min(int(SETTLE_S * 3 / max(time.perf_counter() - started, 1e-6)), 200_000)],
                          dtype=torch.int64, device=device)
     group.broadcast(calls, 0)
     for _ in range(int(calls.item())):
-        case.call(algos[0])
+        case.call(algo)
 
 
 def _measure(group, case: _Case, op: str, algo: str, bursts: list[float], sweep: Sweep, device) -> Measurement:

@@ -113,25 +113,31 @@ def _native_plans(arena, dtype: torch.dtype, op: str, copy_from: int, copy_bytes
     op other than a sum, a dtype they do not have)."""
     if arena.native is None or op not in ("sum", "avg") or dtype not in native.DTYPES or arena.size > native.MOST_ROWS:
         return None
-    plans, peers = [], arena.waited_for
+    plans = []
     for half in (0, 1):
-        plan = native.OneShotPlan(slot=arena.slot_address(half, arena.rank), input=copy_from, copy_bytes=copy_bytes,
-                                  words=arena.address, mine=arena.step_word(arena.rank), npeers=len(peers),
-                                  out=out, nrows=len(rows(half)), count=count, dtype=native.DTYPES[dtype])
-        plan.peers[: len(peers)] = [arena.step_word(peer) for peer in peers]
+        plan = arena.native_plan(slot=arena.slot_address(half, arena.rank), input=copy_from, copy_bytes=copy_bytes,
+                                 out=out, nrows=len(rows(half)), count=count, dtype=native.DTYPES[dtype])
         plan.rows[: plan.nrows] = rows(half)
         plans.append(plan)
     return plans
+
+
+def _all_reduce_rows(arena, address: int, n: int, me: int) -> Callable[[int], list[int]]:
+    """What a native one-shot all-reduce of the buffer at `address` adds, per half: on two ranks
+    the peer's copy to our own values (a + b == b + a: the same bits on both); on more, every
+    slot folded in rank order, the same order on every rank."""
+    if n == 2:
+        return lambda half: [address, arena.slot_address(half, 1 - me)]
+    return lambda half: [arena.slot_address(half, rank) for rank in range(n)]
 
 
 def _all_reduce_natively(link: Link, arena, buf: torch.Tensor, op: str, per_piece: int) -> bool:
     """all_reduce's pieces, each one call of the native kernel (a plan per half, pointed at the
     piece): False where the kernels do not apply. A 64 MiB message is 64 pieces: each saves the
     Python of its copy, step and add."""
-    size, total, address, n = buf.element_size(), buf.numel(), buf.data_ptr(), link.size
-    two = n == 2  # as planned_all_reduce: the peer's copy added to our own values
-    rows = (lambda half: [address, arena.slot_address(half, 1 - link.rank)]) if two else (
-        lambda half: [arena.slot_address(half, rank) for rank in range(n)])
+    size, total, address = buf.element_size(), buf.numel(), buf.data_ptr()
+    two = link.size == 2  # row 0 is our own piece (_all_reduce_rows)
+    rows = _all_reduce_rows(arena, address, link.size, link.rank)
     plans = _native_plans(arena, buf.dtype, op, address, 0, address, rows, 0)
     if plans is None:
         return False
@@ -167,11 +173,8 @@ def planned_all_reduce(link: Link, buf: torch.Tensor, op: str):
     nbytes, address = buf.numel() * buf.element_size(), buf.data_ptr()
     if buf.device.type != "cpu" or nbytes > arena.slot_bytes:
         return None
-    # Two ranks add the peer's copy to their own values (a + b == b + a: the same bits on both);
-    # more fold every slot in rank order, the same order on every rank.
-    peer_or_all = (lambda half: [address, arena.slot_address(half, 1 - me)]) if n == 2 else (
-        lambda half: [arena.slot_address(half, rank) for rank in range(n)])
-    plans = _native_plans(arena, buf.dtype, op, address, nbytes, address, peer_or_all, buf.numel())
+    plans = _native_plans(arena, buf.dtype, op, address, nbytes, address, _all_reduce_rows(arena, address, n, me),
+                          buf.numel())
     if plans is not None:
         return _running(arena, plans)
     slots = [arena.slot_address(half, me) for half in (0, 1)]

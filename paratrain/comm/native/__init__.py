@@ -11,6 +11,7 @@ the collectives run through torch's ops instead (shared.py), as they do with PAR
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -93,8 +94,10 @@ def build(cache_dir: str, compiler: str | None = None) -> Path:
     return target
 
 
+@functools.lru_cache(maxsize=None)
 def load(cache_dir: str, compiler: str | None = None) -> tuple[Kernels | None, str]:
-    """The kernels, or None and why not (the reason is shown by `paratrain env`)."""
+    """The kernels, or None and why not (the reason is shown by `paratrain env`). Once per
+    process: every group's setup asks (a mesh makes one per axis)."""
     if platform.machine() not in ("x86_64", "AMD64"):  # the step's store order is x86-64's (shm_arena.py)
         return None, f"no native kernels for {platform.machine()}"
     try:

@@ -105,7 +105,7 @@ class Arena:
         self.peers = peers  # rank -> (pid, start time), to tell that it still runs
         self.spin_s = spin_s
         self._native_poll_ns = min(int(max(spin_s, _LEAST_POLL_S) * 1e9), _MOST_NATIVE_POLL_NS)
-        self._barrier = None  # the native plan of a step alone (barrier_plan)
+        self._barrier = None  # the native plan of a step alone (barrier)
         self.progress = None  # moves this process's ring messages while it waits (SharedMemoryP2P)
         self.bell = None  # the read end of this process's doorbell, to sleep on (shm_setup.py)
         self.ring = None  # ring(peer): write a byte to peer's doorbell
@@ -199,11 +199,17 @@ class Arena:
             self.arrive_and_wait(timeout)
             return
         if self._barrier is None:
-            others = self.waited_for
-            plan = native.OneShotPlan(words=self.address, mine=self._mine, npeers=len(others))
-            plan.peers[: len(others)] = [self.step_word(peer) for peer in others]
-            self._barrier = (plan, ctypes.addressof(plan))
-        self.run_native(self._barrier[1], timeout)
+            self._barrier = self.native_plan()
+        self.run_native(ctypes.addressof(self._barrier), timeout)
+
+    def native_plan(self, **fields) -> native.OneShotPlan:
+        """A native.OneShotPlan for this rank's steps in this segment (its step word and those of
+        the ranks it waits for), with `fields` (what it copies and reduces) set; with none, a
+        step alone."""
+        peers = self.waited_for
+        plan = native.OneShotPlan(words=self.address, mine=self._mine, npeers=len(peers), **fields)
+        plan.peers[: len(peers)] = [self.step_word(peer) for peer in peers]
+        return plan
 
     def run_native(self, plan: int, timeout: float) -> None:
         """One piece of a one-shot collective in native code (native.OneShotPlan at address
