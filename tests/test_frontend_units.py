@@ -79,6 +79,56 @@ def test_dispatcher_refuses_a_public_address_without_a_token():
         Dispatcher(DispatcherSettings("0.0.0.0", 0, 1))
 
 
+def test_a_dispatcher_held_up_in_one_handler_does_not_lose_workers_whose_heartbeats_wait():
+    """CI saw it: a handler blocked for seconds (the first meta op waited on the warm-up thread's
+    import), then the tick found every worker silent though their heartbeats were queued. The
+    dispatcher's own stall is excused and queued messages are read before anyone is judged."""
+    import threading
+    import time
+
+    import zmq
+
+    from paratrain.frontend.dispatcher.peers import WorkerState
+
+    dispatcher = Dispatcher(DispatcherSettings("127.0.0.1", 0, 2, worker_timeout=1.0, quiet=True))
+    context = zmq.Context.instance()
+    sockets = []
+    for rank in range(2):
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"fake-worker-%d" % rank)
+        sock.connect(f"tcp://127.0.0.1:{dispatcher.port}")
+        sockets.append(sock)
+        hello = messages.Hello("worker", 1, 1, "fake", "localhost", "cpu", rank)
+        dispatcher.peers.add_worker(WorkerState(b"fake-worker-%d" % rank, rank, hello, time.monotonic(),
+                                                serving=True))
+    real, held = dispatcher.handlers[("worker", messages.Heartbeat)], []
+
+    def held_up_once(worker, beat):
+        if not held:
+            held.append(worker.rank)
+            time.sleep(3.0)  # three worker timeouts
+        real(worker, beat)
+
+    dispatcher.handlers[("worker", messages.Heartbeat)] = held_up_once
+    stop = threading.Event()
+    loop = threading.Thread(target=dispatcher.serve, args=(stop.is_set,))
+    loop.start()
+    try:
+        until = time.monotonic() + 5.0
+        while time.monotonic() < until:
+            for sock in sockets:
+                sock.send_multipart(codec.encode(messages.Heartbeat(0, 0.0, 0, 0, {})))
+            time.sleep(0.2)
+        assert held, "the held-up handler never ran"
+        assert dispatcher.failure is None
+        assert [w.lost for w in dispatcher.peers.workers.values()] == [None, None]
+    finally:
+        stop.set()
+        loop.join(10)
+        for sock in sockets:
+            sock.close(linger=0)
+
+
 # ---- the op table -----------------------------------------------------------------------------
 
 def test_kwargs_outside_an_ops_allowlist_are_refused():

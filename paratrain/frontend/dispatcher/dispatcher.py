@@ -37,6 +37,8 @@ from paratrain.frontend.shapes import warm_up
 
 TICK_S = 1.0  # pings, liveness and expiry, this often
 RECEIVE_SLICE_S = 0.2
+STALL_S = 1.0  # a loop turn this much later than it should come: the dispatcher itself was stalled
+DRAIN_MAX = 10_000  # messages read before judging a silent peer (its heartbeat may be among them)
 STRANGER_HEADER = 64 << 10  # bytes a peer may send before it has joined
 
 
@@ -133,7 +135,7 @@ class Dispatcher:
     def serve(self, should_stop=lambda: False, on_tick=lambda: None) -> None:
         """Serve until stopped; `should_stop()` is asked a few times a second, `on_tick()` is
         called once a second (serve.py watches its worker processes there)."""
-        last_tick = 0.0
+        last_tick = last_turn = time.monotonic() - TICK_S
         # Meta kernels (for shape inference) load in ~1 s: on a thread, so joining workers are answered
         # meanwhile; joined at exit (an import cut off aborts). gc.freeze: what exists now lives on.
         warming = threading.Thread(target=lambda: (warm_up(), gc.freeze()), name="warm-up")
@@ -147,6 +149,13 @@ class Dispatcher:
                     while self.sock.poll(0, zmq.POLLIN) and not self.stopping and time.monotonic() < until:
                         self._receive()
                 now = time.monotonic()
+                # A turn takes at most a poll and a slice. Later than that, this process was not
+                # running (a loaded host, a long import on another thread): its peers' silence in
+                # that time is the dispatcher's, not theirs.
+                stalled = now - last_turn - (0.25 + RECEIVE_SLICE_S)
+                if stalled > STALL_S:
+                    self.peers.excuse(stalled)
+                last_turn = now
                 if now - last_tick >= TICK_S:
                     self._tick(now)
                     on_tick()
@@ -335,7 +344,18 @@ class Dispatcher:
 
     # ---- time ---------------------------------------------------------------------------------
 
+    def _overdue(self, now: float) -> bool:
+        return any(w.alive and w.serving and now - w.last_seen > self.settings.worker_timeout
+                   for w in self.peers.workers.values())
+
     def _tick(self, now: float) -> None:
+        if self._overdue(now):
+            # Read what has come before judging: a worker's heartbeat may be waiting behind a flood.
+            for _ in range(DRAIN_MAX):
+                if self.stopping or not self.sock.poll(0, zmq.POLLIN):
+                    break
+                self._receive()
+            now = time.monotonic()
         for worker in list(self.peers.workers.values()):
             if not worker.alive:
                 continue

@@ -127,6 +127,11 @@ class Peers:
             del self.monitors[identity]
         return late
 
+    def excuse(self, seconds: float) -> None:
+        """The dispatcher was stalled for `seconds`: no peer's silence in that time counts."""
+        for peer in [*self.workers.values(), *self.clients.values()]:
+            peer.last_seen += seconds
+
     def add_client(self, client: ClientState) -> None:
         self.clients[client.identity] = client
         self.by_secret[client.secret] = client
