@@ -26,6 +26,7 @@ import zmq
 from paratrain.frontend import signals
 from paratrain.frontend.dispatcher.admission import Admission
 from paratrain.frontend.dispatcher.auto_shard import AutoShard
+from paratrain.frontend.dispatcher.complaints import Complaints
 from paratrain.frontend.dispatcher.log import LOGGED, InstructionLog
 from paratrain.frontend.dispatcher.peers import ClientState, Peers, WorkerState
 from paratrain.frontend.dispatcher.reports import WorkerReports
@@ -44,23 +45,6 @@ STRANGER_HEADER = 64 << 10  # bytes a peer may send before it has joined
 
 class CannotServe(RuntimeError):
     """The dispatcher cannot listen where it was asked to (a port in use, no such interface)."""
-
-
-class Complaints:
-    """Warnings about misbehaving peers, at most one line a second per kind: a flood of bad
-    messages must not become a flood of lines."""
-
-    def __init__(self, say):
-        self.say, self.last, self.held = say, {}, {}
-
-    def __call__(self, kind: str, text: str) -> None:
-        now = time.monotonic()
-        if now - self.last.get(kind, -1e9) < 1.0:
-            self.held[kind] = self.held.get(kind, 0) + 1
-            return
-        held = self.held.pop(kind, 0)
-        self.last[kind] = now
-        self.say(text + (f" (and {held} more like it)" if held else ""), warning=True)
 
 
 class Dispatcher:
