@@ -29,7 +29,7 @@ from paratrain.comm.flight import Call
 from paratrain.comm.handles import CollectiveHandle, timed
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
 from paratrain.comm.ops import check_reduce_op, divide_, part_size
-from paratrain.comm.p2p_calls import USER_TAGS, PointToPoint
+from paratrain.comm.p2p_calls import STRAIGHT_POLL_S, USER_TAGS, PointToPoint
 from paratrain.comm.plans import CallPlans, RepeatedCalls
 from paratrain.comm.scratch import ScratchPool
 from paratrain.comm.straight_calls import StraightCalls
@@ -65,6 +65,10 @@ class Group(PointToPoint, StraightCalls):
         self.segment_bytes = segment_bytes or transport.segment_bytes
         self._collective_seq = 0
         self._p2p_seq = 0
+        # Shared-memory rings a blocking send or receive may use directly (p2p_calls.py), and
+        # how long a receive there polls for its message before it takes the general path.
+        self._rings = getattr(transport, "p2p", None)
+        self._straight_poll_s = min(STRAIGHT_POLL_S, self._rings.spin_s) if self._rings is not None else 0.0
         self.ranks = tuple(transport.global_ranks)  # this group's ranks, numbered in the world
         self.flight = transport.flight  # every recorder this process holds
         self._recorder = self.flight.recorders[self.ranks[self.rank]]

@@ -12,6 +12,7 @@ from paratrain.comm.link import Link
 from paratrain.comm.transport.base import P2POp
 
 USER_TAGS = 1 << 20  # user p2p tags live below this; each collective call gets one above it
+STRAIGHT_POLL_S = 1e-3  # a straight receive polls its ring this long (at most the transport's spin)
 
 
 class PointToPoint:
@@ -48,14 +49,37 @@ class PointToPoint:
         return self._start_p2p(P2POp("recv", staging, src, tag), target=tensor)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        if self._went_straight("send", tensor, dst, tag):
+            return
         self.isend(tensor, dst, tag).wait()
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.irecv(tensor, src, tag).wait()
+        if not self._went_straight("recv", tensor, src, tag):
+            self.irecv(tensor, src, tag).wait()
         return tensor
+
+    def _went_straight(self, kind: str, tensor, peer, tag) -> bool:
+        """A blocking call moved at once between `tensor` and a shared-memory ring (see
+        SharedMemoryP2P.send_now): a small message costs a few microseconds, not the tens of
+        the general path (a work, a Link, a handle). Recorded, already completed; False, having
+        done nothing, wherever that short cut does not apply."""
+        rings = self._rings
+        if rings is None or type(tensor) is not torch.Tensor or tensor.device.type != "cpu" \
+                or not tensor.is_contiguous() or type(peer) is not int or type(tag) is not int \
+                or not 0 <= tag < USER_TAGS:
+            return False
+        moved = (rings.send_now(peer, tag, tensor) if kind == "send"
+                 else rings.recv_now(peer, tag, tensor, self._straight_poll_s))
+        if moved:
+            self._p2p_seq += 1
+            self._recorder.start(self._key, "p2p", self._p2p_seq, kind, (tensor.shape, tensor.dtype), None,
+                                 peer).complete()
+        return moved
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0):
         """Send to `dst` and receive from `src` at once (the step of every ring)."""
+        if self._went_straight("send", send, dst, tag):  # all of it is in the ring: nothing to wait for
+            return self.recv(recv, src, tag)
         receiving = self.irecv(recv, src, tag)
         sending = self.isend(send, dst, tag)
         receiving.wait()

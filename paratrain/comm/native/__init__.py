@@ -47,11 +47,15 @@ class OneShotPlan(ctypes.Structure):
 @dataclass(frozen=True)
 class Kernels:
     """The loaded module: `oneshot(plan_address, step, poll_ns)`, and `finish(plan_address)` for
-    the reduction of a plan whose oneshot returned before its peers arrived."""
+    the reduction of a plan whose oneshot returned before its peers arrived; `ring_put`,
+    `ring_poll` and `ring_take` for the rings' blocking short cut (transport/shm.py)."""
 
     path: Path
     oneshot: object
     finish: object
+    ring_put: object
+    ring_poll: object
+    ring_take: object
 
 
 def _compiler(named: str | None) -> str | None:
@@ -107,4 +111,5 @@ def load(cache_dir: str, compiler: str | None = None) -> tuple[Kernels | None, s
         loader.exec_module(module)
     except (OSError, ImportError, subprocess.SubprocessError) as error:
         return None, f"native kernels not built: {error}"
-    return Kernels(path, module.oneshot, module.finish), f"native kernels: {path}"
+    return Kernels(path, module.oneshot, module.finish, module.ring_put, module.ring_poll, module.ring_take), \
+        f"native kernels: {path}"

@@ -117,6 +117,101 @@ static int oneshot(const struct oneshot_plan *p, int64_t step, int64_t poll_ns) 
     return DONE;
 }
 
+/* ---- the rings' short cut ---------------------------------------------------------------
+
+   A blocking send or receive of a small message between two processes moves it straight
+   between the tensor and the ring of ../transport/shm_ring.py (SharedMemoryP2P.send_now and
+   recv_now decide when that is allowed, under the transport's lock). The layout is that file's:
+   four counters, each on its own 64-byte line (head, tail, a sender waiting, a receiver
+   sleeping), then the data; a message is a 64-byte header (tag, total, offset, length) and its
+   payload rounded up to 64 bytes, which may wrap around the data's end. */
+
+enum { LINE = 64, COUNTERS = 4 * LINE, HEAD = 0, TAIL = 8, SENDER_WAITING = 16, RECEIVER_SLEEPING = 24 };
+
+static void ring_copy(char *data, int64_t capacity, int64_t position, char *outside, int64_t length, int into_ring) {
+    position %= capacity;
+    int64_t first = length < capacity - position ? length : capacity - position;
+    if (into_ring) {
+        memcpy(data + position, outside, (size_t)first);
+        if (first < length) memcpy(data, outside + first, (size_t)(length - first));
+    } else {
+        memcpy(outside, data + position, (size_t)first);
+        if (first < length) memcpy(outside + first, data, (size_t)(length - first));
+    }
+}
+
+/* ring_put(ring, capacity, head, tag, source, nbytes) -> the new head * 2 + 1 if the receiver
+   sleeps (the caller rings its doorbell). The caller checked the room. */
+static PyObject *py_ring_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "ring_put(ring, capacity, head, tag, source, nbytes)");
+        return NULL;
+    }
+    char *ring = PyLong_AsVoidPtr(args[0]);
+    long long capacity = PyLong_AsLongLong(args[1]), head = PyLong_AsLongLong(args[2]);
+    long long tag = PyLong_AsLongLong(args[3]), nbytes = PyLong_AsLongLong(args[5]);
+    char *source = PyLong_AsVoidPtr(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    int64_t *counters = (int64_t *)ring, *header = (int64_t *)(ring + COUNTERS + head % capacity);
+    header[0] = tag, header[1] = nbytes, header[2] = 0, header[3] = nbytes;
+    ring_copy(ring + COUNTERS, capacity, head % capacity + LINE, source, nbytes, 1);
+    head += LINE + (nbytes + LINE - 1) / LINE * LINE;
+    __atomic_store_n(&counters[HEAD], (int64_t)head, __ATOMIC_RELEASE);
+    /* The receiver raises its flag, then looks at the head; we moved the head, now we look at
+       its flag (see oneshot). */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int sleeping = __atomic_load_n(&counters[RECEIVER_SLEEPING], __ATOMIC_RELAXED) != 0;
+    return PyLong_FromLongLong(head * 2 + sleeping);
+}
+
+/* ring_poll(ring, tail, poll_ns) -> True once the head is past `tail`, False if it is not
+   within poll_ns (yielding the core between looks, the GIL let go). */
+static PyObject *py_ring_poll(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "ring_poll(ring, tail, poll_ns)");
+        return NULL;
+    }
+    int64_t *counters = PyLong_AsVoidPtr(args[0]);
+    long long tail = PyLong_AsLongLong(args[1]), poll_ns = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    int came = __atomic_load_n(&counters[HEAD], __ATOMIC_ACQUIRE) != tail;
+    if (!came && poll_ns > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        int64_t until = now_ns() + poll_ns;
+        while (now_ns() < until) {
+            sched_yield();
+            if (__atomic_load_n(&counters[HEAD], __ATOMIC_ACQUIRE) != tail) { came = 1; break; }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    return PyBool_FromLong(came);
+}
+
+/* ring_take(ring, capacity, tail, tag, destination, nbytes) -> the new tail * 2 + 1 if a sender
+   waits for room (the caller rings its doorbell); -1 if no message is there, -2 if the next one
+   is not this one whole (another tag or size, or a fragment): then nothing was read. */
+static PyObject *py_ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "ring_take(ring, capacity, tail, tag, destination, nbytes)");
+        return NULL;
+    }
+    char *ring = PyLong_AsVoidPtr(args[0]);
+    long long capacity = PyLong_AsLongLong(args[1]), tail = PyLong_AsLongLong(args[2]);
+    long long tag = PyLong_AsLongLong(args[3]), nbytes = PyLong_AsLongLong(args[5]);
+    char *destination = PyLong_AsVoidPtr(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    int64_t *counters = (int64_t *)ring;
+    if (__atomic_load_n(&counters[HEAD], __ATOMIC_ACQUIRE) == tail) return PyLong_FromLong(-1);
+    const int64_t *header = (const int64_t *)(ring + COUNTERS + tail % capacity);
+    if (header[0] != tag || header[1] != nbytes || header[2] != 0 || header[3] != nbytes) return PyLong_FromLong(-2);
+    ring_copy(ring + COUNTERS, capacity, tail % capacity + LINE, destination, nbytes, 0);
+    tail += LINE + (nbytes + LINE - 1) / LINE * LINE;
+    __atomic_store_n(&counters[TAIL], (int64_t)tail, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int waiting = __atomic_load_n(&counters[SENDER_WAITING], __ATOMIC_RELAXED) != 0;
+    return PyLong_FromLongLong(tail * 2 + waiting);
+}
+
 /* ---- the module ------------------------------------------------------------------------ */
 
 static PyObject *py_oneshot(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -141,6 +236,12 @@ static PyMethodDef methods[] = {
     {"oneshot", (PyCFunction)(void (*)(void))py_oneshot, METH_FASTCALL,
      "oneshot(plan_address, step, poll_ns) -> DONE 0, WAIT 1 or WAIT_AND_RING 2"},
     {"finish", py_finish, METH_O, "finish(plan_address): the reduction, once every rank took the step"},
+    {"ring_put", (PyCFunction)(void (*)(void))py_ring_put, METH_FASTCALL,
+     "ring_put(ring, capacity, head, tag, source, nbytes) -> new head * 2 + receiver sleeping"},
+    {"ring_poll", (PyCFunction)(void (*)(void))py_ring_poll, METH_FASTCALL,
+     "ring_poll(ring, tail, poll_ns) -> whether the head moved past tail"},
+    {"ring_take", (PyCFunction)(void (*)(void))py_ring_take, METH_FASTCALL,
+     "ring_take(ring, capacity, tail, tag, destination, nbytes) -> new tail * 2 + sender waiting; -1 none; -2 not it"},
     {NULL, NULL, 0, NULL},
 };
 

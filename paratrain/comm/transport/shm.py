@@ -24,6 +24,9 @@ Only the main thread polls: a wait on a helper thread (an async collective overl
 backward pass) sleeps at once, leaving the core to the compute it overlaps. Setting up, and
 those settings: shm_setup.py.
 
+A blocking call whose message fits the ring whole, with nothing of its tag ahead of it, goes
+straight between its tensor and the ring (send_now, recv_now; in native code where built).
+
 Semantics are gloo's: messages match by (source, tag), in the order they were sent on that
 tag, whatever order the receives are posted in. A send completes once its bytes are in the
 ring: unlike gloo's, it need not wait for its receive to be posted. A message that arrives
@@ -163,6 +166,7 @@ class SharedMemoryP2P:
         self._lock = threading.Lock()  # the rings' state; never held while sleeping
         self._sleepers = 0  # threads asleep on our doorbell (peers ring while there is one)
         self.arena = None  # the group's shared segment, where all its ranks are here (shm_setup.py)
+        self.kernels = None  # native code for send_now/recv_now, where this process built it
 
     @property
     def neighbours(self) -> tuple[int, ...]:
@@ -203,6 +207,74 @@ class SharedMemoryP2P:
             channel.posted.setdefault(receive.tag, deque()).append(receive)
             self._pull(receive.peer, channel)  # its message may be in the ring already
         return receive
+
+    # ---- blocking calls' short cut ---------------------------------------------------------
+    #
+    # A blocking send or receive of a message that fits the ring whole, with nothing ahead of
+    # it on that ring, needs none of the machinery above: no work object, no queue, no posted
+    # receive. These move it straight between the tensor and the ring, or say False, leaving
+    # everything as it was, and the caller takes the general path (which keeps the order).
+
+    def send_now(self, peer: int, tag: int, tensor: torch.Tensor) -> bool:
+        """Put `tensor` in the ring to `peer` now, if nothing is queued ahead of it and it fits."""
+        channel = self._outgoing.get(peer)
+        if channel is None or not channel.populated:
+            return False
+        ring, nbytes, kernels = channel.ring, tensor.nbytes, self.kernels
+        needed = LINE + round_up(nbytes)
+        with self._lock:
+            if channel.queue:
+                return False
+            if ring.capacity - (channel.head - channel.tail) < needed:
+                channel.tail = ring.tail
+                if ring.capacity - (channel.head - channel.tail) < needed:
+                    return False
+            if kernels is not None:
+                word = kernels.ring_put(ring.address, ring.capacity, channel.head, tag, tensor.data_ptr(), nbytes)
+                channel.head, sleeping = word >> 1, word & 1
+            else:
+                channel.head = ring.write(channel.head, Fragment(tag, nbytes, 0, nbytes), tensor.data_ptr())
+                sleeping = ring.receiver_sleeping
+        if sleeping:
+            self.ring_bell(peer)
+        return True
+
+    def recv_now(self, peer: int, tag: int, tensor: torch.Tensor, poll_s: float) -> bool:
+        """Read the next message from `peer` into `tensor`, if it is the one (this tag, its
+        size, whole in the ring) and no message or receive of this tag is ahead of it; polls up
+        to `poll_s` for it to come (on the main thread only), looking at nothing else meanwhile."""
+        channel = self._incoming.get(peer)
+        if channel is None or not channel.populated:
+            return False
+        ring, kernels = channel.ring, self.kernels
+        if poll_s > 0 and threading.current_thread() is threading.main_thread():
+            if kernels is not None:
+                kernels.ring_poll(ring.address, channel.tail, int(poll_s * 1e9))
+            elif ring.head == channel.tail:
+                until = time.perf_counter() + poll_s
+                while ring.head == channel.tail and time.perf_counter() < until:
+                    os.sched_yield()
+        with self._lock:
+            if channel.current is not None or tag in channel.posted or tag in channel.arrived:
+                return False
+            if kernels is not None:
+                word = kernels.ring_take(ring.address, ring.capacity, channel.tail, tag, tensor.data_ptr(),
+                                         tensor.nbytes)
+                if word < 0:
+                    return False
+                channel.tail, waiting = word >> 1, word & 1
+            else:
+                if ring.head == channel.tail:
+                    return False
+                fragment = ring.fragment_at(channel.tail)
+                if fragment != (tag, tensor.nbytes, 0, tensor.nbytes):
+                    return False
+                channel.tail = ring.read(channel.tail, fragment, tensor.data_ptr())
+                waiting = ring.sender_waiting
+            if waiting:
+                ring.set_sender_waiting(False)
+                self.ring_bell(peer)
+        return True
 
     # ---- moving bytes -------------------------------------------------------------------
 

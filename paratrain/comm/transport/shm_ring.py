@@ -64,7 +64,8 @@ class Ring:
         self._words = memoryview(self._map).cast("q")  # counters and headers, read and written in place
         # Payloads are copied by address (ctypes.memmove), not as tensors: on the pipeline's
         # critical path each tensor operation cost 10-20 us cold, a memmove call about 1.
-        self._data = ctypes.addressof(ctypes.c_char.from_buffer(self._map)) + _COUNTERS
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))  # where native code finds it
+        self._data = self.address + _COUNTERS
 
     def populate(self, writing: bool) -> None:
         """Map every page of the ring into this process now, before its first message: a file

@@ -227,6 +227,7 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
         # Native code only where every rank has it: then all of them reduce alike, to the same bits.
         arena.native = kernels if all(row[5] for row in table) else None
     p2p.arena = arena
+    p2p.kernels = kernels  # the rings' short cut reads and writes the same bytes either way
     return p2p
 
 
