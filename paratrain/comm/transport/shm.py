@@ -40,7 +40,6 @@ reported as lost just as gloo's broken connection is.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import threading
@@ -50,102 +49,11 @@ from collections import deque
 import torch
 
 from paratrain.comm.errors import TransportFailure, TransportTimeout
-from paratrain.comm.ops import combine_
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
+from paratrain.comm.transport.shm_works import Arrival, Incoming, Outgoing, Recv, Send, take_oldest
 
 _LOOK_S = 0.05  # how often a waiting rank checks that its peer's process still exists
 _NAP_S = 0.01   # the longest sleep between looks at the rings (a doorbell lost in a race)
-
-
-class _Send:
-    """A send: its tensor's bytes, by address (the tensor is held until they are in the ring)."""
-
-    __slots__ = ("peer", "kind", "tag", "tensor", "address", "nbytes", "sent", "done", "error", "owner")
-
-    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor):
-        self.owner, self.peer, self.kind, self.tag = owner, peer, "send", tag
-        self.tensor, self.address, self.nbytes = tensor, tensor.data_ptr(), tensor.nbytes
-        self.sent, self.done, self.error = 0, False, None
-
-    def wait(self, timeout: float) -> None:
-        self.owner.wait(self, timeout)
-
-
-class _Recv:
-    """A posted receive. It fills its buffer from the ring, or, if its message arrived before
-    it was posted, from that message's `arrival` once complete. A receive that reduces lands in
-    a staging buffer (`tensor`) and is combined into its `target` by the wait that sees it done."""
-
-    __slots__ = ("peer", "kind", "tag", "tensor", "address", "nbytes", "done", "error", "arrival", "owner",
-                 "target", "reduce")
-
-    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor,
-                 target: torch.Tensor | None = None, reduce: str | None = None):
-        self.owner, self.peer, self.kind, self.tag = owner, peer, "recv", tag
-        self.tensor, self.address, self.nbytes = tensor, tensor.data_ptr(), tensor.nbytes
-        self.done, self.error, self.arrival = False, None, None
-        self.target, self.reduce = target, reduce
-
-    def wait(self, timeout: float) -> None:
-        self.owner.wait(self, timeout)
-        if self.target is not None:  # combined once, by the caller's thread (never inside a ring's move)
-            combine_(self.target, self.tensor, self.reduce)
-            self.owner.staging.give_back(self.tensor)
-            self.target = None
-
-    def landing(self, total: int) -> int | None:
-        """Where a message of `total` bytes goes: this buffer, or nowhere if it does not fit."""
-        if total != self.nbytes:
-            self.error = ValueError(f"recv from rank {self.peer} (tag {self.tag}): the message has {total} bytes, "
-                                    f"the receive's buffer {self.nbytes}")
-            return None
-        return self.address
-
-    def finish(self) -> None:
-        self.done = True
-
-    def take_arrival(self) -> None:
-        """Copy a message that came before this receive was posted, once it is complete."""
-        if self.arrival is not None and self.arrival.done:
-            if self.landing(self.arrival.nbytes) is not None:
-                ctypes.memmove(self.address, self.arrival.address, self.nbytes)
-            self.arrival, self.done = None, True
-
-
-class _Arrival:
-    """A message no receive was posted for yet: it lands in a buffer of its own."""
-
-    __slots__ = ("buffer", "address", "nbytes", "done")
-
-    def __init__(self, total: int):
-        self.buffer = torch.empty(total, dtype=torch.uint8)
-        self.address, self.nbytes, self.done = self.buffer.data_ptr(), total, False
-
-    def landing(self, total: int) -> int:
-        return self.address
-
-    def finish(self) -> None:
-        self.done = True
-
-
-class _Outgoing:
-    """This process's end of the ring to one peer."""
-
-    def __init__(self, ring: Ring):
-        self.ring, self.head, self.tail = ring, ring.head, ring.tail
-        self.queue: deque[_Send] = deque()  # sends not yet wholly in the ring, oldest first
-        self.populated = False  # its pages are mapped in at the first send (Ring.populate)
-
-
-class _Incoming:
-    """This process's end of the ring from one peer, and the receives waiting on it."""
-
-    def __init__(self, ring: Ring):
-        self.ring, self.tail = ring, ring.tail
-        self.populated = False  # its pages are mapped in at the first message (Ring.populate)
-        self.posted: dict[int, deque[_Recv]] = {}       # tag -> receives, in posting order
-        self.arrived: dict[int, deque[_Arrival]] = {}   # tag -> messages ahead of their receive
-        self.current = None  # where the message being read goes (a _Recv or an _Arrival)
 
 
 class SharedMemoryP2P:
@@ -158,8 +66,8 @@ class SharedMemoryP2P:
         self.rank, self.size, self.kind = inner.rank, inner.size, inner.kind
         self.staging = inner.staging  # where receives that reduce land
         self.spin_s = spin_s
-        self._outgoing = {peer: _Outgoing(ring) for peer, ring in outgoing.items()}
-        self._incoming = {peer: _Incoming(ring) for peer, ring in incoming.items()}
+        self._outgoing = {peer: Outgoing(ring) for peer, ring in outgoing.items()}
+        self._incoming = {peer: Incoming(ring) for peer, ring in incoming.items()}
         self._bells = bells  # peer -> the write end of its doorbell
         self._bell_read, self._bell_write = bell  # our own doorbell (we hold a writer: no EOF)
         self._peers = peers  # peer -> (pid, its /proc start time): to tell it still runs
@@ -182,26 +90,26 @@ class SharedMemoryP2P:
                     others.append(index)
                     continue
                 if op.kind == "send":
-                    work = works[index] = _Send(self, op.peer, op.tag, op.tensor)
+                    work = works[index] = Send(self, op.peer, op.tag, op.tensor)
                     channel = self._outgoing[op.peer]
                     channel.queue.append(work)
                     self._push(op.peer, channel)
-                elif op.reduce:  # lands beside its target (see _Recv)
+                elif op.reduce:  # lands beside its target (see Recv)
                     staging = self.staging.take(op.tensor)
-                    receive = _Recv(self, op.peer, op.tag, staging, op.tensor, op.reduce)
+                    receive = Recv(self, op.peer, op.tag, staging, op.tensor, op.reduce)
                     works[index] = self._post_receive(receive)
                 else:
-                    works[index] = self._post_receive(_Recv(self, op.peer, op.tag, op.tensor))
+                    works[index] = self._post_receive(Recv(self, op.peer, op.tag, op.tensor))
         if others:
             for index, work in zip(others, self.inner.start([ops[i] for i in others])):
                 works[index] = work
         return works
 
-    def _post_receive(self, receive: _Recv) -> _Recv:
+    def _post_receive(self, receive: Recv) -> Recv:
         channel = self._incoming[receive.peer]
         arrived = channel.arrived.get(receive.tag)
         if arrived:
-            receive.arrival = _take(channel.arrived, receive.tag, arrived)
+            receive.arrival = take_oldest(channel.arrived, receive.tag, arrived)
             receive.take_arrival()
         else:
             channel.posted.setdefault(receive.tag, deque()).append(receive)
@@ -278,7 +186,7 @@ class SharedMemoryP2P:
 
     # ---- moving bytes -------------------------------------------------------------------
 
-    def _push(self, peer: int, channel: _Outgoing) -> bool:
+    def _push(self, peer: int, channel: Outgoing) -> bool:
         """Write as much of the queued sends to `peer` as the ring has room for."""
         ring, moved = channel.ring, False
         if not channel.populated:
@@ -306,7 +214,7 @@ class SharedMemoryP2P:
             self.ring_bell(peer)
         return moved
 
-    def _pull(self, peer: int, channel: _Incoming) -> bool:
+    def _pull(self, peer: int, channel: Incoming) -> bool:
         """Read every fragment `peer` has written, into its receive or an arrival buffer."""
         ring = channel.ring
         head = ring.head
@@ -330,11 +238,11 @@ class SharedMemoryP2P:
             self.ring_bell(peer)
         return True
 
-    def _landing_for(self, channel: _Incoming, fragment: Fragment):
+    def _landing_for(self, channel: Incoming, fragment: Fragment):
         posted = channel.posted.get(fragment.tag)
         if posted:
-            return _take(channel.posted, fragment.tag, posted)
-        arrival = _Arrival(fragment.total)
+            return take_oldest(channel.posted, fragment.tag, posted)
+        arrival = Arrival(fragment.total)
         channel.arrived.setdefault(fragment.tag, deque()).append(arrival)
         return arrival
 
@@ -367,7 +275,7 @@ class SharedMemoryP2P:
         spin_s = self.spin_s if threading.current_thread() is threading.main_thread() else 0.0
         deadline, look_at, spin_until = started + timeout, started + _LOOK_S, started + spin_s
         while not work.done:
-            if isinstance(work, _Recv) and work.arrival is not None:
+            if isinstance(work, Recv) and work.arrival is not None:
                 with self._lock:
                     work.take_arrival()
                 if work.done:
@@ -421,15 +329,6 @@ class SharedMemoryP2P:
         pid, started = self._peers[peer]
         if start_time(pid) != started:
             raise TransportFailure(peer, f"rank {peer}'s process (pid {pid}) has exited")
-
-
-def _take(queues: dict, tag: int, queue: deque):
-    """The oldest of `queue` (queues[tag]), dropping the tag once it is empty: every collective
-    call has a tag of its own, so emptied queues kept would pile up call after call."""
-    oldest = queue.popleft()
-    if not queue:
-        del queues[tag]
-    return oldest
 
 
 def start_time(pid: int) -> bytes | None:
