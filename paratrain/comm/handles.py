@@ -43,6 +43,19 @@ class P2PHandle:
         self._link = self._work = None
 
 
+class Done:
+    """The handle of an isend already done when it returned: its bytes went straight into a
+    shared-memory ring (Group._went_straight)."""
+
+    completed = True
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = Done()
+
+
 def timed(execute):
     """(execute(), when it started, when it ended): what a CollectiveHandle's future holds."""
     started = time.perf_counter()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.comm import checks
-from paratrain.comm.handles import P2PHandle
+from paratrain.comm.handles import DONE, Done, P2PHandle
 from paratrain.comm.link import Link
 from paratrain.comm.transport.base import P2POp
 
@@ -37,7 +37,9 @@ class PointToPoint:
         if not isinstance(peer, int) or not 0 <= peer < self.size:
             raise ValueError(f"{op_name}: peer rank {peer!r} out of range [0, {self.size})")
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PHandle:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> P2PHandle | Done:
+        if self._went_straight("send", tensor, dst, tag):  # already in the ring: nothing to wait for
+            return DONE
         checks.tensor_arg("isend", "tensor", tensor)
         self._check_peer("isend", dst)
         return self._start_p2p(P2POp("send", tensor.contiguous(), dst, tag))
@@ -49,8 +51,6 @@ class PointToPoint:
         return self._start_p2p(P2POp("recv", staging, src, tag), target=tensor)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        if self._went_straight("send", tensor, dst, tag):
-            return
         self.isend(tensor, dst, tag).wait()
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
@@ -59,7 +59,7 @@ class PointToPoint:
         return tensor
 
     def _went_straight(self, kind: str, tensor, peer, tag) -> bool:
-        """A blocking call moved at once between `tensor` and a shared-memory ring (see
+        """A send, or a blocking receive, moved at once between `tensor` and a shared-memory ring (see
         SharedMemoryP2P.send_now): a small message costs a few microseconds, not the tens of
         the general path (a work, a Link, a handle). Recorded, already completed; False, having
         done nothing, wherever that short cut does not apply."""

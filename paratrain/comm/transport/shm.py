@@ -24,7 +24,7 @@ Only the main thread polls: a wait on a helper thread (an async collective overl
 backward pass) sleeps at once, leaving the core to the compute it overlaps. Setting up, and
 those settings: shm_setup.py.
 
-A blocking call whose message fits the ring whole, with nothing of its tag ahead of it, goes
+A send, or a blocking receive, whose message fits the ring whole with nothing ahead of it goes
 straight between its tensor and the ring (send_now, recv_now; in native code where built).
 
 Semantics are gloo's: messages match by (source, tag), in the order they were sent on that
