@@ -1,19 +1,15 @@
 """What the shared-memory transport (shm.py) holds for messages in flight: a send, a posted
-receive, a message that came before its receive, and each end of a ring with its queues."""
+receive, a message that came before its receive, and each end of a ring with its queues. A
+work's `owner` is the transport (shm.SharedMemoryP2P): waiting on a work is its wait."""
 
 from __future__ import annotations
 
 import ctypes
 from collections import deque
-from typing import TYPE_CHECKING
-
 import torch
 
 from paratrain.comm.ops import combine_
 from paratrain.comm.transport.shm_ring import Ring
-
-if TYPE_CHECKING:
-    from paratrain.comm.transport.shm import SharedMemoryP2P
 
 
 class Send:
@@ -21,7 +17,7 @@ class Send:
 
     __slots__ = ("peer", "kind", "tag", "tensor", "address", "nbytes", "sent", "done", "error", "owner")
 
-    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor):
+    def __init__(self, owner, peer: int, tag: int, tensor: torch.Tensor):
         self.owner, self.peer, self.kind, self.tag = owner, peer, "send", tag
         self.tensor, self.address, self.nbytes = tensor, tensor.data_ptr(), tensor.nbytes
         self.sent, self.done, self.error = 0, False, None
@@ -38,7 +34,7 @@ class Recv:
     __slots__ = ("peer", "kind", "tag", "tensor", "address", "nbytes", "done", "error", "arrival", "owner",
                  "target", "reduce")
 
-    def __init__(self, owner: SharedMemoryP2P, peer: int, tag: int, tensor: torch.Tensor,
+    def __init__(self, owner, peer: int, tag: int, tensor: torch.Tensor,
                  target: torch.Tensor | None = None, reduce: str | None = None):
         self.owner, self.peer, self.kind, self.tag = owner, peer, "recv", tag
         self.tensor, self.address, self.nbytes = tensor, tensor.data_ptr(), tensor.nbytes
