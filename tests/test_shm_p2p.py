@@ -351,7 +351,9 @@ def _straight_and_general_calls_interleaved(group) -> list[str]:
 
     first = [(i % 3, 8 * i) for i in range(20)]
     group.sendrecv(torch.ones(1), peer, torch.empty(1), peer)  # each ring's pages mapped in (the general path)
-    group.barrier()
+    # gloo's barrier, not ours: a wait of ours reads every ring it can into arrival buffers, and
+    # rank 1 must not be in one when rank 0's messages come.
+    group.transport.native_barrier(RUN_TIMEOUT_S)
     before = dict(straight)
     if group.rank == 0:
         for i, (tag, size) in enumerate(first):
