@@ -28,6 +28,9 @@ import torch
 TESTS = ("uni", "bi", "all_to_all")
 
 
+SETTLE_S = 0.5  # of untimed rounds before the sweep (see _settle)
+
+
 @dataclass(frozen=True)
 class P2PSweep:
     sizes: tuple[int, ...]   # bytes per message (all_to_all: each rank's whole buffer)
@@ -60,6 +63,7 @@ def run_p2p(group, sweep: P2PSweep) -> P2PResult | None:
     buffers = {size: (torch.ones(max(size, 1), dtype=torch.uint8, device=device),
                       torch.empty(max(size, 1), dtype=torch.uint8, device=device)) for size in sweep.sizes}
     ack = torch.zeros(1, dtype=torch.uint8, device=device)
+    _settle(group, *buffers[sweep.sizes[0]], ack, device)
     for index, (test, src, dst, size) in enumerate(steps):
         out, into = buffers[size]
         group.barrier(algo="native")
@@ -106,7 +110,8 @@ def _median_round(step, sweep: P2PSweep) -> float:
     return statistics.median(rounds)
 
 
-def _one_way(group, src: int, dst: int, out, into, ack, sweep: P2PSweep) -> float:
+def _ping_pong(group, src: int, dst: int, out, into, ack):
+    """The round of the one-way test: src sends `out`, dst answers with a 1-byte ack."""
     def step() -> None:
         if group.rank == src:
             group.send(out, dst)
@@ -115,7 +120,29 @@ def _one_way(group, src: int, dst: int, out, into, ack, sweep: P2PSweep) -> floa
             group.recv(into, src)
             group.send(ack, src)
 
-    return _median_round(step, sweep)
+    return step
+
+
+def _one_way(group, src: int, dst: int, out, into, ack, sweep: P2PSweep) -> float:
+    return _median_round(_ping_pong(group, src, dst, out, into, ack), sweep)
+
+
+def _settle(group, out, into, ack, device) -> None:
+    """About SETTLE_S of ranks 0 and 1's round at the first size before anything is timed, as
+    the collectives' sweep does (collectives._settle): a world's first second or two ran slower,
+    and the first size is the one whose time is the latency. Rank 0 counts the rounds and tells
+    the others, so that both make as many."""
+    step = _ping_pong(group, 0, 1, out, into, ack) if group.rank in (0, 1) else None
+    started = time.perf_counter()
+    if step is not None:
+        for _ in range(3):
+            step()
+    rounds = torch.tensor([min(int(SETTLE_S * 3 / max(time.perf_counter() - started, 1e-6)), 100_000)],
+                          dtype=torch.int64, device=device)
+    group.broadcast(rounds, 0)
+    if step is not None:
+        for _ in range(int(rounds.item())):
+            step()
 
 
 def _both_ways(group, peer: int, out, into, sweep: P2PSweep) -> float:
