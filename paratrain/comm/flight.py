@@ -93,6 +93,12 @@ class FlightRecorder:
         self.calls.append(call)
         return call
 
+    def done(self, group, kind, seq, op, tensor, algo, peer=None) -> None:
+        """A call that completed as it started (a message that went straight into a ring)."""
+        call = Call(group, kind, seq, op, tensor, algo, peer)
+        call.finished, call.state = call.started, "completed"
+        self.calls.append(call)
+
     def to_json(self) -> dict:
         calls = self.calls.copy()  # one C call: safe while the rank's thread keeps appending
         return {

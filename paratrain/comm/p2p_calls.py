@@ -64,7 +64,7 @@ class PointToPoint:
         the general path (a work, a Link, a handle). Recorded, already completed; False, having
         done nothing, wherever that short cut does not apply."""
         rings = self._rings
-        if rings is None or type(tensor) is not torch.Tensor or tensor.device.type != "cpu" \
+        if rings is None or type(tensor) is not torch.Tensor or not tensor.is_cpu \
                 or not tensor.is_contiguous() or type(peer) is not int or type(tag) is not int \
                 or not 0 <= tag < USER_TAGS:
             return False
@@ -72,8 +72,7 @@ class PointToPoint:
                  else rings.recv_now(peer, tag, tensor, self._straight_poll_s))
         if moved:
             self._p2p_seq += 1
-            self._recorder.start(self._key, "p2p", self._p2p_seq, kind, (tensor.shape, tensor.dtype), None,
-                                 peer).complete()
+            self._recorder.done(self._key, "p2p", self._p2p_seq, kind, (tensor.shape, tensor.dtype), None, peer)
         return moved
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0):
