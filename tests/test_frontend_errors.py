@@ -129,7 +129,7 @@ def test_a_killed_client_has_its_tensors_freed_after_its_heartbeats_stop(server)
         held = monitor.stats().workers[0].memory
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-        # The server's --client-timeout is 3 s; then a heartbeat reports the memory.
+        # The server's --client-timeout is 5 s; then a heartbeat reports the memory.
         wait_until(lambda: held - monitor.stats().workers[0].memory >= 4 * 1024 * 1024, 30,
                    "the killed client's 4 MiB freed")
     finally:
