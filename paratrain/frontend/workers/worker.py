@@ -30,7 +30,7 @@ from paratrain.frontend.workers.settings import CompileSettings
 from paratrain.settings import Settings
 
 HEARTBEAT_S = 0.5
-DISPATCHER_SILENCE_S = 10.0
+DISPATCHER_SILENCE_S = 20.0  # a loaded host stalled a dispatcher for 7 s (it pings every second)
 _ACCEPTS = ACCEPTS["worker"]
 
 
