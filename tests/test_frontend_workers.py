@@ -46,7 +46,7 @@ def _forward(layers, x):
     return x
 
 
-def _train_and_compare(layers, reference, optimizer, torch_optimizer, steps):
+def _train_and_compare(layers, reference, optimizer, torch_optimizer, steps, rtol=RTOL, atol=ATOL):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((16, layers[0].in_features)).astype(np.float32)
     y = rng.integers(0, layers[-1].out_features, 16)
@@ -63,9 +63,9 @@ def _train_and_compare(layers, reference, optimizer, torch_optimizer, steps):
         torch_optimizer.step()
         torch_optimizer.zero_grad()
         theirs.append(ref.item())
-    np.testing.assert_allclose(ours, theirs, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=atol)
     for layer, torch_layer in zip(layers, reference):
-        np.testing.assert_allclose(layer.weight.numpy(), torch_layer.weight.detach().numpy().T, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(layer.weight.numpy(), torch_layer.weight.detach().numpy().T, rtol=rtol, atol=atol)
     return ours
 
 
@@ -133,8 +133,11 @@ def test_layers_on_four_workers_train_with_adamw_like_pytorch(four_workers):
         layers, reference = _layers_on_workers([5, 8, 8, 8, 4], [0, 1, 2, 3])
         params = [p for layer in layers for p in layer.parameters()]
         torch_params = [p for layer in reference for p in layer.parameters()]
+        # AdamW moves a weight by lr * m / (sqrt(v) + eps): for a gradient near zero that ratio
+        # turns float32 rounding (the workers multiply x @ W, torch x @ W.T) into differences of
+        # lr * 1e-3. A loaded CI host saw 5e-6 (3 of 32 weights); runs here pass at 1e-6.
         _train_and_compare(layers, reference, gt.optim.AdamW(params, lr=0.01),
-                           torch.optim.AdamW(torch_params, lr=0.01), steps=5)
+                           torch.optim.AdamW(torch_params, lr=0.01), steps=5, rtol=1e-4, atol=2e-5)
     finally:
         gt.disconnect()
 
