@@ -140,28 +140,44 @@ static void ring_copy(char *data, int64_t capacity, int64_t position, char *outs
     }
 }
 
-/* ring_put(ring, capacity, head, tag, source, nbytes) -> the new head * 2 + 1 if the receiver
-   sleeps (the caller rings its doorbell). The caller checked the room. */
-static PyObject *py_ring_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* What ring_put and ring_take are given: the ring's mapping, its data's capacity, the counter
+   the caller moves (head or tail), the message's tag, the tensor's address and its bytes. */
+struct ring_call {
+    char *ring;
+    long long capacity, at, tag;
+    char *tensor;
+    long long nbytes;
+};
+
+static int ring_call_args(PyObject *const *args, Py_ssize_t nargs, const char *usage, struct ring_call *c) {
     if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "ring_put(ring, capacity, head, tag, source, nbytes)");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, usage);
+        return 0;
     }
-    char *ring = PyLong_AsVoidPtr(args[0]);
-    long long capacity = PyLong_AsLongLong(args[1]), head = PyLong_AsLongLong(args[2]);
-    long long tag = PyLong_AsLongLong(args[3]), nbytes = PyLong_AsLongLong(args[5]);
-    char *source = PyLong_AsVoidPtr(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    int64_t *counters = (int64_t *)ring, *header = (int64_t *)(ring + COUNTERS + head % capacity);
-    header[0] = tag, header[1] = nbytes, header[2] = 0, header[3] = nbytes;
-    ring_copy(ring + COUNTERS, capacity, head % capacity + LINE, source, nbytes, 1);
-    head += LINE + (nbytes + LINE - 1) / LINE * LINE;
-    __atomic_store_n(&counters[HEAD], (int64_t)head, __ATOMIC_RELEASE);
-    /* The receiver raises its flag, then looks at the head; we moved the head, now we look at
-       its flag (see oneshot). */
+    c->ring = PyLong_AsVoidPtr(args[0]), c->tensor = PyLong_AsVoidPtr(args[4]);
+    c->capacity = PyLong_AsLongLong(args[1]), c->at = PyLong_AsLongLong(args[2]);
+    c->tag = PyLong_AsLongLong(args[3]), c->nbytes = PyLong_AsLongLong(args[5]);
+    return !PyErr_Occurred();
+}
+
+/* Publish `value` in counter `mine`, then look at the other end's flag: it raises its flag and
+   then looks at our counter; we moved the counter and now look at its flag (see oneshot).
+   -> value * 2 + 1 if the flag is up (the caller rings that end's doorbell). */
+static PyObject *publish(int64_t *counters, int mine, long long value, int flag) {
+    __atomic_store_n(&counters[mine], (int64_t)value, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    int sleeping = __atomic_load_n(&counters[RECEIVER_SLEEPING], __ATOMIC_RELAXED) != 0;
-    return PyLong_FromLongLong(head * 2 + sleeping);
+    return PyLong_FromLongLong(value * 2 + (__atomic_load_n(&counters[flag], __ATOMIC_RELAXED) != 0));
+}
+
+/* ring_put(ring, capacity, head, tag, source, nbytes) -> the new head * 2 + 1 if the receiver
+   sleeps. The caller checked the room. */
+static PyObject *py_ring_put(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    struct ring_call c;
+    if (!ring_call_args(args, nargs, "ring_put(ring, capacity, head, tag, source, nbytes)", &c)) return NULL;
+    int64_t *header = (int64_t *)(c.ring + COUNTERS + c.at % c.capacity);
+    header[0] = c.tag, header[1] = c.nbytes, header[2] = 0, header[3] = c.nbytes;
+    ring_copy(c.ring + COUNTERS, c.capacity, c.at % c.capacity + LINE, c.tensor, c.nbytes, 1);
+    return publish((int64_t *)c.ring, HEAD, c.at + LINE + (c.nbytes + LINE - 1) / LINE * LINE, RECEIVER_SLEEPING);
 }
 
 /* ring_poll(ring, tail, poll_ns) -> True once the head is past `tail`, False if it is not
@@ -188,28 +204,18 @@ static PyObject *py_ring_poll(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 /* ring_take(ring, capacity, tail, tag, destination, nbytes) -> the new tail * 2 + 1 if a sender
-   waits for room (the caller rings its doorbell); -1 if no message is there, -2 if the next one
-   is not this one whole (another tag or size, or a fragment): then nothing was read. */
+   waits for room; -1 if no message is there, -2 if the next one is not this one whole (another
+   tag or size, or a fragment): then nothing was read. */
 static PyObject *py_ring_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "ring_take(ring, capacity, tail, tag, destination, nbytes)");
-        return NULL;
-    }
-    char *ring = PyLong_AsVoidPtr(args[0]);
-    long long capacity = PyLong_AsLongLong(args[1]), tail = PyLong_AsLongLong(args[2]);
-    long long tag = PyLong_AsLongLong(args[3]), nbytes = PyLong_AsLongLong(args[5]);
-    char *destination = PyLong_AsVoidPtr(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    int64_t *counters = (int64_t *)ring;
-    if (__atomic_load_n(&counters[HEAD], __ATOMIC_ACQUIRE) == tail) return PyLong_FromLong(-1);
-    const int64_t *header = (const int64_t *)(ring + COUNTERS + tail % capacity);
-    if (header[0] != tag || header[1] != nbytes || header[2] != 0 || header[3] != nbytes) return PyLong_FromLong(-2);
-    ring_copy(ring + COUNTERS, capacity, tail % capacity + LINE, destination, nbytes, 0);
-    tail += LINE + (nbytes + LINE - 1) / LINE * LINE;
-    __atomic_store_n(&counters[TAIL], (int64_t)tail, __ATOMIC_RELEASE);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    int waiting = __atomic_load_n(&counters[SENDER_WAITING], __ATOMIC_RELAXED) != 0;
-    return PyLong_FromLongLong(tail * 2 + waiting);
+    struct ring_call c;
+    if (!ring_call_args(args, nargs, "ring_take(ring, capacity, tail, tag, destination, nbytes)", &c)) return NULL;
+    int64_t *counters = (int64_t *)c.ring;
+    if (__atomic_load_n(&counters[HEAD], __ATOMIC_ACQUIRE) == c.at) return PyLong_FromLong(-1);
+    const int64_t *header = (const int64_t *)(c.ring + COUNTERS + c.at % c.capacity);
+    if (header[0] != c.tag || header[1] != c.nbytes || header[2] != 0 || header[3] != c.nbytes)
+        return PyLong_FromLong(-2);
+    ring_copy(c.ring + COUNTERS, c.capacity, c.at % c.capacity + LINE, c.tensor, c.nbytes, 0);
+    return publish(counters, TAIL, c.at + LINE + (c.nbytes + LINE - 1) / LINE * LINE, SENDER_WAITING);
 }
 
 /* ---- the module ------------------------------------------------------------------------ */
