@@ -86,6 +86,28 @@ static int all_arrived(const struct oneshot_plan *p, int64_t step) {
     return 1;
 }
 
+/* Whether `done(what)` holds within poll_ns, looking again after each yield of the core; the
+   GIL is let go meanwhile, so the process's other threads run. Both waits below use it. */
+static int poll_for(int (*done)(const void *), const void *what, int64_t poll_ns) {
+    if (poll_ns <= 0) return 0;
+    int held = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t until = now_ns() + poll_ns;
+    while (now_ns() < until) {
+        sched_yield();
+        if (done(what)) { held = 1; break; }
+    }
+    Py_END_ALLOW_THREADS
+    return held;
+}
+
+struct step_wait { const struct oneshot_plan *plan; int64_t step; };
+
+static int steps_taken(const void *what) {
+    const struct step_wait *w = what;
+    return all_arrived(w->plan, w->step);
+}
+
 /* One piece of a one-shot collective: copy in, take `step`, poll the peers for up to `poll_ns`
    (yielding the core between looks: spinning without yielding cost 30 us a call in the minutes
    when both ranks shared a core), then reduce. A plan that copies nothing and reduces nothing is
@@ -102,16 +124,8 @@ static int oneshot(const struct oneshot_plan *p, int64_t step, int64_t poll_ns) 
     for (int64_t i = 0; i < p->npeers; i++)
         if (__atomic_load_n(&p->words[p->peers[i] + 1], __ATOMIC_RELAXED)) return WAIT_AND_RING;
     if (!all_arrived(p, step)) {
-        if (poll_ns <= 0) return WAIT;
-        int arrived = 0;
-        Py_BEGIN_ALLOW_THREADS
-        int64_t until = now_ns() + poll_ns;
-        while (now_ns() < until) {
-            sched_yield();
-            if (all_arrived(p, step)) { arrived = 1; break; }
-        }
-        Py_END_ALLOW_THREADS
-        if (!arrived) return WAIT;
+        struct step_wait wait = {p, step};
+        if (!poll_for(steps_taken, &wait, poll_ns)) return WAIT;
     }
     finish(p);
     return DONE;
@@ -180,6 +194,13 @@ static PyObject *py_ring_put(PyObject *self, PyObject *const *args, Py_ssize_t n
     return publish((int64_t *)c.ring, HEAD, c.at + LINE + (c.nbytes + LINE - 1) / LINE * LINE, RECEIVER_SLEEPING);
 }
 
+struct head_wait { const int64_t *counters; long long tail; };
+
+static int head_moved(const void *what) {
+    const struct head_wait *w = what;
+    return __atomic_load_n(&w->counters[HEAD], __ATOMIC_ACQUIRE) != w->tail;
+}
+
 /* ring_poll(ring, tail, poll_ns) -> True once the head is past `tail`, False if it is not
    within poll_ns (yielding the core between looks, the GIL let go). */
 static PyObject *py_ring_poll(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -190,17 +211,8 @@ static PyObject *py_ring_poll(PyObject *self, PyObject *const *args, Py_ssize_t 
     int64_t *counters = PyLong_AsVoidPtr(args[0]);
     long long tail = PyLong_AsLongLong(args[1]), poll_ns = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred()) return NULL;
-    int came = __atomic_load_n(&counters[HEAD], __ATOMIC_ACQUIRE) != tail;
-    if (!came && poll_ns > 0) {
-        Py_BEGIN_ALLOW_THREADS
-        int64_t until = now_ns() + poll_ns;
-        while (now_ns() < until) {
-            sched_yield();
-            if (__atomic_load_n(&counters[HEAD], __ATOMIC_ACQUIRE) != tail) { came = 1; break; }
-        }
-        Py_END_ALLOW_THREADS
-    }
-    return PyBool_FromLong(came);
+    struct head_wait wait = {counters, tail};
+    return PyBool_FromLong(head_moved(&wait) || poll_for(head_moved, &wait, poll_ns));
 }
 
 /* ring_take(ring, capacity, tail, tag, destination, nbytes) -> the new tail * 2 + 1 if a sender
