@@ -189,7 +189,7 @@ def test_resuming_another_model_says_which_setting_differs(tmp_path):
 @pytest.mark.parametrize("overrides, problem", [
     ({"checkpoint.dir": None, "checkpoint.every": 5}, "need --save-dir"),
     ({"checkpoint.max_restarts": 1}, "needs --launcher processes"),
-    ({"parallel.local_sgd": 2}, "refused with --local-sgd"),
+    ({"parallel.local_sgd": 2}, "refused with local-sgd"),
     ({"parallel.compress": "topk:0.1"}, "error-feedback residuals"),
     ({"checkpoint.keep": 0}, "checkpoint.keep must be an integer >= 1"),
     ({"checkpoint.resume": "/nonexistent/ckpt"}, "is not a checkpoint"),

@@ -94,7 +94,7 @@ def test_a_configuration_is_refused_up_front_or_trains_a_step(drawn):
 @pytest.mark.parametrize("overrides, problem", [
     ({"parallel.zero": 1, "parallel.algo": "tree"}, "parallel.algo"),
     ({"parallel.algo": "nonsense"}, "parallel.algo"),
-    ({"parallel.algo": "ring", "parallel.dp_mode": "torch"}, "PyTorch's DDP uses its own all-reduce"),
+    ({"parallel.algo": "ring", "parallel.dp_mode": "torch"}, "torch-ddp .PyTorch's DistributedDataParallel. runs its own collectives"),
     ({"parallel.microbatches": 4}, "--microbatches shape the pipeline and need pp > 1"),
     ({"parallel.schedule": "zb-v"}, "--schedule shape the pipeline"),
     ({"parallel.virtual_stages": 2}, "--virtual-stages shape the pipeline"),

@@ -308,3 +308,17 @@ def pipeline_layers(model: nn.Module, plan: Plan) -> list[nn.Module]:
         return entry(model) if callable(entry) else resolve(model, str(entry), plan)
 
     return [RunInOrder([part(e) for e in pp.before]), *blocks, RunInOrder([part(e) for e in pp.after])]
+
+
+def block_list(model: nn.Module, plan: Plan | None = None) -> nn.ModuleList | nn.Sequential | None:
+    """The model's repeated blocks, in the order its forward calls them: the plan's pipeline.blocks;
+    without one, what the model's structure says: a Sequential model's own layers, or the one
+    ModuleList (or Sequential) among its children that holds parameters (a CNN's conv blocks, an
+    MLP stack's layers). None when neither says (the model is then one piece to FSDP)."""
+    if plan is not None and plan.pipeline is not None:
+        return resolve(model, plan.pipeline.blocks, plan)
+    if isinstance(model, nn.Sequential):
+        return model
+    lists = [child for child in model.children() if isinstance(child, (nn.ModuleList, nn.Sequential))
+             and any(True for _ in child.parameters())]
+    return lists[0] if len(lists) == 1 else None

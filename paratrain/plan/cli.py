@@ -29,7 +29,24 @@ def build_shape(model: str, overrides: dict) -> GPTShape:
     values.update({k: v for k, v in overrides.items() if v is not None})
     if overrides.get("hidden") is not None and overrides.get("mlp") is None:
         values["mlp"] = 0  # 4h of the new width
+    values["kv_heads"] = _kv_heads(model, base, overrides.get("heads"), overrides.get("kv_heads"))
     return GPTShape(**values)
+
+
+def _kv_heads(model: str, base: GPTShape, heads: int | None, kv_heads: int | None) -> int:
+    """The key/value heads of the base with `heads` overridden: a base without grouped-query
+    attention stays without it (a published GPT given by its flags must not turn into a
+    grouped-query one); a grouped-query base keeps its kv heads only where they still divide."""
+    if kv_heads is not None:
+        return kv_heads
+    if heads is None:
+        return base.kv_heads
+    if base.kv_heads == base.heads:
+        return heads
+    if heads % base.kv_heads:
+        raise ValueError(f"{model}'s {base.kv_heads} key/value heads do not divide --heads {heads}: "
+                         "pass --kv-heads")
+    return base.kv_heads
 
 
 def _seconds(s: float) -> str:
@@ -77,7 +94,11 @@ def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str
               help=f"A GPT to start from: {', '.join(shape_names())}; the flags below override it.")
 @click.option("--layers", type=click.IntRange(min=1), help="Transformer layers l.")
 @click.option("--hidden", type=click.IntRange(min=1), help="Hidden size h (the MLP is 4h unless --mlp).")
-@click.option("--heads", type=click.IntRange(min=1), help="Attention heads a.")
+@click.option("--heads", type=click.IntRange(min=1),
+              help="Attention heads a. The key/value heads follow them, unless the model has grouped-query "
+                   "attention: then it keeps its key/value heads if they divide a, else give --kv-heads.")
+@click.option("--kv-heads", type=click.IntRange(min=1),
+              help="Key/value heads g, dividing a: fewer than a is grouped-query attention (Llama models only).")
 @click.option("--seq", type=click.IntRange(min=1), help="Sequence length s.")
 @click.option("--vocab", type=click.IntRange(min=1), help="Vocabulary V.")
 @click.option("--mlp", type=click.IntRange(min=1), help="MLP inner width (default 4h).")
@@ -106,7 +127,7 @@ def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str
 @click.option("--renice", type=click.IntRange(0, 20), default=0, show_default=True,
               help="--validate: start the ranks this many nice levels above other programs (root only); "
                    "they then slow those programs while it runs.")
-def plan(model, layers, hidden, heads, seq, vocab, mlp, hardware, gpus, global_batch, top, json_path,
+def plan(model, layers, hidden, heads, kv_heads, seq, vocab, mlp, hardware, gpus, global_batch, top, json_path,
          validate, steps, renice, **layout_flags):
     """Predict step time, memory per GPU and MFU of a GPT on a cluster, or find the best layouts.
 
@@ -132,8 +153,8 @@ def plan(model, layers, hidden, heads, seq, vocab, mlp, hardware, gpus, global_b
             click.echo(f"wrote {len(records)} validation records to {json_path}")
         return
     try:
-        shape = build_shape(model, {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq,
-                                    "vocab": vocab, "mlp": mlp})
+        shape = build_shape(model, {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+                                    "seq": seq, "vocab": vocab, "mlp": mlp})
         profile = load_profile(hardware)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
@@ -145,7 +166,8 @@ def plan(model, layers, hidden, heads, seq, vocab, mlp, hardware, gpus, global_b
             raise Problems([f"this layout cannot run: {problem}" for problem in problems])
     elif gpus is None:
         raise click.UsageError("give --gpus to search, or a layout (--tp/--pp/--dp ...) to predict")
-    click.echo(f"{model if not any((layers, hidden, heads, seq, vocab, mlp)) else 'GPT'}: "
+    custom = any((layers, hidden, heads, kv_heads, seq, vocab, mlp))
+    click.echo(f"{model if not custom else 'Llama' if shape.gated else 'GPT'}: "
                f"{format_count(shape.parameters())} parameters (l={shape.layers} h={shape.hidden} a={shape.heads} "
                f"s={shape.seq} V={shape.vocab} m={shape.mlp}"
                + (f" g={shape.kv_heads}, SwiGLU" if shape.gated else "") + f"); global batch {global_batch}")

@@ -37,6 +37,10 @@ class GPTShape:
             problems.append(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if not problems and self.heads % self.kv_heads:
             problems.append(f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
+        if not problems and not self.gated and self.kv_heads != self.heads:
+            # paratrain's GPT, and so its parameter and memory formulas, has one k/v head per head
+            problems.append(f"a GPT has as many kv_heads as heads ({self.heads}), got {self.kv_heads}: "
+                            "plan grouped-query attention from a Llama")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -15,10 +15,12 @@ import click
 
 from paratrain.cli_types import FiniteFloat
 from paratrain.launch import run
+from paratrain.parallel.data.strategy import strategy_of
 from paratrain.settings import Settings
 from paratrain.train.loop import train_rank
 from paratrain.train.options import training_options, validated_config
 from paratrain.train.reference import reference_run
+from paratrain.train.setup import fsdp_units_note
 
 FP32_LOSS_RTOL, FP32_PARAM_ATOL, FP32_PROGRESS_RTOL = 1e-5, 1e-5, 1e-3
 # bf16 against the bf16 reference: only the order of sums and where bf16 rounds differ
@@ -88,6 +90,9 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
         + (f", {par.schedule} with {par.microbatches} microbatches" if par.pp > 1 else "")
         + f", {config.steps} steps, against one process"
     )
+    if strategy_of(par).zero == 3:
+        for line in fsdp_units_note(config):
+            click.echo(line)
     results = run(functools.partial(train_rank, return_state=True), world, launcher=par.launcher,
                   args=(config,), timeout=par.timeout, debug=par.debug or None, settings=settings)
     report = compare(config, results, reference_run(config))

@@ -11,6 +11,7 @@ from paratrain.launch import expected_transport, run
 from paratrain.models import CAUSAL_LM_CONFIGS, GPTConfig, LlamaConfig, build_model, count_parameters, format_count, \
     model_config, parameter_count
 from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers
+from paratrain.parallel.data.strategy import strategy_of
 from paratrain.parallel.plan import matching_modules
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
@@ -20,7 +21,7 @@ from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate, format_estimate
 from paratrain.train.options import checkpoint_options, training_options, validated_config
-from paratrain.train.setup import plan_for
+from paratrain.train.setup import fsdp_units_note, plan_for
 
 
 def describe_model(config: TrainConfig) -> str:
@@ -68,9 +69,9 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     par = config.parallel
     dp = world // (par.pp * par.tp)
     launcher = "torchrun" if settings.launch.in_torchrun else par.launcher
-    zero = f", zero {par.zero}" if par.zero else ""
-    lines = [f"world {world} = dp {dp} x pp {par.pp} x tp {par.tp} ({launcher}), dp-mode {par.dp_mode}{zero}, "
-             f"transport {expected_transport(par.launcher, world, settings)}"]
+    strategy = strategy_of(par)
+    lines = [f"world {world} = dp {dp} x pp {par.pp} x tp {par.tp} ({launcher}), data parallelism {strategy.name} "
+             f"(shards {strategy.shards}), transport {expected_transport(par.launcher, world, settings)}"]
     if par.pp > 1:
         per_micro = config.data.global_batch // (dp * par.microbatches)
         lines.append(f"global batch {config.data.global_batch}: {config.data.global_batch // dp} per replica, "
@@ -86,8 +87,9 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     shape = model_config(config.model.name, **config.model.overrides)
     if isinstance(shape, CAUSAL_LM_CONFIGS) and par.pp * par.tp > 1:
         lines += describe_split(config)
-    sharded = par.zero or par.dp_mode == "fsdp"
-    if isinstance(shape, (GPTConfig, LlamaConfig)) and (par.pp * par.tp > 1 or sharded) and not config.model.plan:
+    if strategy.zero == 3:
+        lines += fsdp_units_note(config)
+    if isinstance(shape, (GPTConfig, LlamaConfig)) and (par.pp * par.tp > 1 or strategy.zero) and not config.model.plan:
         lines.append(format_estimate(estimate(config, world), par.tp))
     return lines
 

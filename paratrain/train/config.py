@@ -52,7 +52,7 @@ class OptimConfig:
 class ParallelConfig:
     nproc: int | None = None  # ranks to start: None means dp x pp x tp, or 2 (ignored under torchrun)
     launcher: str = "threads"  # threads: in-process fabric; processes: torch's elastic launcher
-    dp_mode: str = "ddp"  # naive | ddp (ours) | torch (PyTorch's DDP) | fsdp (ours, = zero 3) | torch-fsdp
+    dp_mode: str | None = None  # a strategy of parallel/data/strategy.py; None: what zero and local_sgd say, else ddp
     algo: str = "auto"  # all-reduce algorithm for our modes
     naive_layout: str = "flat"  # naive: one flat buffer, or one all-reduce per parameter
     bucket_mb: float = 25.0  # ddp/torch bucket size; PyTorch's default

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from paratrain.data import rank_batch
 from paratrain.mesh import Mesh
 from paratrain.parallel.data import build_data_parallel
+from paratrain.parallel.data.strategy import strategy_of
 from paratrain.train.config import TrainConfig
 from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.held_memory import HeldMemory, per_rank
@@ -39,9 +40,9 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     if par.checkpoint_activations:  # every layout, pp = 1 included (the pipeline's chunks share the layers)
         recompute_in_backward(parallel.model, parallel.plan)
     dp = build_data_parallel(
-        parallel.module, mesh.dp, mode=par.dp_mode, algo=par.algo, naive_layout=par.naive_layout,
-        bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb, compress=par.compress,
-        local_sgd=par.local_sgd, zero=par.zero, model=parallel.model,
+        parallel.module, mesh.dp, mode=par.dp_mode, zero=par.zero, local_sgd=par.local_sgd, algo=par.algo,
+        naive_layout=par.naive_layout, bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,
+        compress=par.compress, model=parallel.model, plan=parallel.plan, roots=list(parallel.chunks.values()),
         reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch, precision=par.precision,
     )
     optimizer = dp.make_optimizer(lambda params: build_optimizer(config.optim, params))
@@ -127,7 +128,7 @@ def summarize(log: list[dict], config: TrainConfig, world_size: int, params: int
     step_ms = mean("step_ms")
     summary = {
         "model": config.model.name, "params": params, "world_size": world_size,
-        "dp_mode": config.parallel.dp_mode, "global_batch": config.data.global_batch,
+        "dp_mode": strategy_of(config.parallel).name, "global_batch": config.data.global_batch,
         "steps": len(log), "final_loss": log[-1]["loss"], "first_loss": log[0]["loss"],
         "step_ms": step_ms, "step_ms_stdev": statistics.pstdev(e["step_ms"] for e in timed),
         "compute_ms": mean("compute_ms"), "comm_ms": mean("comm_ms"),

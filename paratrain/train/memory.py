@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.models import GPTConfig, LlamaConfig, model_config
+from paratrain.parallel.data.strategy import strategy_of
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import simulate
 from paratrain.parallel.pipeline.split import balanced_partition
@@ -97,7 +98,7 @@ def estimate(config, world: int) -> list[StageMemory]:
     else:
         per_block = 2 * s * microbatch * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     optimizer_copies = 2 if config.optim.name == "adamw" else (1 if config.optim.momentum else 0)
-    zero = 3 if par.dp_mode == "fsdp" else par.zero
+    zero = strategy_of(par).zero
     weight_share = 1 / dp if zero == 3 else (1 + 1 / dp if zero else 1)
     grad_share = 1 / dp if zero >= 2 else (1 + 1 / dp if zero else 1)
     optimizer_share = 1 / dp if zero else 1

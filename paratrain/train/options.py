@@ -74,8 +74,9 @@ TRAINING_FLAGS = [
                                      "(the shipped Shakespeare) or text:PATH (any file, one token per byte)."),
     Flag("parallel.nproc", "--nproc", type=int, help="Ranks to start (default 2; torchrun decides under torchrun)."),
     Flag("parallel.launcher", "--launcher", help="threads (in-process fabric) or processes (torch elastic launcher)."),
-    Flag("parallel.dp_mode", "--dp-mode", help="naive, ddp (ours), torch (PyTorch's DDP), fsdp (ours: --zero 3) "
-                                                "or torch-fsdp (PyTorch's FSDP2, fully_shard)."),
+    Flag("parallel.dp_mode", "--dp-mode", help="Data-parallel strategy (default ddp, or what --zero / --local-sgd "
+                                                "say): naive, ddp, torch-ddp (or torch), zero1, torch-zero1, zero2, fsdp "
+                                                "(or zero3), torch-fsdp, local-sgd. `torch-` ones are PyTorch's."),
     Flag("steps", "--steps", type=int, help="Optimizer steps (default 50)."),
     Flag("data.global_batch", "--global-batch", type=int, help="Samples per optimizer step across all ranks (default 64)."),
     Flag("seed", "--seed", type=int, help="Seed for weights and data: same seed, same losses."),
@@ -92,9 +93,11 @@ TRAINING_FLAGS = [
     Flag("parallel.algo", "--algo", help="All-reduce algorithm for our modes: ring, hd, tree, direct, native, auto."),
     Flag("parallel.naive_layout", "--naive-layout", help="naive mode: flat (one buffer) or per-param."),
     Flag("parallel.compress", "--compress", help="none, fp16, bf16 or topk:RATIO (with error feedback)."),
-    Flag("parallel.local_sgd", "--local-sgd", type=int, help="Average parameters every K steps instead of gradients every step."),
+    Flag("parallel.local_sgd", "--local-sgd", type=int, help="Average parameters every K steps instead of gradients "
+                                                              "every step (--dp-mode local-sgd)."),
     Flag("parallel.zero", "--zero", type=int, help="ZeRO stage, sharded across ranks: 1 optimizer state, 2 and "
-                                                    "gradients, 3 and parameters (FSDP)."),
+                                                    "gradients, 3 and parameters (FSDP); --zero K is --dp-mode zeroK "
+                                                    "(with --dp-mode torch: PyTorch's)."),
     Flag("parallel.reshard_after_forward", "--reshard-after-forward/--no-reshard-after-forward",
          "reshard_after_forward", default=None,
          help="zero 3: free each unit's gathered parameters after its forward (default) or keep them for backward."),
@@ -117,6 +120,8 @@ TRAINING_FLAGS = [
     Flag("model.n_layer", "--n-layer", type=int, help="Layers of a GPT or Llama."),
     Flag("model.vocab_size", "--vocab-size", type=int, help="Vocabulary of a language model (default: the model's)."),
     Flag("model.block_size", "--block-size", type=int, help="Context length of a language model (default: the model's)."),
+    Flag("model.tie_embeddings", "--tie-embeddings", is_flag=True, default=None,
+         help="Llama: the output layer shares the token embedding's table (as Llama-3.2-1B and GPT-2 do)."),
     Flag("parallel.timeout", "--timeout", type=float, help="Seconds before a blocking communication fails."),
     Flag("parallel.debug", "--debug", is_flag=True, default=None, help="Check every collective is the same call on all ranks; an error prints its traceback."),
     Flag("log_every", "--log-every", type=int, help="Steps between printed log lines."),

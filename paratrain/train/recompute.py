@@ -12,24 +12,22 @@ from __future__ import annotations
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from paratrain.models import CNN, MLP, DeepMLP
 from paratrain.models.plans import default_plan
-from paratrain.parallel.plan import load_plan
+from paratrain.parallel.plan import block_list, load_plan
 
 
 def layers_to_recompute(model: nn.Module, plan=None) -> list[nn.Module]:
-    """The repeated layers whose activations dominate: a language model's blocks (the block
-    list its plan names: the GPT's, Llama's, a user's), a CNN's conv blocks, the MLPs' linear layers."""
+    """The repeated layers whose activations dominate: the model's blocks (the block list its
+    plan names, or its structure shows: a CNN's conv blocks, an MLP stack's layers), or else each
+    of its children that holds parameters (the two-layer MLP's linears)."""
     plan = plan if plan is not None else default_plan(model)
-    if plan is not None and load_plan(plan).pipeline is not None:
-        return list(model.get_submodule(load_plan(plan).pipeline.blocks))
-    if isinstance(model, CNN):
-        return list(model.blocks)
-    if isinstance(model, DeepMLP):
-        return list(model.layers)
-    if isinstance(model, MLP):
-        return [model.fc1, model.fc2]
-    raise ValueError(f"activation checkpointing does not know the layers of {type(model).__name__}")
+    blocks = block_list(model, None if plan is None else load_plan(plan))
+    if blocks is not None:
+        return list(blocks)
+    children = [child for child in model.children() if any(True for _ in child.parameters())]
+    if not children:
+        raise ValueError(f"activation checkpointing finds no layers in {type(model).__name__}")
+    return children
 
 
 def recompute_in_backward(model: nn.Module, plan=None) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.parallel.data.strategy import strategy_of
 from paratrain.train.checkpoint import CheckpointError, CheckpointReader, complete_checkpoints, resolve, save
 from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.train_state import TrainState, load_state, owned_state
@@ -79,5 +80,5 @@ def save_if_due(config: TrainConfig, group, state: TrainState, scheduler, steps_
 def layout_of(config: TrainConfig, world_size: int) -> dict:
     par = config.parallel
     return {"world_size": world_size, "dp": world_size // (par.pp * par.tp), "pp": par.pp, "tp": par.tp,
-            "zero": par.zero, "dp_mode": par.dp_mode}
+            "zero": strategy_of(par).zero, "dp_mode": strategy_of(par).name}
 

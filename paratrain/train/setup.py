@@ -69,3 +69,14 @@ def data_choice(model_name: str, overrides: dict, data_name: str | None) -> tupl
                          f"models (GPT, Llama, FILE.py:FUNCTION), which predict the next byte")
     return "text", {"path": text_path_of(data_name), "block_size": config.block_size,
                     "vocab_size": config.vocab_size}
+
+
+def fsdp_units_note(config) -> list[str]:
+    """The one line a sharded run prints when FSDP finds no blocks in the model (it is then one
+    unit); nothing when it does. Reads the model built on the meta device."""
+    from paratrain.parallel.data.fsdp_units import unit_layout
+
+    with torch.device("meta"):
+        model = build_model(config.model.name, **config.model.overrides)
+    note = unit_layout(model, plan_for(config.model.plan, model)).note
+    return [note] if note else []

@@ -13,7 +13,7 @@ import torch
 
 from paratrain.models import CAUSAL_LM_CONFIGS, MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, build_model, \
     is_model_file, model_config
-from paratrain.parallel.data import DP_MODES
+from paratrain.parallel.data.strategy import StrategyError, strategy_of, strategy_problems
 from paratrain.parallel.data.compression import build_compressor
 from paratrain.parallel.data.naive import LAYOUTS
 from paratrain.parallel.pipeline.schedules import microbatch_problems
@@ -88,17 +88,7 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     if par.nproc is not None:  # None: dp x pp x tp (see options.world_size_of)
         _at_least(problems, "parallel.nproc", par.nproc, 1)
     _choice(problems, "parallel.launcher", par.launcher, LAUNCHERS)
-    _choice(problems, "parallel.dp_mode", par.dp_mode, DP_MODES)
     _choice(problems, "parallel.algo", par.algo, algorithms_for("all_reduce"))
-    # ZeRO-1 and top-k compression run reduce-scatter / all-gather with the same algorithm.
-    sharded = bool(par.zero) or par.dp_mode in ("fsdp", "torch-fsdp")
-    gathers = (sharded and par.dp_mode != "torch-fsdp") or str(par.compress).startswith("topk")
-    if gathers and par.algo in algorithms_for("all_reduce"):
-        for op in ("reduce_scatter", "all_gather"):
-            if par.algo not in algorithms_for(op):
-                problems.append(f"parallel.algo: {par.algo!r} has no {op} (ZeRO-1 and top-k use it); "
-                                f"valid: {', '.join(algorithms_for(op))}")
-                break
     if _is_int(par.pp) and par.pp == 1:
         ignored = [flag for flag, on in (("--microbatches", par.microbatches != 1), ("--schedule", par.schedule != "1f1b"),
                                          ("--virtual-stages", par.virtual_stages != 1)) if on]
@@ -108,8 +98,12 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     elif _is_int(par.grad_accum) and par.grad_accum > 1:
         problems.append("parallel.grad_accum: with pp > 1 the pipeline's --microbatches split the batch; "
                         "--grad-accum applies to pp = 1")
-    if par.algo != "auto" and par.dp_mode == "torch":
-        problems.append("parallel.algo: PyTorch's DDP uses its own all-reduce; --algo applies to --dp-mode naive or ddp")
+    tp_pp = par.pp * par.tp if _is_int(par.pp) and _is_int(par.tp) else 1
+    problems += strategy_problems(par, tp_pp, algorithms_for("all_reduce"), algorithms_for)
+    if str(par.compress).startswith("topk") and par.algo in algorithms_for("all_reduce") \
+            and par.algo not in algorithms_for("all_gather"):  # top-k gathers the kept values
+        problems.append(f"parallel.algo: {par.algo!r} has no all_gather (top-k compression uses it); "
+                        f"valid: {', '.join(algorithms_for('all_gather'))}")
     _choice(problems, "parallel.naive_layout", par.naive_layout, LAYOUTS)
     if not _is_number(par.bucket_mb) or par.bucket_mb <= 0:
         problems.append(f"parallel.bucket_mb must be a finite number > 0, got {par.bucket_mb!r}")
@@ -117,36 +111,15 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
         problems.append(f"parallel.first_bucket_mb must be a finite number > 0, got {par.first_bucket_mb!r}")
     accum_ok = _at_least(problems, "parallel.grad_accum", par.grad_accum, 1)
     _at_least(problems, "parallel.local_sgd", par.local_sgd, 0)
-    if par.zero not in (0, 1, 2, 3):
-        problems.append(f"parallel.zero must be 0, 1 (optimizer state sharded), 2 (and gradients) or 3 "
-                        f"(and parameters: FSDP), got {par.zero!r}")
-    elif par.dp_mode in ("fsdp", "torch-fsdp") and par.zero not in (0, 3):
-        problems.append(f"parallel: dp_mode {par.dp_mode} is ZeRO-3; --zero {par.zero} asks for another stage")
     _at_least(problems, "parallel.prefetch", par.prefetch, 0)
     if not isinstance(par.reshard_after_forward, bool):
         problems.append(f"parallel.reshard_after_forward must be true or false, got {par.reshard_after_forward!r}")
-    torch_fsdp = par.dp_mode == "torch-fsdp" or (par.dp_mode == "torch" and par.zero == 3)
-    if torch_fsdp and par.launcher == "threads":
-        problems.append("parallel: PyTorch's FSDP2 (--dp-mode torch-fsdp) needs a default process group: "
-                        "use --launcher processes (or torchrun)")
     if par.timeout is not None and (not _is_number(par.timeout) or par.timeout <= 0):
         problems.append(f"parallel.timeout must be a finite number of seconds > 0, got {par.timeout!r}")
     try:
         build_compressor(par.compress)
     except (ValueError, TypeError, AttributeError) as error:
         problems.append(f"parallel.compress: {error}")
-
-    special = [name for name, on in (("compress", par.compress not in ("none", "", None)),
-                                      ("local_sgd", bool(par.local_sgd)), ("zero", sharded)) if on]
-    if len(special) > 1:
-        problems.append(f"parallel: {' and '.join(special)} cannot be combined; choose one")
-    if par.dp_mode == "torch" and special == ["zero"] and par.launcher == "threads" and par.zero != 3:
-        problems.append("parallel: PyTorch's ZeroRedundancyOptimizer (--dp-mode torch --zero 1) needs a default "
-                        "process group: use --launcher processes (or torchrun)")
-    if par.dp_mode == "torch" and special and special != ["zero"]:  # torch + zero: ZeroRedundancyOptimizer
-        problems.append(
-            f"parallel: {special[0]} is ours, not PyTorch DDP's; use --dp-mode ddp or naive with it"
-        )
 
     mesh_ok, dp_size = _mesh_problems(problems, config, world_size)
     if _is_int(data.global_batch) and data.global_batch >= 1:
@@ -201,13 +174,6 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
         layout_ok = False
     dp_size = max(world_size // (par.pp * par.tp), 1)
     _choice(problems, "parallel.precision", par.precision, PRECISIONS)
-    if par.pp * par.tp > 1:
-        if par.dp_mode == "torch":
-            problems.append("parallel: dp_mode torch is plain data parallelism; with pp or tp > 1 use ddp or naive")
-        if any((par.zero in (1, 2), par.local_sgd, par.compress not in ("none", "", None), par.dp_mode == "torch-fsdp",
-                par.dp_mode == "torch" and par.zero)):
-            problems.append("parallel: zero 1 and 2, local_sgd, compress and PyTorch's FSDP work with data parallelism "
-                            "alone (pp = tp = 1); our FSDP (--zero 3) works with both")
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs tp > 1")
     if model.name not in MODEL_NAMES and not is_model_file(model.name):
@@ -291,15 +257,12 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
         problems.append("checkpoint: --save-every and --max-restarts need --save-dir (where checkpoints go)")
     if ckpt.max_restarts and par.launcher != "processes":
         problems.append("checkpoint.max_restarts needs --launcher processes (ranks on threads cannot restart)")
-    if ckpt.dir and par.dp_mode == "torch-fsdp":
-        problems.append("checkpoint: PyTorch's FSDP2 keeps its state as DTensors, which our checkpoints do not "
-                        "read; use --zero 3 (ours) to save checkpoints")
-    elif ckpt.dir and par.zero and par.dp_mode == "torch":
-        problems.append("checkpoint: PyTorch's ZeroRedundancyOptimizer keeps its state its own way; "
-                        "use --dp-mode ddp with --zero 1 (ours) to save checkpoints")
-    if ckpt.dir and par.local_sgd:
-        problems.append("checkpoint: local SGD replicas hold different weights and momenta; "
-                        "checkpoints save one replica's, so they are refused with --local-sgd")
+    try:
+        refusal = strategy_of(par).no_checkpoint
+    except StrategyError:
+        refusal = ""  # reported with the strategy's problems
+    if ckpt.dir and refusal:
+        problems.append(f"checkpoint: {refusal}; checkpoints are refused with {strategy_of(par).name}")
     if ckpt.dir and par.compress.startswith("topk"):
         problems.append("checkpoint: top-k compression keeps per-rank error-feedback residuals that a "
                         "checkpoint does not hold; use --compress fp16/bf16/none with --save-dir")

@@ -10,8 +10,11 @@ gather: the next forward does it, unit by unit.
 
 Prefetch: when a unit's gather is awaited, the gathers of the next `prefetch` units (in
 forward order in forward, in reverse in backward) are started on the communication thread, so
-that they arrive while this unit computes. The last unit is not freed after forward (when
-gradients are being recorded): backward starts with it.
+that they arrive while this unit computes. The last block is not freed after forward (when
+gradients are being recorded): backward starts with it. The root unit (what runs before and
+after the blocks) is gathered when the model, or a pipeline chunk, starts, and stays until its
+backward is done, as FSDP2 keeps its root: its head runs after every block and its embedding's
+gradient comes last.
 
 All-gathers and reduce-scatters run on two groups of the same ranks, each with its own
 communication thread and call numbering, as FSDP2 puts them on two streams: gathers are
@@ -31,27 +34,32 @@ import torch
 from paratrain.parallel.data.base import DataParallel
 from paratrain.parallel.data.buckets import StartInOrder
 from paratrain.parallel.data.compression import Pending
-from paratrain.parallel.data.fsdp_units import ShardedUnit, unit_modules
+from paratrain.parallel.data.fsdp_units import ShardedUnit, unit_layout
 
 
 class FullyShardedDataParallel(DataParallel):
-    def __init__(self, module, group, algo="auto", model=None, reshard_after_forward=True, prefetch=1,
-                 compute_dtype=None):
-        """`model`: the whole model the units are read from (default `module`); only the units
-        whose parameters `module` holds are sharded (a pipeline rank's chunks). `compute_dtype`
-        (bf16): the gathered parameters' and the gradients' precision (see fsdp_units.py)."""
+    def __init__(self, module, group, algo="auto", model=None, plan=None, roots=None, reshard_after_forward=True,
+                 prefetch=1, compute_dtype=None):
+        """`model`: the whole model the units are read from (default `module`), with its `plan`
+        (None: its structure; see fsdp_units.unit_layout); only the parameters `module` holds are
+        sharded (a pipeline rank's chunks). `roots`: the modules the loop calls (default
+        [`module`]), whose forward gathers the root unit. `compute_dtype` (bf16): the gathered
+        parameters' and the gradients' precision (see fsdp_units.py)."""
         super().__init__(module, group, algo)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.gather_group = group.split([list(range(group.size))])
         held = {id(p) for p in module.parameters() if p.requires_grad}
+        layout = unit_layout(model if model is not None else module, plan)
         self.units: list[ShardedUnit] = []
-        covered = set()
-        for modules in unit_modules(model if model is not None else module):
-            params = list(dict.fromkeys(p for m in modules for p in m.parameters() if id(p) in held))
-            params = [p for p in params if id(p) not in covered]
+        # The root first: it is gathered when the model (or a chunk) starts, before any block.
+        pieces = [(list(roots or [module]), layout.root_params, True)]
+        pieces += [([block], params, False) for block, params in zip(layout.blocks, layout.block_params)]
+        for modules, params, is_root in pieces:
+            params = [p for p in params if id(p) in held]
             if params:
-                covered.update(id(p) for p in params)
-                self.units.append(ShardedUnit(len(self.units), modules, params, group, algo, compute_dtype))
+                unit = ShardedUnit(len(self.units), modules, params, group, algo, compute_dtype, is_root)
+                self.units.append(unit)
+        covered = {id(p) for unit in self.units for p in unit.params}
         left = [name for name, p in module.named_parameters() if id(p) in held and id(p) not in covered]
         if left:
             raise ValueError(f"fsdp: parameters in no unit: {', '.join(left)}")
@@ -82,13 +90,17 @@ class FullyShardedDataParallel(DataParallel):
         self._gather(unit, +1)
 
     def _after_forward(self, unit, module, args, output) -> None:
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if grad:
             for tensor in _tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(partial(self._before_backward, unit))
-        last_module = module is unit.modules[-1]
-        kept_for_backward = torch.is_grad_enabled() and unit.index == len(self.units) - 1
-        if last_module and self.reshard_after_forward and not unit.in_backward and not kept_for_backward:
+        if unit.is_root:  # kept until its backward is done (FSDP2 keeps its root), unless no backward comes
+            free = not grad
+        else:  # the last block is kept when gradients are recorded: backward starts with it
+            free = self.reshard_after_forward and not unit.in_backward and not (
+                grad and unit.index == len(self.units) - 1)
+        if free:
             unit.free()
 
     def _before_backward(self, unit, grad) -> None:

@@ -1,7 +1,9 @@
 """FSDP's unit: the parameters one all-gather brings in, kept as a 1/n shard between uses.
 
-A unit is a few modules run one after another in forward (a transformer block; a GPT's two
-embeddings; its final norm and head). Its parameters are laid end to end in one flat buffer,
+A unit is one block of the model's block list (a transformer block: what the plan's
+pipeline.blocks names), or the root: what runs before and after the blocks (embeddings, final
+norm, head) and any parameter two units share, as torchtitan calls fully_shard on each block and
+then on the whole model. Its parameters are laid end to end in one flat buffer,
 `full`, and each parameter becomes a view into it. Rank r keeps part r of that buffer
 (`torch.tensor_split`'s parts, so sizes need not divide by the world) as its own tensor, the
 `shard` the optimizer updates. Between uses `full`'s storage is freed (resized to nothing):
@@ -20,33 +22,60 @@ step updates the fp32 master weights, and the next gather rounds them to bf16 ag
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from paratrain.comm.ops import part_bounds
 from paratrain.parallel.data.compression import Pending
-from paratrain.models import CNN, GPT, MLP, DeepMLP
+from paratrain.parallel.plan import block_list
 
 
-def unit_modules(model: nn.Module) -> list[list[nn.Module]]:
-    """The model's units in forward order, each a list of modules run one after the other."""
-    if isinstance(model, GPT):
-        return [[model.tok_emb, model.pos_emb], *[[block] for block in model.blocks], [model.ln_f, model.head]]
-    if isinstance(model, CNN):
-        return [*[[block] for block in model.blocks], [model.fc1], [model.fc2]]
-    if isinstance(model, DeepMLP):
-        return [[layer] for layer in model.layers]
-    if isinstance(model, MLP):
-        return [[model.fc1], [model.fc2]]
-    # Any other model: each child that holds parameters, in registration order.
-    return [[child] for child in model.children() if any(True for _ in child.parameters())]
+@dataclass
+class UnitLayout:
+    """Which parameters each unit holds: one unit per block of the model's block list, in forward
+    order, and the root unit with everything else (what runs before and after the blocks, and any
+    parameter two units share, such as tied embeddings: FSDP2's rule, a shared parameter belongs
+    to its modules' common ancestor). `note` says why the model is one unit, when it is."""
+    blocks: list[nn.Module]
+    block_params: list[list[nn.Parameter]]
+    root_params: list[nn.Parameter]
+    note: str = ""
+
+
+def unit_layout(model: nn.Module, plan=None) -> UnitLayout:
+    """The units of `model`, read from `plan` (a Plan, or None) or from the model's structure
+    (parallel/plan.py's block_list). Works on a model built on the meta device."""
+    blocks = block_list(model, plan)
+    if blocks is None:
+        return UnitLayout([], [], _unique(model.parameters()),
+                          f"fsdp: {type(model).__name__} names no list of blocks (no plan with pipeline.blocks, "
+                          "no ModuleList of them), so it is one unit, gathered whole in each step: correct, "
+                          "but its parameters are sharded only between steps")
+    block_names = {id(block): name for name, block in model.named_modules() if any(block is b for b in blocks)}
+    owners: dict[int, set] = {}  # parameter -> the units it is registered in (a block's index, or "root")
+    prefixes = [block_names[id(block)] + "." for block in blocks]
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner = next((i for i, prefix in enumerate(prefixes) if name.startswith(prefix)), "root")
+        owners.setdefault(id(param), set()).add(owner)
+    shared = {key for key, found in owners.items() if len(found) > 1}
+    block_params = [[p for p in _unique(block.parameters()) if id(p) not in shared] for block in blocks]
+    in_blocks = {id(p) for params in block_params for p in params}
+    root = [p for p in _unique(model.parameters()) if id(p) not in in_blocks]
+    return UnitLayout(list(blocks), block_params, root)
+
+
+def _unique(params) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
 
 
 class ShardedUnit:
     def __init__(self, index: int, modules: list[nn.Module], params: list[nn.Parameter], group, algo: str,
-                 compute_dtype: torch.dtype | None = None):
-        self.index, self.modules, self.params, self.algo = index, modules, params, algo
+                 compute_dtype: torch.dtype | None = None, is_root: bool = False):
+        """`modules`: those whose forward gathers the unit (a block; for the root, the modules
+        the loop calls)."""
+        self.index, self.modules, self.params, self.algo, self.is_root = index, modules, params, algo, is_root
         whole = torch.cat([p.detach().reshape(-1) for p in params])  # every rank starts from the same weights
         self.own = slice(*part_bounds(whole.numel(), group.size)[group.rank])  # this rank's part of `full`
         self.shard = nn.Parameter(whole[self.own].clone())
