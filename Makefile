@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dp demo-frontend test bench-collectives results picture install clean
+.PHONY: demo demo-dp demo-frontend test bench-collectives results matrix picture install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,13 @@ bench-collectives: $(STAMP)
 # their JSON under docs/results/, and the page is rendered from it (paratrain/bench/results_page.py).
 results: $(STAMP) picture
 	$(BIN)/python -m paratrain.bench.results_page --folder docs/results --page docs/results.md
+
+# The parity matrix: every model x data-parallel strategy x layout against one process (about 5 to
+# 15 minutes on 2 cores); its table goes into docs/results.md, written even when a cell fails.
+matrix: $(STAMP)
+	$(BIN)/paratrain matrix --json docs/results/matrix.json; status=$$?; \
+		$(BIN)/python -m paratrain.bench.results_page --folder docs/results --page docs/results.md --render; \
+		exit $$status
 
 # The picture on the README's front page: the 1F1B schedule the runtime executes, as a timeline.
 picture: $(STAMP)

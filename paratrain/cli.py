@@ -16,6 +16,7 @@ from paratrain.cli_errors import OneLineErrors
 SUBCOMMANDS = {
     "train": "paratrain.train.cli:train",
     "check": "paratrain.train.check:check",
+    "matrix": "paratrain.train.matrix_cli:matrix",
     "sample": "paratrain.train.sample:sample",
     "bench": "paratrain.bench.cli:bench",
     "schedule": "paratrain.parallel.pipeline.schedule_cli:schedule",

@@ -208,7 +208,8 @@ def test_reduce_scatters_start_during_backward(monkeypatch):
     ({"parallel.dp_mode": "fsdp", "parallel.zero": 1}, "--dp-mode fsdp shards optimizer state, gradients and parameters and --zero 1"),
     ({"parallel.dp_mode": "torch-fsdp"}, "needs a default process group"),
     ({"parallel.zero": 3, "parallel.prefetch": -1}, "parallel.prefetch"),
-    ({"parallel.zero": 2, "model.name": "gpt-tiny", "parallel.tp": 2}, "zero2 works with data parallelism alone"),
+    ({"parallel.dp_mode": "torch-fsdp", "parallel.launcher": "processes", "model.name": "gpt-tiny",
+      "parallel.tp": 2}, "torch-fsdp works with data parallelism alone"),
 ])
 def test_bad_sharding_options_are_named(overrides, message):
     with pytest.raises(ConfigError) as error:

@@ -13,7 +13,6 @@ beside it. The sweeps are small on purpose: representative of each benchmark, no
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -28,7 +27,9 @@ from pathlib import Path
 import torch
 
 from paratrain.plan.membw import copy_bandwidth_gbps
+from paratrain.provenance import code_commit, utc_now
 from paratrain.settings import child_environment
+from paratrain.train.matrix import render as render_matrix
 
 RUN_FILE = "run.json"  # the machine, the date and each command's wall time, written by `run_sweeps`
 
@@ -95,11 +96,11 @@ def command_line(sweep: Sweep, folder: Path) -> str:
 
 def describe_machine() -> dict:
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "copy_gbps": copy_bandwidth_gbps("cpu"), "commit": _commit(),
+        "copy_gbps": copy_bandwidth_gbps("cpu"), "commit": code_commit(),
     }
 
 
@@ -111,16 +112,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def _commit() -> str | None:
-    """The code's commit, marked when paratrain/ differs from it (docs/ changing is expected)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "paratrain"]).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + (" with uncommitted changes to paratrain/" if dirty else "")
 
 
 def run_sweeps(folder: Path, sweeps=SWEEPS) -> dict:
@@ -334,7 +325,22 @@ def render(folder: Path, page: Path, sweeps=SWEEPS) -> str:
         lines += ["", f"{entry['seconds']:.0f} s; records: [{sweep.name}.json]({link}/{sweep.name}.json)"]
         if sweep.plot and (folder / f"{sweep.name}.png").exists():
             lines += ["", f"![bus bandwidth against size]({link}/{sweep.name}.png)"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _matrix_section(folder, link)) + "\n"
+
+
+MATRIX_FILE = "matrix.json"  # written by `make matrix` (paratrain matrix), which takes longer than the sweeps
+
+
+def _matrix_section(folder: Path, link: str) -> list[str]:
+    """The parity matrix, from its own run's JSON (not one of the sweeps above)."""
+    path = folder / MATRIX_FILE
+    lines = ["", "## The parity matrix: every model, data-parallel strategy and layout against one process", ""]
+    if not path.exists():
+        return lines + ["Not run: `make matrix` runs it."]
+    run = json.loads(path.read_text())
+    return lines + [f"Measured {run['date']}, code at commit {run['commit'] or 'unknown'}.", "", "```",
+                    run["command"], "```", ""] + render_matrix(run["cells"]) + [
+        "", f"{run['seconds']:.0f} s; records: [{MATRIX_FILE}]({link}/{MATRIX_FILE})"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import dataclass
 
 import click
 
@@ -28,6 +29,25 @@ FP32_LOSS_RTOL, FP32_PARAM_ATOL, FP32_PROGRESS_RTOL = 1e-5, 1e-5, 1e-3
 # the right one over a few steps of a small learning rate, so the loss *decrease* over the
 # run is compared too: a halved gradient moves it by ~25-50%, a run that never trains by 100%.
 BF16_LOSS_RTOL, BF16_PARAM_ATOL, BF16_PROGRESS_RTOL = 1e-3, 1e-3, 5e-2
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    loss_rtol: float  # largest relative loss difference, any step
+    param_atol: float  # largest absolute parameter difference, any rank
+    progress_rtol: float  # relative difference of the loss decrease over the run
+
+
+def tolerances(config) -> Tolerances:
+    """The default tolerances of the configuration's precision."""
+    if config.parallel.precision == "bf16":
+        return Tolerances(BF16_LOSS_RTOL, BF16_PARAM_ATOL, BF16_PROGRESS_RTOL)
+    return Tolerances(FP32_LOSS_RTOL, FP32_PARAM_ATOL, FP32_PROGRESS_RTOL)
+
+
+def passes(report: dict, tolerance: Tolerances) -> bool:
+    return (report["max_loss_diff"] <= tolerance.loss_rtol and report["max_param_diff"] <= tolerance.param_atol
+            and report["progress_diff"] <= tolerance.progress_rtol and not report["missing"])
 
 
 def compare(config, results: dict, reference) -> dict:
@@ -80,10 +100,10 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
         flags["steps"] = 5
     settings = Settings.resolve()
     config, world = validated_config(config_path, flags, settings)
-    bf16 = config.parallel.precision == "bf16"
-    loss_rtol = loss_rtol if loss_rtol is not None else (BF16_LOSS_RTOL if bf16 else FP32_LOSS_RTOL)
-    param_atol = param_atol if param_atol is not None else (BF16_PARAM_ATOL if bf16 else FP32_PARAM_ATOL)
-    progress_rtol = progress_rtol if progress_rtol is not None else (BF16_PROGRESS_RTOL if bf16 else FP32_PROGRESS_RTOL)
+    default = tolerances(config)
+    loss_rtol = loss_rtol if loss_rtol is not None else default.loss_rtol
+    param_atol = param_atol if param_atol is not None else default.param_atol
+    progress_rtol = progress_rtol if progress_rtol is not None else default.progress_rtol
     par = config.parallel
     click.echo(
         f"check: {config.model.name}, world {world} = dp {world // (par.pp * par.tp)} x pp {par.pp} x tp {par.tp}"
@@ -103,8 +123,7 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
     click.echo(f"loss decrease difference     {report['progress_diff']:.2e} (relative; tolerance {progress_rtol:g})")
     click.echo(f"largest parameter difference {report['max_param_diff']:.2e} in {report['worst_param']} "
                f"(absolute; tolerance {param_atol:g})")
-    ok = (report["max_loss_diff"] <= loss_rtol and report["max_param_diff"] <= param_atol
-          and report["progress_diff"] <= progress_rtol and not report["missing"])
+    ok = passes(report, Tolerances(loss_rtol, param_atol, progress_rtol))
     if report["missing"]:
         click.echo(f"parameters no rank reported: {', '.join(report['missing'])}")
     click.echo("PASS: same model as one process" if ok else "FAIL: beyond tolerance")

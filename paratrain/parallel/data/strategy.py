@@ -46,11 +46,11 @@ STRATEGIES = {s.name: s for s in (
     Strategy("torch-ddp", "PyTorch's DistributedDataParallel", 0, ours=False, with_tp_pp=False,
              takes_algo=False, aliases=("torch",)),
     Strategy("zero1", "ours: ZeRO-1, optimizer state sharded (reduce-scatter, step on the shard, all-gather)",
-             1, ours=True, with_tp_pp=False, takes_algo=True, gathers=True),
+             1, ours=True, with_tp_pp=True, takes_algo=True, gathers=True),
     Strategy("torch-zero1", "PyTorch's DDP with ZeroRedundancyOptimizer (ZeRO-1)", 1, ours=False,
              with_tp_pp=False, takes_algo=False, needs_process_group=True,
              no_checkpoint="PyTorch's ZeroRedundancyOptimizer keeps its state its own way; use zero1 (ours)"),
-    Strategy("zero2", "ours: ZeRO-2, optimizer state and gradients sharded", 2, ours=True, with_tp_pp=False,
+    Strategy("zero2", "ours: ZeRO-2, optimizer state and gradients sharded", 2, ours=True, with_tp_pp=True,
              takes_algo=True, gathers=True),
     Strategy("fsdp", "ours: ZeRO-3 / FSDP, parameters sharded too and gathered unit by unit",
              3, ours=True, with_tp_pp=True, takes_algo=True, gathers=True, aliases=("zero3",)),
@@ -59,7 +59,7 @@ STRATEGIES = {s.name: s for s in (
              no_checkpoint="PyTorch's FSDP2 keeps its state as DTensors, which our checkpoints do not read; "
                            "use fsdp (ours)"),
     Strategy("local-sgd", "ours: no gradient all-reduce; parameters averaged every --local-sgd K steps",
-             0, ours=True, with_tp_pp=False, takes_algo=True, exact=False,
+             0, ours=True, with_tp_pp=True, takes_algo=True, exact=False,
              no_checkpoint="local SGD replicas hold different weights and momenta; a checkpoint saves one "
                            "replica's"),
 )}
@@ -119,8 +119,9 @@ def strategy_problems(par, tp_pp: int, all_reduce_algos, gather_algos: Callable)
         problems.append(f"parallel: {s.name} is {s.summary}, which needs a default process group: use "
                         "--launcher processes (or torchrun)")
     if not s.with_tp_pp and tp_pp > 1:
-        problems.append(f"parallel: {s.name} works with data parallelism alone (pp = tp = 1); naive, ddp and "
-                        "fsdp (--zero 3) work with tp and pp")
+        composing = [name for name, other in STRATEGIES.items() if other.with_tp_pp]
+        problems.append(f"parallel: {s.name} works with data parallelism alone (pp = tp = 1); "
+                        f"{', '.join(composing)} work with tp and pp")
     if par.algo != "auto" and not s.takes_algo:
         problems.append(f"parallel.algo: {s.name} ({s.summary}) runs its own collectives; --algo applies to ours")
     elif s.gathers and par.algo in all_reduce_algos:

@@ -1,0 +1,70 @@
+"""The parity matrix in CI: every model and every data-parallel strategy trained against one
+process at least once (a diagonal through the grid, each cell on a layout it supports), and every
+cell of the whole grid either accepted or refused in one line before any rank starts.
+`make matrix` runs the whole grid."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.parallel.data.strategy import STRATEGIES
+from paratrain.train.matrix import LAYOUTS, MODELS, cell_config, cells, refusal, render, run_cell
+
+
+def diagonal() -> list[tuple[str, str, object]]:
+    """One cell per strategy, the models in turn (so each model comes at least once), each on the
+    first layout, starting from a different one each time, that validation accepts."""
+    chosen = []
+    for i, strategy in enumerate(STRATEGIES):
+        model = list(MODELS)[i % len(MODELS)]
+        turned = LAYOUTS[i % len(LAYOUTS):] + LAYOUTS[:i % len(LAYOUTS)]
+        layout = next(layout for layout in turned if not refusal(cell_config(model, strategy, layout), layout.world))
+        chosen.append((model, strategy, layout))
+    return chosen
+
+
+DIAGONAL = diagonal()
+
+
+def test_the_diagonal_covers_every_model_and_every_strategy():
+    assert {model for model, _, _ in DIAGONAL} == set(MODELS)
+    assert {strategy for _, strategy, _ in DIAGONAL} == set(STRATEGIES)
+
+
+@pytest.mark.parametrize("model, strategy, layout", DIAGONAL,
+                         ids=[f"{m}-{s}-{layout.name.replace(' ', '')}" for m, s, layout in DIAGONAL])
+def test_a_cell_trains_the_same_model_as_one_process(model, strategy, layout):
+    record = run_cell(model, strategy, layout)
+    assert record["status"] == "PASS", record
+
+
+def test_every_cell_of_the_grid_runs_or_is_refused_in_one_line():
+    refused = 0
+    for model, strategy, layout in cells():
+        reason = refusal(cell_config(model, strategy, layout), layout.world)
+        assert "\n" not in reason and "Traceback" not in reason, (model, strategy, layout.name, reason)
+        refused += bool(reason)
+    # What must run does: the strategies that compose with tp and pp on every model in data
+    # parallelism, and on the language models in every layout; what cannot is said (the MLP has no
+    # tensor parallelism, tied embeddings cannot be cut into pipeline stages).
+    for model in MODELS:
+        for strategy in (name for name, s in STRATEGIES.items() if s.with_tp_pp):
+            for layout in LAYOUTS:
+                reason = refusal(cell_config(model, strategy, layout), layout.world)
+                language_model = model not in ("mlp", "cnn")
+                tied_pipeline = model == "llama-tiny tied" and layout.pp > 1
+                if layout.tp == layout.pp == 1 or (language_model and not tied_pipeline):
+                    assert not reason, (model, strategy, layout.name, reason)
+    assert refused
+
+
+def test_the_page_numbers_each_refusal_once_and_shows_a_failure_with_its_reason():
+    records = [
+        {"model": "m", "strategy": "a", "layout": "dp 2", "status": "PASS", "reason": "", "seconds": 1.0},
+        {"model": "m", "strategy": "a", "layout": "tp 2", "status": "refused", "reason": "no tp", "seconds": 0.0},
+        {"model": "m", "strategy": "b", "layout": "dp 2", "status": "FAIL", "reason": "beyond", "seconds": 1.0},
+        {"model": "m", "strategy": "b", "layout": "tp 2", "status": "refused", "reason": "no tp", "seconds": 0.0},
+    ]
+    page = "\n".join(render(records))
+    assert "| a | PASS | refused (1) |" in page and "| b | **FAIL**: beyond | refused (1) |" in page
+    assert "1. no tp" in page and "2." not in page and "4 cells: 1 PASS, 2 refused" in page
