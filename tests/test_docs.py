@@ -154,3 +154,13 @@ def test_results_run_records_each_command_and_renders_what_it_wrote(tmp_path, mo
     assert run["sweeps"][0]["command"] == command_line(tiny, tmp_path)
     page = render(tmp_path, tmp_path / "results.md", sweeps=(tiny,))
     assert "transport fabric" in page and "| 1K |" in page and "Wrong elements: 0." in page
+
+
+def test_every_data_parallel_strategy_the_pages_name_is_one_dp_mode_accepts():
+    from paratrain.parallel.data.strategy import STRATEGIES, resolve_strategy
+
+    named = {name for page in PAGES for name in re.findall(r"--dp-mode ([a-z0-9-]+)", page.read_text())}
+    for name in named:
+        resolve_strategy(name)  # raises StrategyError for a name --dp-mode refuses
+    table = (ROOT / "docs" / "training.md").read_text()
+    assert all(f"| `{name}`" in table for name in STRATEGIES), "training.md's strategy table lists every strategy"
