@@ -53,8 +53,8 @@ bench-collectives: $(STAMP)
 results: $(STAMP) picture
 	$(BIN)/python -m paratrain.bench.results_page --folder docs/results --page docs/results.md
 
-# The parity matrix: every model x data-parallel strategy x layout against one process (about 5 to
-# 15 minutes on 2 cores); its table goes into docs/results.md, written even when a cell fails.
+# The parity matrix: every model x data-parallel strategy x layout against one process (about 5
+# minutes on 2 cores); its table goes into docs/results.md, written even when a cell fails.
 matrix: $(STAMP)
 	$(BIN)/paratrain matrix --json docs/results/matrix.json; status=$$?; \
 		$(BIN)/python -m paratrain.bench.results_page --folder docs/results --page docs/results.md --render; \
