@@ -116,5 +116,15 @@ def _read(model: nn.Module, names: tuple[str, ...]):
 def file_model_config(spec: str, overrides: dict) -> CausalLMFile:
     options = dict(overrides)
     config = CausalLMFile(spec, options, options.pop("vocab_size", None), options.pop("block_size", None))
-    config.validate()
+    path = Path(spec.rpartition(":")[0])
+    key = (spec, path.stat().st_mtime if path.is_file() else None, repr(sorted(overrides.items())))
+    if key not in _VALIDATED:  # building a model on the meta device still takes ~60 ms of init calls
+        config.validate()
+        _VALIDATED[key] = (config.vocab_size, config.block_size)
+    config.vocab_size, config.block_size = _VALIDATED[key]
     return config
+
+
+# (FILE.py:FUNCTION, the file's mtime, options) -> (vocabulary, context length) of a model that
+# built: validation asks for a configuration many times, and the file changing starts afresh.
+_VALIDATED: dict[tuple, tuple[int, int]] = {}

@@ -3,6 +3,7 @@ so a user fixes them in one go instead of one failed launch at a time."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 from paratrain.comm.algorithms import algorithms_for
@@ -183,16 +184,17 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
     except (ValueError, TypeError):
         return False, dp_size  # already reported
     chunks = par.pp * (2 if par.schedule == "zb-v" else par.virtual_stages) if _is_int(par.virtual_stages) else par.pp
+    meta = functools.cache(lambda: _meta_model_and_plan(config))  # built once, when a check needs it
     if par.tp > 1 and not isinstance(shape, CAUSAL_LM_CONFIGS):
         problems.append(f"parallel.tp: tensor parallelism shards language models (GPT, Llama, FILE.py:FUNCTION "
                         f"with a plan); {model.name!r} is not one")
     elif par.tp > 1 and isinstance(shape, GPTConfig) and tp_problems(shape, par.tp):
         problems += [f"parallel.tp: {line}" for line in tp_problems(shape, par.tp)]
     elif par.tp > 1 or (par.pp > 1 and isinstance(shape, CAUSAL_LM_CONFIGS)):
-        problems += _plan_problems(config, shape, chunks)
+        problems += _plan_problems(config, shape, chunks, meta)
     if par.pp > 1:
         problems += microbatch_problems(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-        layers = _pipeline_layer_count(shape, config)
+        layers = _pipeline_layer_count(shape, config, meta)
         if layers is None:
             if not isinstance(shape, CAUSAL_LM_CONFIGS):  # a language model's: its plan's problem, above
                 problems.append(f"parallel.pp: model {model.name!r} cannot be split into pipeline stages")
@@ -215,11 +217,11 @@ def _meta_model_and_plan(config: TrainConfig):
     return model, plan_for(config.model.plan, model)
 
 
-def _plan_problems(config: TrainConfig, shape, chunks: int) -> list[str]:
+def _plan_problems(config: TrainConfig, shape, chunks: int, meta) -> list[str]:
     """The plan's problems with this model and layout, each one line naming the module."""
     par = config.parallel
     try:
-        model, plan = _meta_model_and_plan(config)
+        model, plan = meta()
     except (PlanError, ValueError) as error:
         return [f"model.plan: {error}"]
     if plan is None:
@@ -233,11 +235,11 @@ def _plan_problems(config: TrainConfig, shape, chunks: int) -> list[str]:
     return [f"model.plan: {line}" for line in problems]
 
 
-def _pipeline_layer_count(shape, config: TrainConfig) -> int | None:
+def _pipeline_layer_count(shape, config: TrainConfig, meta) -> int | None:
     """How many layers pipeline_layers() would make of the model (see parallel/pipeline/split.py)."""
     if isinstance(shape, CAUSAL_LM_CONFIGS):
         try:
-            model, plan = _meta_model_and_plan(config)
+            model, plan = meta()
             return len(pipeline_layers(model, plan))
         except (PlanError, ValueError):
             return None
