@@ -28,7 +28,7 @@ def test_bench_ddp_reports_every_mode_with_its_ratio_to_torch(tmp_path):
     assert "its exposed_ms differs in method" in result.output
     records = json.loads(out.read_text())
     assert [(r["model"], r["mode"]) for r in records] == [
-        (model, mode) for model in ("mlp", "cnn-tiny") for mode in ("naive", "ddp", "torch")
+        (model, mode) for model in ("mlp", "cnn-tiny") for mode in ("naive", "ddp", "torch-ddp")
     ]
     for record in records:
         assert set(record) == set(DDP_KEYS)
@@ -36,8 +36,8 @@ def test_bench_ddp_reports_every_mode_with_its_ratio_to_torch(tmp_path):
         assert record["params"] > 0 and record["step_ms"] > 0
         assert record["ratio_to_torch"] == pytest.approx(
             record["step_ms"] / next(r["step_ms"] for r in records
-                                     if r["model"] == record["model"] and r["mode"] == "torch"))
-    assert all(r["ratio_to_torch"] == 1.0 for r in records if r["mode"] == "torch")
+                                     if r["model"] == record["model"] and r["mode"] == "torch-ddp"))
+    assert all(r["ratio_to_torch"] == 1.0 for r in records if r["mode"] == "torch-ddp")
 
 
 def test_bench_ddp_without_torch_has_no_ratio_and_keeps_the_median_repeat(tmp_path):
@@ -75,7 +75,8 @@ def test_bench_scaling_measures_both_modes_against_one_rank(tmp_path):
     (["scaling", "--nprocs", "1,two"], "'1,two' is not a comma-separated list of integers"),
     (["scaling", "--nprocs", "0,2"], "world sizes must be positive integers"),
     (["ddp", "--models", "cnn-tiny,resnet"], "unknown model 'resnet'; valid: mlp, cnn-tiny"),
-    (["ddp", "--modes", "ddp,zero3"], "unknown mode 'zero3'; valid: naive, ddp, torch"),
+    (["ddp", "--modes", "ddp,zero4"], "unknown mode 'zero4'; valid: naive, ddp, torch-ddp, torch, zero1"),
+    (["ddp", "--modes", "local-sgd"], "unknown mode 'local-sgd'"),
     (["ddp", "--models", ","], "no model given"),
     (["ddp", "--batch-size", "0"], "0 is not in the range x>=1"),
 ])
@@ -96,12 +97,12 @@ def test_weak_scaling_alone_needs_no_divisible_global_batch(tmp_path):
 def test_bench_ddp_sets_our_zero1_beside_pytorchs_zero_redundancy_optimizer(tmp_path):
     out = tmp_path / "zero.json"
     result = invoke("ddp", "--launcher", "processes", "--steps", "2", "--warmup", "1", "--models", "mlp",
-                    "--modes", "zero,torch-zero", "--repeats", "1", "--json", out)
+                    "--modes", "zero1,torch-zero1", "--repeats", "1", "--json", out)
     assert result.exit_code == 0, result.output
     ours, theirs = json.loads(out.read_text())
-    assert (ours["mode"], theirs["mode"]) == ("zero", "torch-zero")
+    assert (ours["mode"], theirs["mode"]) == ("zero1", "torch-zero1")
     assert ours["ratio_to_torch"] == pytest.approx(ours["step_ms"] / theirs["step_ms"])
-    refused = invoke("ddp", *FAST, "--models", "mlp", "--modes", "torch-zero")
+    refused = invoke("ddp", *FAST, "--models", "mlp", "--modes", "torch-zero1")
     assert refused.exit_code == 2 and "needs a default process group" in refused.output
 
 

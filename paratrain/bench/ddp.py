@@ -1,7 +1,7 @@
 """`paratrain bench ddp`: naive, our DDP, ZeRO and FSDP and PyTorch's side by side, same model, same world.
 
 Every (model, mode) trains for a few steps through `train_rank`, with the same seed and data.
-Modes run interleaved per model (naive, ddp, torch, naive, ddp, torch, ...) so that whatever
+Modes run interleaved per model (naive, ddp, torch-ddp, naive, ddp, torch-ddp, ...) so that whatever
 else the machine is doing falls on all of them alike. Times are rank 0's, averaged over the
 steps after warm-up; with --repeats, each row is its median repeat. The ratio to torch is thus
 measured in one run, on one machine: the figure this benchmark exists for.
@@ -24,6 +24,7 @@ import torch
 
 from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.launch import LAUNCHERS, in_torchrun, run
+from paratrain.parallel.data.strategy import DP_MODES, STRATEGIES, resolve_strategy
 from paratrain.settings import launch_environment
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
@@ -42,14 +43,10 @@ MODELS = {
     "gpt-small": ("gpt-small", {}),  # 8 blocks: FSDP's units
 }
 DEFAULT_MODELS = ("cnn-tiny", "cnn-small", "cnn-medium", "mlp16")
-# bench mode -> (training's dp_mode, zero), and the PyTorch mode each is measured against
-BENCH_MODES = {"naive": ("naive", 0), "ddp": ("ddp", 0), "torch": ("torch", 0),
-               "zero": ("ddp", 1), "torch-zero": ("torch", 1), "zero2": ("ddp", 2),
-               "fsdp": ("fsdp", 0), "torch-fsdp": ("torch-fsdp", 0)}
-# PyTorch has no ZeRO-2 of its own: ours is measured against its ZeRO-1.
-PEER = {"naive": "torch", "ddp": "torch", "torch": "torch", "zero": "torch-zero", "torch-zero": "torch-zero",
-        "zero2": "torch-zero", "fsdp": "torch-fsdp", "torch-fsdp": "torch-fsdp"}
-DEFAULT_MODES = ("naive", "ddp", "torch")
+# The data-parallel strategies timed here, as --dp-mode spells them (parallel/data/strategy.py),
+# each beside its PyTorch peer; local SGD is left out: its speed is its period's, not the strategy's.
+BENCH_MODES = tuple(name for name in DP_MODES if resolve_strategy(name).name != "local-sgd")
+DEFAULT_MODES = ("naive", "ddp", "torch-ddp")
 JSON_KEYS = (
     "model", "params", "mode", "world_size", "launcher", "batch_per_rank", "global_batch", "steps",
     "warmup", "repeats", "step_ms", "step_ms_stdev", "ratio_to_torch", "ratio_to_ddp", "compute_ms", "comm_ms",
@@ -71,9 +68,8 @@ class Run:
 def training_config(model: str, overrides: dict, mode: str, global_batch: int, steps: int,
                     bucket_mb: float = 25.0, launcher: str = "processes") -> TrainConfig:
     """What `paratrain train` would run with these flags; everything else at its default."""
-    dp_mode, zero = BENCH_MODES[mode]
     config = apply_overrides(TrainConfig(), {
-        "model.name": model, "parallel.dp_mode": dp_mode, "parallel.zero": zero, "data.global_batch": global_batch,
+        "model.name": model, "parallel.dp_mode": mode, "data.global_batch": global_batch,
         "steps": steps, "parallel.bucket_mb": bucket_mb, "parallel.launcher": launcher,
     })
     config.model.overrides = dict(overrides)
@@ -168,7 +164,8 @@ def build_records(models, modes, measured, *, launcher, batch_per_rank, steps, w
     for model in models:
         for mode in modes:
             row = median_repeat(by_key[(model, mode)])
-            torch_row = median_repeat(by_key[(model, PEER[mode])]) if PEER[mode] in modes else None
+            peer = STRATEGIES[mode].peer
+            torch_row = median_repeat(by_key[(model, peer)]) if peer in modes else None
             ddp_row = median_repeat(by_key[(model, "ddp")]) if "ddp" in modes else None
             world = row["world_size"]
             values = {
@@ -203,9 +200,9 @@ def table_lines(records: list[dict]) -> list[str]:
 
 FOOTER = [
     "# vs torch   = step_ms / PyTorch's step_ms on the same model and world (below 1: faster): DDP for",
-    "#              naive and ddp, DDP + ZeroRedundancyOptimizer for zero and zero2, FSDP2 (fully_shard)",
+    "#              naive and ddp, DDP + ZeroRedundancyOptimizer for zero1 and zero2, FSDP2 (fully_shard)",
     "#              for fsdp; vs ddp = step_ms / our ddp's step_ms",
-    "# comm_ms    = time the collectives ran (all-reduces; reduce-scatters and all-gathers for zero",
+    "# comm_ms    = time the collectives ran (all-reduces; reduce-scatters and all-gathers for zero1",
     "#              and fsdp; summed; on a communication thread when they overlap compute);",
     "#              exposed_ms = time the training thread waited for them; comm share =",
     "#              comm_ms / step_ms. All measured, none estimated; PyTorch's FSDP2 is not timed (0).",
@@ -283,11 +280,10 @@ def _flags(name: str) -> str:
 @click.option("--models", "models_text", default=",".join(DEFAULT_MODELS), show_default=True,
               help="Comma-separated models: " + ", ".join(f"{name} ({_flags(name)})" for name in MODELS) + ".")
 @click.option("--modes", "modes_text", default=",".join(DEFAULT_MODES), show_default=True,
-              help="Comma-separated data-parallel modes: naive (average after backward), ddp (ours: "
-                   "buckets overlapping backward), torch (PyTorch's DistributedDataParallel), zero (our "
-                   "ZeRO-1), torch-zero (PyTorch DDP + ZeroRedundancyOptimizer; processes only), zero2 "
-                   "(ours), fsdp (our ZeRO-3) and torch-fsdp (PyTorch's FSDP2; processes only; its "
-                   "communication is not timed).")
+              help="Comma-separated data-parallel strategies (`paratrain train --dp-mode`): "
+                   + ", ".join(BENCH_MODES) + ". Each is set beside its PyTorch peer when that runs too "
+                   "(ddp beside torch-ddp, zero1 and zero2 beside torch-zero1, fsdp beside torch-fsdp); "
+                   "torch-zero1 and torch-fsdp need processes; FSDP2's communication is not timed.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Samples per rank per step (the global batch is this times the world size).")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True,
@@ -313,7 +309,8 @@ def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, rep
       paratrain bench ddp --models mlp16 --modes ddp,torch --repeats 3 --json ddp.json
     """
     models = parse_names(models_text, tuple(MODELS), "model", "--models")
-    modes = parse_names(modes_text, tuple(BENCH_MODES), "mode", "--modes")
+    modes = parse_names(modes_text, BENCH_MODES, "mode", "--modes")
+    modes = list(dict.fromkeys(resolve_strategy(mode).name for mode in modes))  # an alias names its strategy
     launched = launch_environment()
     world = launched.world_size if launched.in_torchrun else nproc
     runs = [

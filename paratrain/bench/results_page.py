@@ -67,10 +67,10 @@ SWEEPS = (
           ("--nproc", "2", "--min-bytes", "8", "--max-bytes", "16M", "--factor", "8", "--iters", "20"),
           env=(("PARATRAIN_SHM", "0"),)),
     Sweep("ddp", "ddp", "Data parallelism on 2 processes: ours against PyTorch's DDP and ZeroRedundancyOptimizer",
-          ("--nproc", "2", "--models", "mlp16,cnn-small", "--modes", "naive,ddp,torch,zero,torch-zero",
+          ("--nproc", "2", "--models", "mlp16,cnn-small", "--modes", "naive,ddp,torch-ddp,zero1,torch-zero1",
            "--repeats", "2", "--steps", "10")),
     Sweep("sharding-2", "ddp", "Sharded data parallelism on 2 processes: our DDP, ZeRO-1 and FSDP against PyTorch's FSDP2",
-          ("--nproc", "2", "--models", "mlp16,gpt-small", "--modes", "ddp,zero,fsdp,torch-fsdp",
+          ("--nproc", "2", "--models", "mlp16,gpt-small", "--modes", "ddp,zero1,fsdp,torch-fsdp",
            "--repeats", "2", "--steps", "10")),
     Sweep("scaling", "scaling", "Weak and strong scaling of data-parallel training, 1 and 2 processes",
           ("--model", "mlp", "--max-nproc", "2", "--steps", "10")),
@@ -229,7 +229,7 @@ def render_ddp(records: list[dict]) -> list[str]:
              _ms(r["exposed_comm_ms"]), f"{r['comm_share']:.0%}"] for r in records]
     return [f"{first['world_size']} ranks ({first['launcher']}), {first['batch_per_rank']} samples per rank, "
             f"{first['steps']} timed steps, median of {first['repeats']} runs. *vs torch* = step time / "
-            "PyTorch's (DDP for naive and ddp, DDP + ZeroRedundancyOptimizer for zero, FSDP2's fully_shard for "
+            "PyTorch's (DDP for naive and ddp, DDP + ZeroRedundancyOptimizer for zero1 and zero2, FSDP2's fully_shard for "
             "fsdp); *vs ddp* = step time / our DDP's; below 1 is faster. PyTorch's FSDP2 collectives are not "
             "timed (0).", ""] + _table(
         ["model", "parameters", "mode", "step ms", "vs torch", "vs ddp", "comm ms", "exposed comm ms", "comm share"], rows)

@@ -32,6 +32,7 @@ class Strategy:
     needs_process_group: bool = False
     no_checkpoint: str = ""  # why a checkpoint cannot hold its state ("" : it can)
     aliases: tuple[str, ...] = field(default=())
+    peer: str = "torch-ddp"  # PyTorch's strategy it is measured against (`paratrain bench ddp`)
 
     @property
     def shards(self) -> str:
@@ -46,18 +47,20 @@ STRATEGIES = {s.name: s for s in (
     Strategy("torch-ddp", "PyTorch's DistributedDataParallel", 0, ours=False, with_tp_pp=False,
              takes_algo=False, aliases=("torch",)),
     Strategy("zero1", "ours: ZeRO-1, optimizer state sharded (reduce-scatter, step on the shard, all-gather)",
-             1, ours=True, with_tp_pp=True, takes_algo=True, gathers=True),
+             1, ours=True, with_tp_pp=True, takes_algo=True, gathers=True, peer="torch-zero1"),
     Strategy("torch-zero1", "PyTorch's DDP with ZeroRedundancyOptimizer (ZeRO-1)", 1, ours=False,
              with_tp_pp=False, takes_algo=False, needs_process_group=True,
-             no_checkpoint="PyTorch's ZeroRedundancyOptimizer keeps its state its own way; use zero1 (ours)"),
+             no_checkpoint="PyTorch's ZeroRedundancyOptimizer keeps its state its own way; use zero1 (ours)",
+             peer="torch-zero1"),
+    # PyTorch has no ZeRO-2 of its own: it is measured against PyTorch's ZeRO-1.
     Strategy("zero2", "ours: ZeRO-2, optimizer state and gradients sharded", 2, ours=True, with_tp_pp=True,
-             takes_algo=True, gathers=True),
+             takes_algo=True, gathers=True, peer="torch-zero1"),
     Strategy("fsdp", "ours: ZeRO-3 / FSDP, parameters sharded too and gathered unit by unit",
-             3, ours=True, with_tp_pp=True, takes_algo=True, gathers=True, aliases=("zero3",)),
+             3, ours=True, with_tp_pp=True, takes_algo=True, gathers=True, aliases=("zero3",), peer="torch-fsdp"),
     Strategy("torch-fsdp", "PyTorch's FSDP2 (fully_shard) on the same units", 3, ours=False, with_tp_pp=False,
              takes_algo=False, needs_process_group=True,
              no_checkpoint="PyTorch's FSDP2 keeps its state as DTensors, which our checkpoints do not read; "
-                           "use fsdp (ours)"),
+                           "use fsdp (ours)", peer="torch-fsdp"),
     Strategy("local-sgd", "ours: no gradient all-reduce; parameters averaged every --local-sgd K steps",
              0, ours=True, with_tp_pp=True, takes_algo=True, exact=False,
              no_checkpoint="local SGD replicas hold different weights and momenta; a checkpoint saves one "
