@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from paratrain.errors import UserError
+
 SHARDS = ("nothing", "optimizer state", "optimizer state and gradients",
           "optimizer state, gradients and parameters")
 
@@ -26,7 +28,6 @@ class Strategy:
     takes_algo: bool  # --algo chooses its collectives (PyTorch's run their own)
     compresses: bool = False  # --compress applies (it all-reduces whole gradients we can cast)
     gathers: bool = False  # runs reduce-scatter and all-gather with --algo (not all-reduce alone)
-    exact: bool = True  # trains the same model as one process (local SGD only with period 1)
     # Needs the default torch.distributed process group (the processes launcher or torchrun); the
     # fabric's threads give PyTorch's DDP a gloo group of their own, but not the global one.
     needs_process_group: bool = False
@@ -62,7 +63,7 @@ STRATEGIES = {s.name: s for s in (
              no_checkpoint="PyTorch's FSDP2 keeps its state as DTensors, which our checkpoints do not read; "
                            "use fsdp (ours)", peer="torch-fsdp"),
     Strategy("local-sgd", "ours: no gradient all-reduce; parameters averaged every --local-sgd K steps",
-             0, ours=True, with_tp_pp=True, takes_algo=True, exact=False,
+             0, ours=True, with_tp_pp=True, takes_algo=True,
              no_checkpoint="local SGD replicas hold different weights and momenta; a checkpoint saves one "
                            "replica's"),
 )}
@@ -74,7 +75,7 @@ _OURS_BY_ZERO = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}
 _TORCH_BY_ZERO = {0: "torch-ddp", 1: "torch-zero1", 3: "torch-fsdp"}
 
 
-class StrategyError(ValueError):
+class StrategyError(UserError, ValueError):
     """--dp-mode, --zero and --local-sgd that name no strategy, or two; one line."""
 
 
@@ -139,7 +140,3 @@ def strategy_problems(par, tp_pp: int, all_reduce_algos, gather_algos: Callable)
         problems.append("parallel: local-sgd needs its period, --local-sgd K (steps between averages)")
     return problems
 
-
-def describe_strategies() -> str:
-    """name: summary, one per line (for --help and the docs)."""
-    return "\n".join(f"{s.name}: {s.summary}" for s in STRATEGIES.values())
