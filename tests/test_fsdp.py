@@ -251,6 +251,11 @@ def _memory(world_size, **overrides):
     return memory
 
 
+def held_at_rest(memory):
+    """The most any rank holds between steps: parameters, gradients and optimizer state."""
+    return max(sum(row) for row in zip(memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]))
+
+
 def test_held_memory_per_rank_shrinks_with_each_zero_stage():
     """Measured from the tensors held, on every rank: ZeRO-1 shards the optimizer state, ZeRO-2
     the gradients too, ZeRO-3 the parameters too (1/4 each on 4 ranks, to within uneven parts)."""
@@ -258,14 +263,11 @@ def test_held_memory_per_rank_shrinks_with_each_zero_stage():
     for memory in (ddp, zero1, zero2, zero3):
         assert set(memory) == {"params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes"}
         assert all(len(values) == 4 for values in memory.values())
-    def at_rest(memory):
-        return max(sum(row) for row in zip(memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]))
-
     # AdamW: two moments per parameter, and a 4-byte step count per tensor
     assert max(ddp["optimizer_bytes"]) == pytest.approx(2 * max(ddp["params_bytes"]), rel=1e-3)
     assert max(zero1["optimizer_bytes"]) <= 0.26 * max(ddp["optimizer_bytes"])
     assert max(zero2["grads_bytes"]) <= 0.26 * max(ddp["grads_bytes"])
-    assert at_rest(zero3) <= 0.26 * at_rest(ddp)
+    assert held_at_rest(zero3) <= 0.26 * held_at_rest(ddp)
     # At its peak ZeRO-3 holds gathered units besides its shards: on gpt-tiny, whose root unit
     # (embeddings and head, gathered through the step) is a quarter of the model, about as much as
     # ZeRO-2's whole parameters; both stay well below DDP's.
@@ -334,11 +336,8 @@ def test_zero_three_on_llama_small_gathers_a_block_at_a_time():
                                 "data.global_batch": 8, "parallel.zero": zero})
         return run(train_rank, 4, args=(config,))[0]["summary"]["memory"]
 
-    def at_rest(memory):
-        return max(sum(row) for row in zip(memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]))
-
     ddp, zero3 = held(0), held(3)
-    assert at_rest(zero3) <= 0.3 * at_rest(ddp)
+    assert held_at_rest(zero3) <= 0.3 * held_at_rest(ddp)
     assert max(zero3["peak_bytes"]) < max(ddp["peak_bytes"])
     whole = max(ddp["params_bytes"]) + max(ddp["grads_bytes"])  # what one unit of the whole model would gather
-    assert max(zero3["peak_bytes"]) - at_rest(zero3) < 0.5 * whole
+    assert max(zero3["peak_bytes"]) - held_at_rest(zero3) < 0.5 * whole

@@ -49,25 +49,21 @@ def unit_layout(model: nn.Module, plan=None) -> UnitLayout:
     (parallel/plan.py's block_list). Works on a model built on the meta device."""
     blocks = block_list(model, plan)
     if blocks is None:
-        return UnitLayout([], [], _unique(model.parameters()),
+        return UnitLayout([], [], list(model.parameters()),
                           f"fsdp: {type(model).__name__} names no list of blocks (no plan with pipeline.blocks, "
                           "no ModuleList of them), so it is one unit, gathered whole in each step: correct, "
                           "but its parameters are sharded only between steps")
-    block_names = {id(block): name for name, block in model.named_modules() if any(block is b for b in blocks)}
+    module_names = {id(module): name for name, module in model.named_modules()}
+    prefixes = [module_names[id(block)] + "." for block in blocks]
     owners: dict[int, set] = {}  # parameter -> the units it is registered in (a block's index, or "root")
-    prefixes = [block_names[id(block)] + "." for block in blocks]
     for name, param in model.named_parameters(remove_duplicate=False):
         owner = next((i for i, prefix in enumerate(prefixes) if name.startswith(prefix)), "root")
         owners.setdefault(id(param), set()).add(owner)
     shared = {key for key, found in owners.items() if len(found) > 1}
-    block_params = [[p for p in _unique(block.parameters()) if id(p) not in shared] for block in blocks]
+    block_params = [[p for p in block.parameters() if id(p) not in shared] for block in blocks]
     in_blocks = {id(p) for params in block_params for p in params}
-    root = [p for p in _unique(model.parameters()) if id(p) not in in_blocks]
+    root = [p for p in model.parameters() if id(p) not in in_blocks]  # parameters() lists each once
     return UnitLayout(list(blocks), block_params, root)
-
-
-def _unique(params) -> list[nn.Parameter]:
-    return list({id(p): p for p in params}.values())
 
 
 class ShardedUnit:
