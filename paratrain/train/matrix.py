@@ -11,9 +11,7 @@ and why, and what fails.
 from __future__ import annotations
 
 import functools
-import io
 import time
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,12 +97,11 @@ def run_cell(model: str, strategy: str, layout: Layout, references: dict | None 
         return {**record, "status": "refused", "reason": reason, "seconds": time.perf_counter() - started}
     references = {} if references is None else references
     try:
-        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):  # the ranks' logs (threads)
-            results = run(functools.partial(train_rank, return_state=True), layout.world,
-                          launcher=config.parallel.launcher, args=(config,), timeout=120)
-            key = _reference_key(config)
-            if key not in references:
-                references[key] = reference_run(config)
+        results = run(functools.partial(train_rank, return_state=True), layout.world,
+                      launcher=config.parallel.launcher, args=(config,), timeout=120)
+        key = _reference_key(config)
+        if key not in references:
+            references[key] = reference_run(config)
     except Exception as error:  # noqa: BLE001 - a cell that crashes is a FAIL with its reason, the grid goes on
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return {**record, "status": "FAIL", "reason": f"{type(error).__name__}: {first}",

@@ -33,8 +33,8 @@ def _names(text: str | None, valid, what: str) -> list[str] | None:
 
 @contextmanager
 def _ranks_quiet(progress_stream):
-    """The ranks' own output (processes write to the inherited descriptors) goes nowhere while a
-    cell runs; the progress bar writes to its own copy of the terminal."""
+    """The ranks' output goes nowhere while a cell runs (threads and processes alike: the
+    descriptors are redirected); the progress bar writes to its own copy of the terminal."""
     saved = [os.dup(1), os.dup(2)]
     with open(os.devnull, "w") as devnull:
         sys.stdout.flush()

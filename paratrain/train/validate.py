@@ -260,11 +260,11 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
     if ckpt.max_restarts and par.launcher != "processes":
         problems.append("checkpoint.max_restarts needs --launcher processes (ranks on threads cannot restart)")
     try:
-        refusal = strategy_of(par).no_checkpoint
+        strategy = strategy_of(par)
     except StrategyError:
-        refusal = ""  # reported with the strategy's problems
-    if ckpt.dir and refusal:
-        problems.append(f"checkpoint: {refusal}; checkpoints are refused with {strategy_of(par).name}")
+        strategy = None  # reported with the strategy's problems
+    if ckpt.dir and strategy is not None and strategy.no_checkpoint:
+        problems.append(f"checkpoint: {strategy.no_checkpoint}; checkpoints are refused with {strategy.name}")
     if ckpt.dir and par.compress.startswith("topk"):
         problems.append("checkpoint: top-k compression keeps per-rank error-feedback residuals that a "
                         "checkpoint does not hold; use --compress fp16/bf16/none with --save-dir")
