@@ -166,3 +166,31 @@ def test_bench_frontend_reports_both_times_and_writes_records(server, tmp_path):
         assert {"workers", "frontend_ms", "torch_ms", "ratio"} <= set(record)
         assert record["frontend_ms"] > 0 and record["torch_ms"] > 0
         assert record["ratio"] == pytest.approx(record["frontend_ms"] / record["torch_ms"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: gt.from_numpy(np.arange(32, dtype=np.float32).reshape(8, 4))[8:],
+    lambda: gt.zeros((0, 4)),
+    lambda: gt.zeros((4, 0)),
+    lambda: gt.ones((0,), dtype="int64"),
+    lambda: gt.zeros((2, 0, 3), dtype="bfloat16"),
+], ids=["a slice past the end", "(0, 4)", "(4, 0)", "int64 (0,)", "bfloat16 (2, 0, 3)"])
+def test_empty_tensors_round_trip_and_the_worker_serves_on(client, make):
+    value = make()
+    assert value.numpy().shape == tuple(value.shape) and value.numpy().size == 0
+    assert (gt.ones(3) * 2).sum().item() == 6.0
+
+
+def test_an_empty_shape_numpy_cannot_hold_is_one_error_and_the_worker_serves_on(client):
+    with pytest.raises(ValueError, match=r"numpy cannot hold a float32 array of shape \[0, 9223372036854775807\]"):
+        gt.zeros((0, 2**63 - 1)).numpy()
+    assert (gt.ones(3) * 2).sum().item() == 6.0
+
+
+def test_reading_more_than_one_message_carries_is_one_error_and_the_worker_serves_on(client, server):
+    big = gt.ones((600, 600))  # 1.4 MiB; the test server takes messages of at most 1 MiB
+    with pytest.raises(gt.FrontendError, match=r"it is 1.4 MiB and one message carries at most 1 MiB"):
+        big.numpy()
+    assert big[:100].numpy().sum() == 60_000.0  # the same tensor, read in slices
+    assert server.process.poll() is None
+    assert (gt.ones(3) * 2).sum().item() == 6.0

@@ -4,6 +4,7 @@ executor and the dispatcher's router. Fast: no process is started."""
 import pathlib
 
 import msgpack
+import zmq
 import numpy as np
 import pytest
 import torch
@@ -389,3 +390,74 @@ def test_explain_says_where_a_regions_backward_runs():
     }, n_workers=4)))
     assert "backward on [2, 3] (bwd)" in lines  # the region's backward runs elsewhere (twins)
     assert "gradients back as split" in lines  # same workers: how moved tensors' gradients travel
+
+
+# ---- the worker's two threads: an exception in a message fails that message, not the worker -------
+
+class _Doomed(BaseException):
+    """What no `except Exception` catches: it ends the executor thread."""
+
+
+def _worker_loop(sock=None, context=None):
+    from paratrain.frontend.workers.worker import _WorkerLoop
+
+    return _WorkerLoop(sock, context or zmq.Context.instance(), Executor(None, torch.device("cpu")), None)
+
+
+def test_a_message_whose_handling_raises_fails_its_sync_and_the_executor_runs_on(monkeypatch):
+    import threading
+
+    loop = _worker_loop()
+    wake = loop.context.socket(zmq.PULL)
+    wake.bind(f"inproc://wake-{id(loop)}")
+    broken = {"on": True}
+
+    def run_batch(*args):
+        if broken["on"]:
+            raise RuntimeError("a bug in the executor")
+    monkeypatch.setattr(loop.executor, "run_batch", run_batch)
+    runner = threading.Thread(target=loop._execute_forever, args=(f"inproc://wake-{id(loop)}",), daemon=True)
+    runner.start()
+    try:
+        loop.inbox.put(codec.encode(messages.Tasks(3, [], False, 7, [5])))
+        reply = codec.decode(loop.outbox.get(timeout=10), TO_DISPATCHER)
+        assert isinstance(reply, messages.Collected) and (reply.slot, reply.token) == (3, 7)
+        assert reply.errors[0].message == "worker 0 could not handle a tasks: RuntimeError: a bug in the executor"
+        assert reply.fetched[0].dtype is None and "a bug in the executor" in reply.fetched[0].error
+        broken["on"] = False
+        loop.inbox.put(codec.encode(messages.Tasks(3, [], False, 8, [])))  # the next message runs
+        reply = codec.decode(loop.outbox.get(timeout=10), TO_DISPATCHER)
+        assert (reply.token, reply.errors) == (8, [])
+        assert runner.is_alive()
+    finally:
+        loop.inbox.put(None)
+        runner.join(10)
+        wake.close(linger=0)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's end is the point
+def test_a_worker_whose_executor_thread_ends_tells_the_dispatcher_it_is_leaving(monkeypatch):
+    context = zmq.Context()
+    dispatcher = context.socket(zmq.ROUTER)
+    port = dispatcher.bind_to_random_port("tcp://127.0.0.1")
+    sock = context.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    loop = _worker_loop(sock, context)
+
+    def doomed(message):
+        raise _Doomed("the thread's last words")
+    monkeypatch.setattr(loop, "_execute", doomed)
+    loop.inbox.put(codec.encode(messages.Tasks(3, [], False, None, [])))
+    try:
+        loop.run()  # returns: a worker without its executor serves no more
+        kinds = []
+        while dispatcher.poll(2000):
+            kinds.append(reply := codec.decode(dispatcher.recv_multipart()[1:], TO_DISPATCHER))
+            if isinstance(reply, messages.Leaving):
+                break
+        assert isinstance(kinds[-1], messages.Leaving)
+        assert kinds[-1].reason == "its executor thread ended (_Doomed: the thread's last words)"
+    finally:
+        for socket in (sock, dispatcher):
+            socket.close(linger=0)
+        context.term()

@@ -8,7 +8,8 @@ from paratrain.cli_errors import OneLineCommand
 from paratrain.cli_types import FiniteFloat, OutputPath
 
 _TOKEN = dict(envvar="PARATRAIN_TOKEN", default=None,
-              help="Shared secret; required to bind an address other than loopback [PARATRAIN_TOKEN].")
+              help="Shared secret; required to bind an address other than loopback, and then at least 16 "
+                   "characters other than spaces [PARATRAIN_TOKEN].")
 
 
 PORT = click.IntRange(0, 65535)

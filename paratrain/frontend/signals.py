@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.errors import Problems, yaml_problem
+from paratrain.errors import Problems, UnreadableYaml, read_yaml
 
 MAX_RANK = 8  # axes are checked against [-8, 8) when loaded, against the tensor when used
 _SIGNAL_KEYS = {"shard", "workers", "backward", "compile"}
@@ -154,13 +154,8 @@ def load(source) -> dict:
     workers is known)."""
     if isinstance(source, dict):
         return source
-    import yaml
-
     try:
-        with open(source) as stream:
-            loaded = yaml.safe_load(stream)
-    except OSError as error:
-        raise ConfigError([f"cannot read signal configuration {source}: {error.strerror}"]) from None
-    except yaml.YAMLError as error:
-        raise ConfigError([yaml_problem(source, error)]) from None
+        loaded = read_yaml(source, "signal configuration")
+    except UnreadableYaml as error:
+        raise ConfigError([str(error)]) from None
     return loaded if loaded is not None else {}

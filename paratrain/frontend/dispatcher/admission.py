@@ -96,7 +96,8 @@ class Admission:
             self.store = WorkerStore(self.settings.host, self.settings.workers)
         for worker in workers:
             store_port = self.store.port if self.store is not None else None
-            self.send(worker.identity, messages.WorkerWelcome(worker.rank, self.settings.workers, store_port))
+            self.send(worker.identity, messages.WorkerWelcome(worker.rank, self.settings.workers, store_port,
+                                                              self.settings.max_message_mb))
 
     def worker_serving(self, worker: WorkerState) -> None:
         """A worker's first heartbeat: it has joined the world. When all have, open to clients."""

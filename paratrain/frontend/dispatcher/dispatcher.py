@@ -81,6 +81,7 @@ class Dispatcher:
             ("worker", messages.Heartbeat): self._heartbeat,
             ("worker", messages.Collected): self.syncs.collected,
             ("worker", messages.Timings): self._timings,
+            ("worker", messages.Leaving): lambda worker, message: self.lose_worker(worker.rank, message.reason),
             ("monitor", messages.StatsRequest): self._send_stats,
             ("monitor", messages.TraceRequest): self._trace,
             ("pending", messages.Auth): self.admission.auth,

@@ -8,6 +8,9 @@ from paratrain.frontend.dispatcher.auto_shard import DEFAULT_MIN_BYTES
 from paratrain.frontend.protocol.addresses import AddressError, check_port, is_loopback
 
 
+MIN_TOKEN_CHARS = 16  # off loopback: a token anyone could guess is no token
+
+
 @dataclass(frozen=True)
 class DispatcherSettings:
     host: str = "127.0.0.1"  # the interface to listen on (anything but loopback needs a token)
@@ -33,6 +36,10 @@ class DispatcherSettings:
         if not is_loopback(self.host) and not self.token:
             raise ValueError(f"binding {self.host} exposes the dispatcher beyond this machine: give a token "
                              "(--token or PARATRAIN_TOKEN)")
+        if not is_loopback(self.host) and len("".join(self.token.split())) < MIN_TOKEN_CHARS:
+            raise ValueError(f"binding {self.host} exposes the dispatcher beyond this machine: its token must hold at "
+                             f"least {MIN_TOKEN_CHARS} characters other than spaces (e.g. python -c "
+                             f"'import secrets; print(secrets.token_hex(16))')")
         if self.auto_shard_min_bytes < 0:
             raise ValueError(f"auto-shard-min-bytes must be at least 0, got {self.auto_shard_min_bytes}")
         for name in ("client_timeout", "worker_timeout"):

@@ -39,6 +39,7 @@ plus monitors (`paratrain top`). Each message is a class in `messages.py`; `code
     Heartbeat       worker -> dispatcher      alive; operations run (in all, per operation), busy
                                               time, queue, memory
     Timings         worker -> dispatcher      when each logged instruction ran
+    Leaving         worker -> dispatcher      it can serve no more (its executor ended): lose it now
 
 An instruction (`instructions.py`) is one operation of the table in `ops.py`, on handles: the
 same type from client to dispatcher and from dispatcher to worker. Tensor bytes never travel

@@ -18,7 +18,7 @@ from paratrain.frontend.protocol.records import (
     op_counts, records, worker_reports, worker_times,
 )
 
-VERSION = 3  # bumped when a message changes; a hello with another version is refused
+VERSION = 4  # bumped when a message changes; a hello with another version is refused
 ROLES = ("client", "worker", "monitor")
 MAX_BATCH = 1 << 14  # instructions in one message (a client sends at most 256)
 MAX_TRACE_LINES = 4096  # log lines in one TraceEvents; a capture asks again for the rest
@@ -149,6 +149,7 @@ class WorkerWelcome:
     rank: int = spec(fields.integer, *RANK)
     size: int = spec(fields.integer, 1, MAX_WORKERS)
     store_port: int | None = spec(fields.optional, fields.integer, 1, 65535)
+    max_message_mb: int = spec(fields.integer, 1, 1 << 20)  # the largest reply the dispatcher takes
 
 
 @dataclass(slots=True)
@@ -361,6 +362,14 @@ class Heartbeat:
 
 
 @dataclass(slots=True)
+class Leaving:
+    """worker -> dispatcher: this worker can serve no more (its executor thread ended); the
+    dispatcher loses it now rather than after its heartbeats stop."""
+    KIND = "leaving"
+    reason: str = spec(fields.text, fields.MAX_TEXT)
+
+
+@dataclass(slots=True)
 class Timings:
     """worker -> dispatcher: when each instruction of a timed Tasks ran."""
     KIND = "timings"
@@ -370,7 +379,7 @@ class Timings:
 
 # Who accepts what: the decoder of each receiver knows only the messages sent to it.
 TO_DISPATCHER = (Hello, Auth, Run, Configure, Bye, Alive, WorkerStatsRequest, StatsRequest, TraceRequest, Heartbeat,
-                 Collected, Timings)
+                 Collected, Timings, Leaving)
 TO_CLIENT = (Challenge, Refused, ClientWelcome, Synced, Configured, WorkerStats, Error)
 TO_WORKER = (Challenge, Refused, Waiting, WorkerWelcome, Tasks, Collect, Forget, Ping, Exit, Error)
 TO_MONITOR = (Challenge, Refused, MonitorWelcome, Stats, TraceEvents, Error)

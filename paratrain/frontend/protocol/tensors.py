@@ -35,7 +35,10 @@ def array_from_frame(buffer, dtype: str, shape: list[int]) -> np.ndarray:
     expected = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if array.size != expected:
         raise MalformedMessage(f"tensor frame holds {array.size} elements, its header says {shape}")
-    return array.reshape(shape)
+    try:
+        return array.reshape(shape)
+    except ValueError as error:  # an empty shape numpy cannot describe: [0, 2**63 - 1]
+        raise ValueError(f"numpy cannot hold a {dtype} array of shape {shape}: {error}") from None
 
 
 def part_sizes(length: int, parts: int) -> list[int]:

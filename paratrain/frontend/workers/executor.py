@@ -54,8 +54,11 @@ class Step(NamedTuple):
 
 class Executor:
     def __init__(self, group, device: torch.device, compile_settings: CompileSettings = CompileSettings(),
-                 numpy_products: bool = False):
+                 numpy_products: bool = False, max_reply_bytes: int = 1 << 30):
         self.group = group  # None for a world of one worker
+        # The dispatcher drops a frame over its limit (and the connection with it): a read whose
+        # bytes would make one is refused here, in words, instead.
+        self.max_reply_bytes = max_reply_bytes
         # GT's 'numpy' backend computes with NumPy. Ours computes with PyTorch on the CPU, except
         # products of tensors that need no gradient, which NumPy makes here: float32 sums in
         # another order differ in the last bits, and a program (GT's own tests) comparing our
@@ -178,18 +181,30 @@ class Executor:
         errors = self.errors.pop(slot, [])
         fetched, frames = [], []
         for handle in fetch:
-            key = base + handle
-            if key in self.poisoned:
-                fetched.append(Fetched(handle, None, [], 0, None, self.poisoned[key][:4096]))
-                continue
-            tensor = self.tensors.get(key)
-            if not isinstance(tensor, torch.Tensor):
-                fetched.append(Fetched(handle, None, [], 0, None, "no such tensor on this worker"))
-                continue
-            data = tensor.detach().to("cpu").contiguous()
-            fetched.append(Fetched(handle, DTYPE_NAMES[data.dtype], list(data.shape), 1, None, None))
-            frames.append(_raw_bytes(data))
+            try:
+                entry, frame = self._fetch(base + handle, handle)
+            except Exception as error:  # noqa: BLE001 - that read fails, never the worker
+                entry, frame = Fetched(handle, None, [], 0, None, f"{type(error).__name__}: {error}"[:4096]), None
+            fetched.append(entry)
+            if frame is not None:
+                frames.append(frame)
         return errors, fetched, frames
+
+    def _fetch(self, key: int, handle: int) -> tuple[Fetched, memoryview | bytes | None]:
+        """One tensor a sync reads: (its description, its bytes), or (why not, None)."""
+        if key in self.poisoned:
+            return Fetched(handle, None, [], 0, None, self.poisoned[key][:4096]), None
+        tensor = self.tensors.get(key)
+        if not isinstance(tensor, torch.Tensor):
+            return Fetched(handle, None, [], 0, None, "no such tensor on this worker"), None
+        size = tensor.numel() * tensor.element_size()
+        if size > self.max_reply_bytes:
+            return Fetched(handle, None, [], 0, None,
+                           f"it is {size / 2**20:,.1f} MiB and one message carries at most "
+                           f"{self.max_reply_bytes >> 20:,} MiB: read it in slices, or raise paratrain serve "
+                           f"--max-message-mb"), None
+        data = tensor.detach().to("cpu").contiguous()
+        return Fetched(handle, DTYPE_NAMES[data.dtype], list(data.shape), 1, None, None), _raw_bytes(data)
 
     def forget(self, slot: int) -> None:
         """Forget everything of a client that left."""
@@ -211,7 +226,9 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+def _raw_bytes(tensor: torch.Tensor) -> memoryview | bytes:
+    if tensor.numel() == 0:  # numpy cannot view every empty shape as bytes ([0, 2**63 - 1] for one)
+        return b""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     if tensor.dtype == torch.bool:

@@ -24,6 +24,7 @@ import zmq
 from paratrain.frontend.protocol import VERSION, MalformedMessage, codec, messages
 from paratrain.frontend.protocol.addresses import endpoint, resolve, split_address
 from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
+from paratrain.frontend.protocol.records import ErrorReport, Fetched
 from paratrain.frontend.processes import pid_alive
 from paratrain.frontend.workers.executor import Executor
 from paratrain.frontend.workers.settings import CompileSettings
@@ -79,7 +80,9 @@ def run_worker(address: str, token: str | None = None, *, group=None, local_rank
         welcome = handshake(sock, hello, token, connect_timeout, address, on_wait=_waiting_notice(address))
         if own_group:
             group = _join_world(welcome, device, resolve(split_address(address)[0]), settings)
-        _WorkerLoop(sock, context, Executor(group, device, compile_settings, numpy_products=(backend or "").lower() == "numpy"), exit_with_pid).run()
+        executor = Executor(group, device, compile_settings, numpy_products=(backend or "").lower() == "numpy",
+                            max_reply_bytes=welcome.max_message_mb << 20)
+        _WorkerLoop(sock, context, executor, exit_with_pid).run()
     finally:
         sock.close(linger=0)
         context.term()
@@ -135,6 +138,7 @@ class _WorkerLoop:
         self.outbox: queue.Queue = queue.Queue()
         self.received = 0  # instructions queued so far; minus executed = queue depth
         self.busy_s = 0.0
+        self.executor_death: str | None = None  # why the executor thread ended, if it did
 
     def run(self) -> None:
         # Everything made so far (torch, the world) lives as long as the process: out of the
@@ -168,6 +172,9 @@ class _WorkerLoop:
                     last_beat = now
                     if self.exit_with_pid is not None and not pid_alive(self.exit_with_pid):
                         break
+                if not runner.is_alive():  # it never ends by itself: say so now, not by falling silent
+                    self._leave(f"its executor thread ended ({self.executor_death or 'no reason given'})")
+                    break
                 if now - heard > DISPATCHER_SILENCE_S:
                     print(f"paratrain worker {self.executor.rank}: no word from the dispatcher for "
                           f"{DISPATCHER_SILENCE_S:g}s; exiting", file=sys.stderr)
@@ -208,11 +215,17 @@ class _WorkerLoop:
                     print(f"paratrain worker {self.executor.rank}: dropped a malformed message from the dispatcher: "
                           f"{error}", file=sys.stderr, flush=True)
                     continue
-                replies = self._execute(message)
+                try:
+                    replies = [codec.encode(reply) for reply in self._execute(message)]
+                except Exception as error:  # noqa: BLE001 - this message fails, the executor goes on
+                    replies = [codec.encode(reply) for reply in self._failed(message, error)]
                 for reply in replies:
-                    self.outbox.put(codec.encode(reply))  # encoded here: the I/O thread only sends
+                    self.outbox.put(reply)  # encoded here: the I/O thread only sends
                 if replies:
                     wake.send(b"")
+        except BaseException as error:
+            self.executor_death = f"{type(error).__name__}: {error}"
+            raise
         finally:
             wake.close(linger=0)
 
@@ -233,6 +246,31 @@ class _WorkerLoop:
         elif isinstance(message, messages.Forget):
             executor.forget(message.slot)
         return replies
+
+    def _failed(self, message, error: Exception) -> list:
+        """A message whose handling raised (a bug, not a failed instruction: those are recorded
+        as they run): its client hears of it at the sync it carries, or at its next one."""
+        text = f"worker {self.executor.rank} could not handle a {message.KIND}: {type(error).__name__}: {error}"[:4096]
+        print(f"paratrain worker {self.executor.rank}: {text}", file=sys.stderr, flush=True)
+        slot = getattr(message, "slot", None)
+        if slot is None or isinstance(message, messages.Forget):  # a client that left hears nothing
+            return []
+        report = ErrorReport(-1, message.KIND, [], self.executor.rank, text)
+        token = message.token if isinstance(message, messages.Collect) else getattr(message, "sync", None)
+        if token is None:
+            self.executor.errors[slot].append(report)
+            return []
+        errors = [*self.executor.errors.pop(slot, []), report]
+        fetched = [Fetched(handle, None, [], 0, None, text) for handle in message.fetch]
+        return [messages.Collected(slot, token, errors, fetched, self.busy_s, self.executor.wait_s,
+                                   list(self.executor.regions.counts), [])]
+
+    def _leave(self, reason: str) -> None:
+        print(f"paratrain worker {self.executor.rank}: leaving: {reason}", file=sys.stderr, flush=True)
+        try:
+            self.sock.send_multipart(codec.encode(messages.Leaving(reason[:4096])), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the dispatcher then notices the silence instead
 
     def _collect(self, slot: int, token: int, fetch: list) -> list:
         """The answer to a sync: what a compiled region held back runs first (with its log
