@@ -36,3 +36,24 @@ def yaml_problem(path, error) -> str:
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     what = getattr(error, "problem", None) or str(error)
     return f"{path} is not valid YAML{where}: {' '.join(what.split())}"
+
+
+class UnreadableYaml(UserError):
+    """A YAML file that cannot be read: missing, not text, or not YAML (one line)."""
+
+
+def read_yaml(path, what: str):
+    """The data in the YAML file at `path` (`what` it is, for the message); UnreadableYaml
+    with one line when it cannot be read, is not UTF-8 text, or is not YAML."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as stream:
+            return yaml.safe_load(stream)
+    except OSError as error:
+        raise UnreadableYaml(f"cannot read {what} {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise UnreadableYaml(f"{what} {path} is not UTF-8 text (byte {error.start} is 0x{error.object[error.start]:02x})"
+                             ) from None
+    except yaml.YAMLError as error:
+        raise UnreadableYaml(yaml_problem(path, error)) from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -36,9 +37,11 @@ from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import FabricAborted, PeerLostError, TransportFailure
 from paratrain.comm.flight import FlightRecords
 from paratrain.comm.transport import over_process_group, shm_setup
-from paratrain import forking
+from paratrain import forking, lifetime
 from paratrain.failure_report import RunStopped, failed_run_error
-from paratrain.settings import Settings, child_environment, default_threads_for_children, launch_environment
+from paratrain.settings import (
+    Settings, child_environment, default_threads_for_children, launch_environment, torch_reads,
+)
 
 LAUNCHERS = ("threads", "processes")
 PEER_DEATH_GRACE_S = 3.0  # the elastic agent checks its ranks every 0.1 s
@@ -142,15 +145,18 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
     default_threads_for_children()
     start_method = forking.start_method()
     run_id = f"paratrain-{uuid.uuid4().hex[:8]}"
-    logs = tempfile.mkdtemp(prefix=f"{run_id}-logs-")
+    _sweep_dead_runs()
+    logs = tempfile.mkdtemp(prefix=lifetime.run_folder_prefix())
+    rendezvous = _loopback_server("127.0.0.1", 0, None, settings.timeout, multi_tenant=True)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{rendezvous.port}", local_addr="127.0.0.1",
         max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     try:
-        with _agent_logs_quiet(unless=settings.debug), _temp_dir(logs):
+        with _agent_logs_quiet(unless=settings.debug), _temp_dir(logs), \
+                torch_reads("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"):  # no store of the agent's for the ranks
             return dict(sorted(elastic_launch(config, _process_main)(
                 fn, args, settings, table, child_environment(PARATRAIN_LAUNCHER_PID=str(os.getpid())),
                 forking.Stdio()).items()))
@@ -159,8 +165,42 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
     except SignalException as stopped:  # the agent's handler for SIGTERM, SIGINT, SIGHUP, SIGQUIT
         raise RunStopped(stopped.sigval) from None
     finally:
+        del rendezvous
         shutil.rmtree(logs, ignore_errors=True)
         shm_setup.remove_files_of_children(os.getpid())
+
+
+# A local world listens on loopback only. PyTorch's TCPStore listens on every interface whatever
+# host it is given, so what a local world serves is started here on a socket bound to 127.0.0.1:
+# the rendezvous (the agent's own TCPStore, multi-tenant, finds ours on its port and shares it)
+# and the ranks' store (rank 0 serves it, `_store_for`), instead of the one the agent would
+# start for them on every interface (TORCH_DISABLE_SHARE_RDZV_TCP_STORE keeps it from starting).
+
+def _loopback_server(host: str, port: int, world_size: int | None, timeout: float, multi_tenant: bool = False):
+    """A TCPStore served from a socket bound to `host`:`port` (0: any free port) alone."""
+    import socket
+
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    return dist.TCPStore(host, port, world_size, True, timedelta(seconds=timeout), multi_tenant=multi_tenant,
+                         master_listen_fd=listener.detach(), use_libuv=True)
+
+
+def _sweep_dead_runs() -> None:
+    """What runs killed whole left (see lifetime.sweep_dead_runs), removed and said in one line."""
+    removed = lifetime.sweep_dead_runs(tempfile.gettempdir())
+    if removed:
+        shown = ", ".join(removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+        print(f"paratrain: removed what dead runs left: {shown}", file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -202,6 +242,9 @@ def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_en
 
     if parent_environ is not None:
         forking.adopt_environment(parent_environ)
+    where = settings.in_this_process().launch
+    if where.launcher_pid is not None:  # forked from a server, this rank would outlive a killed launcher
+        lifetime.end_with(where.launcher_pid, f"paratrain rank {where.rank}")
 
     # tqdm's default lock is a multiprocessing one, a named semaphore in /dev/shm: a rank killed
     # mid-run would leave it to the launcher's resource tracker, which warns of it at exit.
@@ -240,7 +283,7 @@ def init_process_group_from_env(settings: Settings | None = None, table: Algorit
     else:
         backend = "gloo"
     if not dist.is_initialized():
-        store = _attempt_store(settings)
+        store = _store_for(settings)
         joining = {} if store is None else {"store": store, "rank": where.rank, "world_size": where.world_size}
         dist.init_process_group(backend, timeout=timedelta(seconds=settings.timeout), **joining)
     flight = FlightRecords([dist.get_rank()], settings.trace_dir, where.run_name)
@@ -248,19 +291,27 @@ def init_process_group_from_env(settings: Settings | None = None, table: Algorit
     return Group(transport, table=table, settings=settings)
 
 
-def _attempt_store(settings: Settings):
-    """After an elastic restart, the rendezvous store still holds the keys the failed attempt's
-    ranks wrote (gloo's addresses among them), and the new ranks would try to connect to dead
-    ones. A prefix per attempt keeps each attempt's keys apart. None: the default (env://)."""
+def _store_for(settings: Settings):
+    """The store the ranks meet at; None: the default (env://, as torchrun describes it).
+
+    - A local world our launcher started: rank 0 serves it on loopback (see _loopback_server).
+    - After an elastic restart, a store may still hold the keys the failed attempt's ranks wrote
+      (gloo's addresses among them), and the new ranks would try to connect to dead ones: a
+      prefix per attempt keeps each attempt's keys apart."""
     import torch.distributed as dist
 
     where = settings.launch
-    if where.restart_count == 0 or where.master_addr is None:
+    if where.master_addr is None or where.master_port is None:
         return None
-    store = dist.TCPStore(
-        where.master_addr, where.master_port, where.world_size,
-        is_master=not where.agent_store and where.rank == 0, timeout=timedelta(seconds=settings.timeout))
-    return dist.PrefixStore(f"paratrain/attempt-{where.restart_count}", store)
+    timeout = timedelta(seconds=settings.timeout)
+    if where.launcher_pid is not None and not where.agent_store and where.rank == 0:
+        store = _loopback_server(where.master_addr, where.master_port, where.world_size, settings.timeout)
+    elif where.launcher_pid is not None or where.restart_count:
+        store = dist.TCPStore(where.master_addr, where.master_port, where.world_size,
+                              is_master=not where.agent_store and where.rank == 0, timeout=timeout)
+    else:
+        return None
+    return dist.PrefixStore(f"paratrain/attempt-{where.restart_count}", store) if where.restart_count else store
 
 
 def gpus_for(local_ranks: int) -> bool:

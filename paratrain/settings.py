@@ -15,6 +15,7 @@ This module imports nothing of paratrain: it is the bottom layer, which every ot
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Mapping
@@ -180,6 +181,21 @@ def default_threads_for_children(threads: int = 1) -> None:
     """OMP_NUM_THREADS for the ranks the elastic launcher starts (they inherit this process's
     environment), unless the user set it: torchrun's default, which also silences its warning."""
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+@contextmanager
+def torch_reads(name: str, value: str):
+    """While the block runs, PyTorch finds `value` for the variable `name` in this process's
+    environment (some of its choices have no other switch); restored after."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnvironment:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from paratrain import lifetime
 from paratrain.bench import collectives_cli, mpi_peer
 from paratrain.bench.collectives import Sweep
 from paratrain.bench.p2p import P2PSweep
@@ -127,7 +128,7 @@ class InterruptedWhileWaiting(subprocess.Popen):
     def wait(self, timeout=None):
         if timeout is None:  # the wait for the whole run
             time.sleep(1.0)
-            self.trees.append([(self.pid, mpi_peer._start_time(self.pid)), *mpi_peer._descendants(self.pid)])
+            self.trees.append([(self.pid, lifetime.start_time(self.pid)), *lifetime.descendants(self.pid)])
             raise KeyboardInterrupt
         return super().wait(timeout)
 
@@ -139,7 +140,7 @@ def test_an_interrupted_run_ends_every_mpi_process(monkeypatch):
         mpi_peer.run_collectives(Sweep((("all_reduce", ("auto",)),), (1024,), "float32", 0, 1), 2)
     tree = InterruptedWhileWaiting.trees[-1]
     assert len(tree) >= 3, tree  # mpiexec, a proxy, the ranks: all were running
-    alive = [pid for pid, started in tree if mpi_peer._start_time(pid) == started]
+    alive = [pid for pid, started in tree if lifetime.start_time(pid) == started]
     assert not alive, f"MPI processes outlived an interrupted run: {alive}"
 
 

@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "paratrain"
 # settings from it. launch starts worlds of Groups (the mesh's row); models and data know nothing
 # of communication.
 LAYERS = (
-    ("settings", "errors", "cli_errors", "paths", "cli_types", "provenance"),  # the user errors any layer may raise,
+    ("settings", "errors", "cli_errors", "paths", "cli_types", "provenance", "lifetime"),  # the user errors any layer may raise,
     # how a command reports them, the command-line types that refuse bad values, where a figure came from
     ("comm",),
     ("models", "data"),

@@ -194,3 +194,63 @@ def _parents() -> dict[int, tuple[int, bytes]]:
 
 def _files_of_children_of(parent: int) -> list[str]:
     return [name for name in os.listdir(shm_setup.SHM_DIR) if name.startswith("paratrain-") and f"-{parent}-" in name]
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_the_sweep_of_dev_shm_leaves_another_users_files_alone(monkeypatch):
+    # A stale-looking doorbell: this namespace, a dead pid. Made by us, it is told from another
+    # user's by its owner, so we pretend to be someone else.
+    path = f"{shm_setup._owner(shm_setup._pid_namespace(), 1, _dead_pid(), 0xabc)}-bell"
+    Path(path).write_bytes(b"")
+    try:
+        monkeypatch.setattr(os, "getuid", lambda: os.stat(path).st_uid + 1)
+        shm_setup.remove_stale_files()
+        assert os.path.exists(path), "another user's file was removed"
+        monkeypatch.undo()
+        monkeypatch.setattr(shm_setup.os, "unlink", lambda p: (_ for _ in ()).throw(PermissionError(13, "not yours", p)))
+        shm_setup.remove_stale_files()  # a file we may not remove is skipped, not an error that stops set-up
+        assert os.path.exists(path)
+    finally:
+        monkeypatch.undo()
+        if os.path.exists(path):
+            os.unlink(path)
+    shm_setup.remove_stale_files()
+
+
+def test_the_next_run_removes_what_dead_runs_left_and_nothing_alive(tmp_path):
+    import mmap
+    import socket
+
+    from paratrain import lifetime
+
+    dead_run = tmp_path / f"paratrain-pid{_dead_pid()}-0badc0de-logs-abc"
+    live_run = tmp_path / f"paratrain-pid{os.getpid()}-0badc0de-logs-def"
+    dead_server, live_server, other = tmp_path / "pymp-dead", tmp_path / "pymp-live", tmp_path / "pymp-other"
+    for folder in (dead_run, live_run, dead_server, live_server, other):
+        folder.mkdir()
+    (dead_run / "rank0.log").write_text("a log")
+    (dead_server / "listener-1").write_text("")  # its socket file, bound by nobody any more
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(live_server / "listener-2"))
+    listening.listen()
+    token = os.urandom(6).hex()
+    unmapped, mapped = Path(f"/dev/shm/sem.mp-test{token}a"), Path(f"/dev/shm/sem.mp-test{token}b")
+    for path in (unmapped, mapped):
+        path.write_bytes(bytes(32))
+    with open(mapped, "r+b") as held:
+        view = mmap.mmap(held.fileno(), 32)
+    try:
+        removed = lifetime.sweep_dead_runs(str(tmp_path))
+        assert {str(dead_run), str(dead_server), str(unmapped)} <= set(removed)
+        assert not dead_run.exists() and not dead_server.exists() and not unmapped.exists()
+        assert live_run.exists() and live_server.exists() and other.exists() and mapped.exists()
+    finally:
+        view.close()
+        listening.close()
+        for path in (unmapped, mapped):
+            path.unlink(missing_ok=True)

@@ -40,13 +40,14 @@ def files(tmp_path_factory) -> dict[str, str]:
     manifest.write_text(manifest.read_text()[:40])
     (root / "a-file").write_text("not a folder\n")
     (root / "bad.yaml").write_text("steps: [1\n")
+    (root / "latin1.yaml").write_bytes("name: caf\u00e9\n".encode("latin-1"))  # not UTF-8
     for name, text in [("records-cut", '{"rank": 0, "calls": ['), ("records-wrong", '{"rank": 0, "capacity": 64, "error": null, "calls": [{"seq": 1}]}'),
                        ("records-empty", None)]:
         (root / name).mkdir()
         if text is not None:
             (root / name / "rank0.json").write_text(text)
     return {"ckpt": str(good), "step": str(step), "corrupted": str(corrupted), "cut": str(cut),
-            "file": str(root / "a-file"), "bad_yaml": str(root / "bad.yaml"), "missing": str(root / "missing"),
+            "file": str(root / "a-file"), "bad_yaml": str(root / "bad.yaml"), "latin1": str(root / "latin1.yaml"), "missing": str(root / "missing"),
             **{name: str(root / name) for name in ("records-cut", "records-wrong", "records-empty")}}
 
 
@@ -73,6 +74,8 @@ BAD_INVOCATIONS = [
     (["train", "--nproc", "two"], "Invalid value for '--nproc': 'two' is not a valid integer"),
     (["train", "--config", "{missing}.yaml"], "cannot read config {missing}.yaml"),
     (["train", "--config", "{bad_yaml}"], "{bad_yaml} is not valid YAML at line 2, column 1"),
+    (["train", "--config", "{latin1}"], "config {latin1} is not UTF-8 text (byte 9 is 0xe9)"),
+    (["plan", "--hardware", "{latin1}"], "hardware profile {latin1} is not UTF-8 text"),
     (["train", "--metrics-out", "{file}/metrics.json"], "cannot write {file}/metrics.json"),
     (["train", "--launcher", "mpi"], "parallel.launcher: unknown value 'mpi'"),
     (["check", "--loss-rtol", "nan"], "Invalid value for '--loss-rtol': 'nan' is not a finite number"),
@@ -87,6 +90,10 @@ BAD_INVOCATIONS = [
     (["serve", "--port", "99999"], "99999 is not in the range 0<=x<=65535"),
     (["serve", "--client-timeout", "nan"], "'nan' is not a finite number"),
     (["serve", "--instruction-log", "{file}/log"], "cannot write {file}/log"),
+    (["serve", "--host", "0.0.0.0", "--token", "       "], "its token must hold at least 16 characters other than"),
+    (["serve", "--host", "0.0.0.0", "--token", "short-token"], "its token must hold at least 16 characters other than"),
+    (["schedule", "--microbatches", "1000000"], "'--microbatches': 1000000 is not in the range 1<=x<=1024"),
+    (["schedule", "--stages", "64", "--microbatches", "1024"], "stages x virtual stages x microbatches is 65,536"),
     (["worker", "--connect-timeout", "nan"], "'nan' is not a finite number"),
     (["worker", "--port", "-1"], "-1 is not in the range 0<=x<=65535"),
     (["sample", "--checkpoint", "{missing}"], "{missing} is not a checkpoint"),

@@ -37,6 +37,7 @@ import torch
 
 from paratrain.bench.collectives import Measurement, Sweep, SweepResult, run_sweep
 from paratrain.bench.p2p import P2PResult, P2PSweep, run_p2p
+from paratrain import lifetime
 from paratrain.errors import UserError
 from paratrain.settings import child_environment
 
@@ -114,7 +115,7 @@ def _end_tree(process: subprocess.Popen) -> None:
     """End mpiexec, its proxy and the ranks. Each of those calls setsid, so no one signal
     reaches them all: mpiexec is asked to end its ranks (SIGTERM), and whatever of the tree it
     leaves is killed by pid (a pid still of the same process: its start time has not changed)."""
-    tree = _descendants(process.pid)
+    tree = lifetime.descendants(process.pid)
     process.terminate()
     try:
         process.wait(timeout=5)
@@ -122,38 +123,11 @@ def _end_tree(process: subprocess.Popen) -> None:
         process.kill()
         process.wait()
     for pid, started in tree:
-        if _start_time(pid) == started:
+        if lifetime.start_time(pid) == started:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command's ")"
-
-
-def _descendants(root: int) -> list[tuple[int, int]]:
-    """(pid, start time) of every live descendant of `root`, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parent = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        children.setdefault(parent, []).append(int(name))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        started = _start_time(pid)
-        if started is not None:
-            found.append((pid, started))
-        todo += children.get(pid, [])
-    return found
 
 
 # ---- the MPI ranks' side ----------------------------------------------------------------

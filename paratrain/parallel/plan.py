@@ -33,10 +33,9 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-import yaml
 from torch import nn
 
-from paratrain.errors import UserError, yaml_problem
+from paratrain.errors import UnreadableYaml, UserError, read_yaml
 
 STYLES = ("colwise", "rowwise", "vocab_embed", "vocab_head", "replicate")
 BALANCES = ("cost", "count", "measured")
@@ -79,11 +78,9 @@ def load_plan(source) -> Plan:
     if isinstance(source, (str, Path)):
         name = str(source)
         try:
-            source = yaml.safe_load(Path(source).read_text())
-        except OSError as error:
-            raise PlanError(f"cannot read plan {name}: {error.strerror}") from None
-        except yaml.YAMLError as error:
-            raise PlanError(yaml_problem(name, error)) from None
+            source = read_yaml(source, "plan")
+        except UnreadableYaml as error:
+            raise PlanError(str(error)) from None
     if not isinstance(source, dict):
         raise PlanError(f"{name}: a plan is a mapping with keys {', '.join(_KEYS)}")
     unknown = sorted(set(source) - set(_KEYS))

@@ -13,9 +13,8 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
 
-from paratrain.errors import yaml_problem
+from paratrain.errors import UnreadableYaml, read_yaml
 from paratrain.plan.activations import Software
 
 PROFILE_DIR = Path(__file__).parent / "hardware"
@@ -137,11 +136,9 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
             raise ValueError(f"unknown hardware profile {str(name_or_path)!r}; shipped: "
                              f"{', '.join(shipped_profiles())}, or give a YAML file")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise ValueError(f"cannot read hardware profile {path}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise ValueError(yaml_problem(path, error)) from None
+        raw = read_yaml(path, "hardware profile")
+    except UnreadableYaml as error:
+        raise ValueError(str(error)) from None
     return profile_from_dict(raw, str(path))
 
 

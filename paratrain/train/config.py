@@ -19,9 +19,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
-from paratrain.errors import Problems, yaml_problem
+from paratrain.errors import Problems, UnreadableYaml, read_yaml
 
 
 @dataclass
@@ -155,11 +154,9 @@ def _fill_section(section, name: str, values: dict, source: str) -> list[str]:
 def load_yaml(path: str | Path) -> TrainConfig:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as error:
-        raise ConfigError([f"cannot read config {path}: {error.strerror}"]) from None
-    except yaml.YAMLError as error:
-        raise ConfigError([yaml_problem(path, error)]) from None
+        raw = read_yaml(path, "config")
+    except UnreadableYaml as error:
+        raise ConfigError([str(error)]) from None
     return from_dict(raw, str(path))
 
 

@@ -132,10 +132,11 @@ def _our_files(chosen):
     namespace for which chosen(parent pid, pid) holds."""
     if not os.path.isdir(SHM_DIR):
         return
-    namespace = _pid_namespace()
+    namespace, me = _pid_namespace(), os.getuid()
     for name in os.listdir(SHM_DIR):
         match = _FILE_NAME.match(name)
-        if match and int(match[1]) == namespace and chosen(int(match[2]), int(match[3])):
+        if match and int(match[1]) == namespace and _owner_of(f"{SHM_DIR}/{name}") == me and \
+                chosen(int(match[2]), int(match[3])):
             kind = {"bell": "doorbell", "arena": "segment"}.get(match[4], "ring")
             yield f"{SHM_DIR}/{name}", int(match[3]), kind
 
@@ -150,10 +151,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _owner_of(path: str) -> int | None:
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return None
+
+
 def _unlink_one(path: str) -> bool:
     try:
         os.unlink(path)
     except FileNotFoundError:  # removed by another rank sweeping
+        return False
+    except PermissionError:  # another user's (/dev/shm is sticky): theirs to remove, never ours
         return False
     return True
 

@@ -48,16 +48,23 @@ def bubble_line(schedule: Schedule, timeline: Timeline) -> str:
             f"1f1b at these sizes: {theoretical_bubble('1f1b', p, m):.1%})")
 
 
+# Each of p ranks runs v*m forward and backward parts: these bounds keep a timeline within a few
+# seconds and a few hundred MB (a million microbatches took 2.4 GB and did not finish in 2 minutes;
+# p*v*m = 16,384 draws in under 10 s on 2 cores).
+MAX_STAGES, MAX_MICROBATCHES, MAX_VIRTUAL_STAGES = 64, 1024, 8
+MAX_PARTS = 16_384  # stages x virtual stages x microbatches
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--schedule", "name", default="1f1b", show_default=True, metavar="NAME",
               help=f"The pipeline schedule: {', '.join(SCHEDULES)}.")
-@click.option("--stages", type=int, default=4, show_default=True,
-              help="Pipeline ranks p; the model is cut into p stages (p*v chunks).")
-@click.option("--microbatches", type=int, default=8, show_default=True,
-              help="Microbatches m that one optimizer step's batch is split into.")
-@click.option("--virtual-stages", type=int, default=None,
+@click.option("--stages", type=click.IntRange(1, MAX_STAGES), default=4, show_default=True,
+              help=f"Pipeline ranks p, 1 to {MAX_STAGES}; the model is cut into p stages (p*v chunks).")
+@click.option("--microbatches", type=click.IntRange(1, MAX_MICROBATCHES), default=8, show_default=True,
+              help=f"Microbatches m that one optimizer step's batch is split into, 1 to {MAX_MICROBATCHES}.")
+@click.option("--virtual-stages", type=click.IntRange(1, MAX_VIRTUAL_STAGES), default=None,
               help="Model chunks per rank v. interleaved-1f1b: 2 or more (default 2); "
-                   "zb-v: always 2; the others: 1.")
+                   f"zb-v: always 2; the others: 1. At most {MAX_VIRTUAL_STAGES}.")
 @click.option("--png", type=OutputPath(path_type=Path), default=None,
               help="Also draw the timeline as a Gantt chart PNG at this path.")
 @click.option("--json", "json_path", type=OutputPath(path_type=Path), default=None,
@@ -87,10 +94,15 @@ def schedule(name, stages, microbatches, virtual_stages, png, json_path):
       paratrain schedule --schedule 1f1b --stages 4 --microbatches 8
       paratrain schedule --schedule interleaved-1f1b --stages 4 --microbatches 8 --virtual-stages 2
       paratrain schedule --schedule zb-v --stages 4 --microbatches 8 --png zbv.png --json zbv.json
+
+    Limits: stages x virtual stages x microbatches at most 16,384.
     """
     if virtual_stages is None:
         virtual_stages = default_virtual_stages(name)
     problems = microbatch_problems(name, stages, microbatches, virtual_stages)
+    if stages * virtual_stages * microbatches > MAX_PARTS:
+        problems.append(f"stages x virtual stages x microbatches is {stages * virtual_stages * microbatches:,}; "
+                        f"a timeline draws at most {MAX_PARTS:,}")
     if problems:
         raise Problems(problems)
     built = build_schedule(name, stages, microbatches, virtual_stages)
