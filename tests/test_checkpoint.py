@@ -235,3 +235,41 @@ def test_with_max_restarts_a_killed_rank_resumes_and_finishes_like_an_uninterrup
     assert restarted[0]["summary"]["final_loss"] == whole[0]["summary"]["final_loss"]
     manifest = json.loads((complete_checkpoints(tmp_path / "restarted")[-1] / "manifest.json").read_text())
     assert manifest["step"] == 12
+
+
+def test_a_full_disk_is_named_as_such_and_the_last_checkpoint_stays(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from paratrain.train import checkpoint
+
+    run(train_rank, 2, args=(make_config(tmp_path, steps=3),))  # a checkpoint at step 3
+
+    def full(*args, **kwargs):  # what PyTorch's writer says when the disk fills
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3520 vs 3414")
+    monkeypatch.setattr(dcp, "save", full)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: namedtuple("Usage", "total used free")(1 << 30, 1 << 30, 4096))
+    with pytest.raises(CheckpointError, match=r"could not save step-000006: no space left on device \(0.0 MiB free "
+                                              r".*; the last complete checkpoint is .*step-000003"):
+        run(train_rank, 2, args=(make_config(tmp_path, **{"checkpoint.resume": "latest"}),))
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000003"]
+
+
+def test_a_newer_checkpoint_without_its_manifest_is_named_when_an_older_one_is_resumed(tmp_path):
+    from paratrain.train.checkpoint import resolve, skipped_checkpoints
+
+    run(train_rank, 2, args=(make_config(tmp_path, steps=3),))
+    (tmp_path / "step-000006" / "rank-00000").mkdir(parents=True)  # a save cut off before its manifest
+    chosen = resolve("latest", str(tmp_path))
+    assert chosen.name == "step-000003"
+    assert skipped_checkpoints(chosen) == [
+        f"skipped {tmp_path / 'step-000006'}: it has no manifest.json (its save did not finish)"]
+
+
+def test_a_manifest_changed_after_it_was_written_is_refused(tmp_path):
+    run(train_rank, 2, args=(make_config(tmp_path, steps=3),))
+    path = complete_checkpoints(tmp_path)[-1] / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["scheduler"] = {**manifest["scheduler"], "last_epoch": 1}  # still valid JSON, all keys there
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="manifest.json is corrupted"):
+        CheckpointReader(path.parent)

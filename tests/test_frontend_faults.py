@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -219,3 +220,23 @@ def test_a_worker_lost_before_every_worker_served_stops_the_server_with_one_line
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 1, done.stderr
     assert "cannot go on: a worker process (pid" in done.stderr and "ended before it joined" in done.stderr
+
+
+def test_a_client_of_a_killed_dispatcher_learns_of_it_within_ten_seconds():
+    serve, address = start_serve("--workers", "1", "--local-workers")
+    try:
+        session = gt.Session(address, timeout=120)  # the old way out: no answer within the timeout
+        try:
+            assert session.upload(np.ones(3, dtype=np.float32)).numpy().sum() == 3.0
+            time.sleep(3)  # a quiet client keeps hearing its dispatcher: not taken for lost
+            assert session.connection.lost is None
+            serve.send_signal(signal.SIGKILL)
+            serve.wait()
+            killed_at = time.monotonic()
+            with pytest.raises(gt.ConnectionLost, match="it has not answered for"):
+                session.upload(np.ones(3, dtype=np.float32)).numpy()
+            assert time.monotonic() - killed_at < ERROR_WITHIN_S
+        finally:
+            session.connection.close(say_bye=False)
+    finally:
+        stop(serve)

@@ -1,7 +1,8 @@
 """Checkpoints on disk: written with torch.distributed.checkpoint (DCP), atomically, loadable
 into another layout.
 
-    DIR/step-000100/manifest.json     step, config, layout, LR schedule; written last
+    DIR/step-000100/manifest.json     step, config, layout, LR schedule, and the crc32 of the
+                                      rest of itself; written last
     DIR/step-000100/rank-00003/       rank 3's tensors: a DCP checkpoint (.metadata, *.distcp)
                                       and checksums.json (crc32 and size of each file)
 
@@ -55,6 +56,21 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
+def skipped_checkpoints(chosen: Path) -> list[str]:
+    """The step directories beside `chosen` that are newer but not used, one line each with why
+    (a save cut off before its manifest was written; a manifest that cannot be read)."""
+    step = int(_STEP_DIR.match(chosen.name).group(1)) if _STEP_DIR.match(chosen.name) else None
+    if step is None or not chosen.parent.is_dir():
+        return []
+    newer = sorted((p for p in chosen.parent.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()
+                    and int(_STEP_DIR.match(p.name).group(1)) > step), key=lambda p: p.name)
+    lines = []
+    for path in newer:
+        if not (path / MANIFEST).is_file():
+            lines.append(f"skipped {path}: it has no {MANIFEST} (its save did not finish)")
+    return lines
+
+
 def resolve(resume: str, save_dir: str | None) -> Path:
     """The checkpoint `--resume` means: "latest" in the save dir, a save dir (its latest), or
     one checkpoint's directory."""
@@ -93,13 +109,16 @@ def save(group, directory: str | Path, step: int, tensors: dict[str, torch.Tenso
     mine.mkdir()
     previous = complete_checkpoints(directory)
     last_good = f"the last complete checkpoint is {previous[-1]}" if previous else "no earlier checkpoint exists"
-    with _dcp_call(f"rank {group.rank} could not save {final.name}", last_good):
+    with _dcp_call(f"rank {group.rank} could not save {final.name}", last_good, mine):
         dcp = _dcp()
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(mine), no_dist=True)
-    _write_json(mine / CHECKSUMS, {p.name: _checksum(p) for p in sorted(mine.iterdir()) if p.name != CHECKSUMS})
+    with _dcp_call(f"rank {group.rank} could not save {final.name}", last_good, mine):
+        _write_json(mine / CHECKSUMS, {p.name: _checksum(p) for p in sorted(mine.iterdir()) if p.name != CHECKSUMS})
     group.barrier()  # every rank's part is on disk
     if group.rank == 0:
-        _write_json(temporary / MANIFEST, {"format": FORMAT, "step": step, "world_size": group.size, **manifest})
+        with _dcp_call(f"rank 0 could not save {final.name}", last_good, temporary):
+            _write_json(temporary / MANIFEST, _sealed({"format": FORMAT, "step": step, "world_size": group.size,
+                                                       **manifest}))
         if final.exists():
             shutil.rmtree(final)  # the same step saved again (a restarted run)
         os.rename(temporary, final)
@@ -124,16 +143,37 @@ def _dcp():
 
 
 @contextmanager
-def _dcp_call(what: str, then: str = ""):
-    """Run a DCP call and turn its failure into a CheckpointError: `what`: the writer's or
-    reader's own error[; `then`]."""
+def _dcp_call(what: str, then: str = "", writing_to: Path | None = None):
+    """Run a DCP call (or a write beside it) and turn its failure into a CheckpointError: `what`:
+    the writer's or reader's own error[; `then`]. A full disk is named as such: PyTorch's writer
+    says only "[enforce fail at inline_container.cc] unexpected pos"."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except (CheckpointException, Exception) as error:  # DCP's exception is a BaseException
         cause = _first_failure(error)
-        raise CheckpointError(f"{what}: {type(cause).__name__}: {cause}" + (f"; {then}" if then else "")) from error
+        full = _disk_full(cause, writing_to)
+        reason = full or f"{type(cause).__name__}: {cause}"
+        raise CheckpointError(f"{what}: {reason}" + (f"; {then}" if then else "")) from error
+
+
+FULL_BELOW_BYTES = 16 << 20  # a write that failed with less free than this failed for want of space
+
+
+def _disk_full(cause: BaseException, path: Path | None) -> str | None:
+    """'no space left on device (...)' when that is why a write failed, else None."""
+    import errno
+
+    if path is None:
+        return None
+    try:
+        free = shutil.disk_usage(path if path.exists() else path.parent).free
+    except OSError:
+        return None
+    if getattr(cause, "errno", None) == errno.ENOSPC or free < FULL_BELOW_BYTES:
+        return f"no space left on device ({free / 2**20:.1f} MiB free where it writes, {path})"
+    return None
 
 
 def _first_failure(error: BaseException) -> BaseException:
@@ -143,6 +183,17 @@ def _first_failure(error: BaseException) -> BaseException:
         first = next(iter(failures.values()))
         return first[0] if isinstance(first, tuple) else first
     return error
+
+
+def _sealed(manifest: dict) -> dict:
+    """The manifest with the crc32 of the rest of it, so that a damaged manifest is told from
+    a good one (its other files have checksums of their own)."""
+    return {**manifest, "crc32": _manifest_crc(manifest)}
+
+
+def _manifest_crc(manifest: dict) -> int:
+    rest = {key: value for key, value in manifest.items() if key != "crc32"}
+    return zlib.crc32(json.dumps(rest, sort_keys=True).encode())
 
 
 def _checksum(path: Path) -> dict:
@@ -179,9 +230,11 @@ def read_manifest(path: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise CheckpointError(f"{path} has checkpoint format {found!r}; this paratrain reads {FORMAT}")
-    missing = [key for key in ("step", "world_size", "config", "scheduler") if key not in manifest]
+    missing = [key for key in ("step", "world_size", "config", "scheduler", "crc32") if key not in manifest]
     if missing:
         raise CheckpointError(f"{path / MANIFEST} has no {', '.join(missing)}: it is damaged")
+    if manifest["crc32"] != _manifest_crc(manifest):
+        raise CheckpointError(f"{path / MANIFEST} is corrupted (its crc32 differs from the one it was written with)")
     return manifest
 
 

@@ -91,6 +91,11 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
         lines += fsdp_units_note(config)
     if isinstance(shape, (GPTConfig, LlamaConfig)) and (par.pp * par.tp > 1 or strategy.zero) and not config.model.plan:
         lines.append(format_estimate(estimate(config, world), par.tp))
+    if config.checkpoint.resume is not None:
+        from paratrain.train.checkpoint import resolve, skipped_checkpoints
+
+        chosen = resolve(config.checkpoint.resume, config.checkpoint.dir)  # validation has read it
+        lines += [*skipped_checkpoints(chosen), f"resuming from {chosen}"]
     return lines
 
 

@@ -1,9 +1,13 @@
 """A client's connection to its dispatcher: the sockets, joining, and knowing when it is lost.
 
 Two sockets. The main one carries the instruction stream and its replies. The heartbeat one,
-on a daemon thread, says "alive" every two seconds, so that the dispatcher can tell a client
-that died from one that is thinking; if the dispatcher answers that it has dropped this client
-(it was silent past `--client-timeout`), the next call raises `ConnectionLost` with its reason.
+on a daemon thread, says "alive" every second, so that the dispatcher can tell a client that
+died from one that is thinking; if the dispatcher answers that it has dropped this client (it
+was silent past `--client-timeout`), the next call raises `ConnectionLost` with its reason.
+Heartbeats go both ways: the dispatcher answers each (Here), and a client that hears no answer
+for DISPATCHER_SILENCE_S knows its dispatcher is gone, instead of waiting PARATRAIN_TIMEOUT for
+a reply that will never come. A long read is not mistaken for it: the answers come on the
+heartbeat connection, whatever the main one carries.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 import zmq
 
@@ -21,7 +26,8 @@ from paratrain.frontend.protocol.addresses import endpoint
 from paratrain.frontend.protocol.fields import MalformedMessage
 from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
 
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = 1.0
+DISPATCHER_SILENCE_S = 8.0  # with one beat's delay, a lost dispatcher is known within 10 s
 _ACCEPTS = ACCEPTS["client"]
 
 
@@ -90,16 +96,28 @@ class Connection:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         alive = codec.encode(messages.Alive(secret))
+        heard = turn = time.monotonic()
         try:
             while not self._stop_heartbeat.wait(HEARTBEAT_S):
-                sock.send_multipart(alive)
-                while sock.poll(0, zmq.POLLIN):  # the dispatcher answers only to say we are dropped
+                if time.monotonic() - turn > 3 * HEARTBEAT_S:  # this process was held up, not the dispatcher:
+                    heard = time.monotonic()  # its answers to beats never sent cannot be missed
+                turn = time.monotonic()
+                try:
+                    sock.send_multipart(alive, zmq.NOBLOCK)
+                except zmq.Again:  # nothing connected and the queue full: the silence says it
+                    pass
+                while sock.poll(0, zmq.POLLIN):  # read all before judging: this thread may have been held up
                     try:
                         reply = codec.decode(sock.recv_multipart(), _ACCEPTS)
                     except MalformedMessage:
                         continue
+                    heard = time.monotonic()
                     if isinstance(reply, messages.Refused):
                         self.lost = reply.reason
+                silent = time.monotonic() - heard
+                if silent > DISPATCHER_SILENCE_S and self.lost is None:
+                    self.lost = (f"it has not answered for {silent:.0f}s: it has stopped, or its host cannot be "
+                                 f"reached")
         finally:
             sock.close(linger=0)
 
