@@ -3,6 +3,8 @@
     python compat/gt_tests.py --gt /path/to/gt2            # a checkout of github.com/bwasti/gt2
     python compat/gt_tests.py --gt /path/to/gt2 --files test_basic_ops.py test_nn.py
 
+It exits 1 when a test that passes on GT does not pass on paratrain.
+
 A test file counts as public-API when it imports only GT's public modules (`gt`, `gt.client`,
 `gt.client.tensor`, `gt.client.nn`, `gt.nn`, `gt.config`, `gt.debug`) and touches no private
 module global (`gt._client`); files that build GT's dispatcher, workers or client objects, or
@@ -151,7 +153,14 @@ def main() -> int:
             a, b = theirs.get(test, "absent"), mine.get(test, "absent")
             if not (a == b == "PASSED"):
                 print(f"  {test:70s} GT {a:8s} paratrain {b}")
-    return 0
+    return exit_status(rows)
+
+
+def exit_status(rows: list) -> int:
+    """1 when a test that passes on GT does not pass here (a regression of ours), else 0. A
+    test failing on GT too says nothing of us."""
+    return int(any(theirs.get(test) == "PASSED" and mine.get(test) != "PASSED"
+                   for _, theirs, mine in rows for test in theirs))
 
 
 def _passed(outcomes: dict) -> int:

@@ -461,3 +461,16 @@ def test_a_worker_whose_executor_thread_ends_tells_the_dispatcher_it_is_leaving(
         for socket in (sock, dispatcher):
             socket.close(linger=0)
         context.term()
+
+
+def test_the_gt_comparison_exits_1_when_a_test_passing_on_gt_does_not_pass_here():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gt_tests", pathlib.Path(__file__).resolve().parent.parent / "compat" / "gt_tests.py")
+    gt_tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gt_tests)
+    both = ("test_a.py", {"t1": "PASSED", "t2": "FAILED"}, {"t1": "PASSED", "t2": "FAILED"})
+    assert gt_tests.exit_status([both]) == 0  # failing on GT too says nothing of us
+    assert gt_tests.exit_status([both, ("test_b.py", {"t3": "PASSED"}, {"t3": "FAILED"})]) == 1
+    assert gt_tests.exit_status([("test_c.py", {"t4": "PASSED"}, {})]) == 1  # did not run here at all

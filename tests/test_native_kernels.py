@@ -25,7 +25,20 @@ DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 CALLS = 6  # the first two take the whole path, the rest run the plan; both halves, twice
 
 
-def test_the_library_is_built_once_into_the_cache_and_loaded_from_there(tmp_path):
+@pytest.fixture(scope="module")
+def buildable(tmp_path_factory):
+    """The tests of the kernels themselves need a C compiler and Python's headers; a machine
+    without them skips those tests, saying which is missing (their fallback is tested below
+    on every machine, by making the compiler go missing)."""
+    try:
+        native.build(str(tmp_path_factory.mktemp("native-cache")))
+    except OSError as error:
+        if str(error).startswith(("no C compiler", "no Python.h")):
+            pytest.skip(f"native kernels cannot be built here: {error}")
+        raise
+
+
+def test_the_library_is_built_once_into_the_cache_and_loaded_from_there(buildable, tmp_path):
     kernels, why = native.load(str(tmp_path))
     assert kernels is not None, why
     assert kernels.path.parent == tmp_path / "paratrain" / "native" and str(kernels.path) in why
@@ -128,11 +141,11 @@ def _native_against_torch(group: Group, late: float = 0.0, expected: tuple = ())
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_native_calls_give_the_bits_of_torchs_ops(world_size):
+def test_native_calls_give_the_bits_of_torchs_ops(buildable, world_size):
     assert_no_failures(paratrain.run(_native_against_torch, world_size, launcher="processes", timeout=RUN_TIMEOUT_S))
 
 
-def test_a_late_peer_is_waited_for_and_a_sleeping_one_is_rung(monkeypatch):
+def test_a_late_peer_is_waited_for_and_a_sleeping_one_is_rung(buildable, monkeypatch):
     # Rank 0 comes 5 ms late: past rank 1's poll in the kernel, so its wait goes on in Python
     # (WAIT); with no spinning there, rank 1 sleeps on its doorbell, and rank 0's kernel finds its
     # flag up and returns to ring it (WAIT_AND_RING).
@@ -148,4 +161,14 @@ def _has_native(group: Group) -> bool:
 
 def test_paratrain_native_0_keeps_every_group_on_torchs_ops(monkeypatch):
     monkeypatch.setenv("PARATRAIN_NATIVE", "0")
+    assert paratrain.run(_has_native, 2, launcher="processes", timeout=RUN_TIMEOUT_S) == {0: False, 1: False}
+
+
+def test_without_a_compiler_load_says_so_and_every_group_runs_on_torchs_ops(tmp_path, monkeypatch):
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)  # no cc, gcc or clang on the PATH
+    kernels, why = native.load.__wrapped__(str(tmp_path))
+    assert kernels is None and why == "native kernels not built: no C compiler (cc, gcc or clang; or set CC)"
+    # In the ranks (processes of their own): a compiler that is not there, and an empty cache
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert paratrain.run(_has_native, 2, launcher="processes", timeout=RUN_TIMEOUT_S) == {0: False, 1: False}

@@ -4,10 +4,12 @@ Two sockets. The main one carries the instruction stream and its replies. The he
 on a daemon thread, says "alive" every second, so that the dispatcher can tell a client that
 died from one that is thinking; if the dispatcher answers that it has dropped this client (it
 was silent past `--client-timeout`), the next call raises `ConnectionLost` with its reason.
-Heartbeats go both ways: the dispatcher answers each (Here), and a client that hears no answer
-for DISPATCHER_SILENCE_S knows its dispatcher is gone, instead of waiting PARATRAIN_TIMEOUT for
-a reply that will never come. A long read is not mistaken for it: the answers come on the
-heartbeat connection, whatever the main one carries.
+The heartbeat connection also tells the client when its dispatcher is gone, instead of letting
+it wait PARATRAIN_TIMEOUT for a reply that will never come: ZeroMQ's own heartbeats (ZMTP PING
+and PONG, answered by the dispatcher's I/O thread, so a dispatcher busy in Python, or a long read
+on the main connection, still answers) drop the connection when the dispatcher's host stops
+answering, and a dispatcher that exits closes it at once. A connection down for RECONNECT_S
+means the dispatcher is lost: within 10 s of its end in all.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 import time
 
 import zmq
+import zmq.utils.monitor
 
 from paratrain.frontend.errors import ConnectionLost, DispatcherUnreachable, ProtocolError
 from paratrain.frontend.protocol import VERSION, codec, messages
@@ -27,7 +30,8 @@ from paratrain.frontend.protocol.fields import MalformedMessage
 from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
 
 HEARTBEAT_S = 1.0
-DISPATCHER_SILENCE_S = 8.0  # with one beat's delay, a lost dispatcher is known within 10 s
+PING_S, PONG_TIMEOUT_S = 1.0, 4.0  # ZMTP heartbeats on the heartbeat connection
+RECONNECT_S = 2.0  # a dropped connection not back within this is a lost dispatcher
 _ACCEPTS = ACCEPTS["client"]
 
 
@@ -94,31 +98,34 @@ class Connection:
     def _beat(self, secret: bytes) -> None:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(PING_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PONG_TIMEOUT_S * 1000))
+        events = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         alive = codec.encode(messages.Alive(secret))
-        heard = turn = time.monotonic()
+        down_since = None  # when the connection dropped, while it is down
         try:
             while not self._stop_heartbeat.wait(HEARTBEAT_S):
-                if time.monotonic() - turn > 3 * HEARTBEAT_S:  # this process was held up, not the dispatcher:
-                    heard = time.monotonic()  # its answers to beats never sent cannot be missed
-                turn = time.monotonic()
                 try:
                     sock.send_multipart(alive, zmq.NOBLOCK)
-                except zmq.Again:  # nothing connected and the queue full: the silence says it
+                except zmq.Again:  # nothing connected and the queue full: the connection's state says why
                     pass
-                while sock.poll(0, zmq.POLLIN):  # read all before judging: this thread may have been held up
+                while sock.poll(0, zmq.POLLIN):  # the dispatcher answers only to say we are dropped
                     try:
                         reply = codec.decode(sock.recv_multipart(), _ACCEPTS)
                     except MalformedMessage:
                         continue
-                    heard = time.monotonic()
                     if isinstance(reply, messages.Refused):
                         self.lost = reply.reason
-                silent = time.monotonic() - heard
-                if silent > DISPATCHER_SILENCE_S and self.lost is None:
-                    self.lost = (f"it has not answered for {silent:.0f}s: it has stopped, or its host cannot be "
-                                 f"reached")
+                while events.poll(0, zmq.POLLIN):
+                    event = zmq.utils.monitor.recv_monitor_message(events)["event"]
+                    down_since = time.monotonic() if event == zmq.EVENT_DISCONNECTED else None
+                if down_since is not None and time.monotonic() - down_since > RECONNECT_S and self.lost is None:
+                    self.lost = ("its connection dropped and did not come back: the dispatcher has stopped, or its "
+                                 "host cannot be reached")
         finally:
+            sock.disable_monitor()
+            events.close(linger=0)
             sock.close(linger=0)
 
     def close(self, say_bye: bool = True) -> None:

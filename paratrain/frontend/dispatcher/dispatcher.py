@@ -274,7 +274,6 @@ class Dispatcher:
         client = self.peers.by_secret.get(message.secret)
         if client is not None:
             client.last_seen = time.monotonic()
-            self.send(identity, messages.Here())  # a client that hears none knows the dispatcher is gone
         elif message.secret in self.peers.dropped:
             self.send(identity, messages.Refused(self.peers.dropped[message.secret]))
 

@@ -24,7 +24,6 @@ plus monitors (`paratrain top`). Each message is a class in `messages.py`; `code
     Error           dispatcher -> peer        a message it could not take, naming the field
     Bye             client -> dispatcher      leaving: free my tensors
     Alive           client -> dispatcher      heartbeat (its own connection), with the secret
-    Here            dispatcher -> client      the answer to Alive: the dispatcher lives
     WorkerStatsRequest client -> dispatcher   each worker's statistics (gt.debug) ...
     WorkerStats     dispatcher -> client      ... as of a heartbeat sent after the request
     StatsRequest    monitor -> dispatcher     what `paratrain top` shows ...

@@ -18,7 +18,7 @@ from paratrain.frontend.protocol.records import (
     op_counts, records, worker_reports, worker_times,
 )
 
-VERSION = 5  # bumped when a message changes; a hello with another version is refused
+VERSION = 4  # bumped when a message changes; a hello with another version is refused
 ROLES = ("client", "worker", "monitor")
 MAX_BATCH = 1 << 14  # instructions in one message (a client sends at most 256)
 MAX_TRACE_LINES = 4096  # log lines in one TraceEvents; a capture asks again for the rest
@@ -228,13 +228,6 @@ class Alive:
 
 
 @dataclass(slots=True)
-class Here:
-    """dispatcher -> a client's heartbeat connection: the answer to its Alive. A client that
-    hears none for `connection.DISPATCHER_SILENCE_S` knows its dispatcher is gone."""
-    KIND = "here"
-
-
-@dataclass(slots=True)
 class WorkerStatsRequest:
     """client -> dispatcher: each worker's statistics (`gt.debug.get_worker_stats`)."""
     KIND = "worker_stats_request"
@@ -387,6 +380,6 @@ class Timings:
 # Who accepts what: the decoder of each receiver knows only the messages sent to it.
 TO_DISPATCHER = (Hello, Auth, Run, Configure, Bye, Alive, WorkerStatsRequest, StatsRequest, TraceRequest, Heartbeat,
                  Collected, Timings, Leaving)
-TO_CLIENT = (Challenge, Refused, ClientWelcome, Synced, Configured, WorkerStats, Error, Here)
+TO_CLIENT = (Challenge, Refused, ClientWelcome, Synced, Configured, WorkerStats, Error)
 TO_WORKER = (Challenge, Refused, Waiting, WorkerWelcome, Tasks, Collect, Forget, Ping, Exit, Error)
 TO_MONITOR = (Challenge, Refused, MonitorWelcome, Stats, TraceEvents, Error)
