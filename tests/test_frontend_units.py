@@ -61,6 +61,7 @@ def test_hmac_answer_depends_on_token_nonce_and_role():
     assert not auth_ok("secret", new_nonce(), "client", mac)
     assert not auth_ok("secret", nonce, "worker", mac)
     assert not auth_ok("secret", nonce, "client", None)
+    assert not auth_ok("secret", nonce, "client", "\u00e9" * 64)  # found by the fuzz at 10,000: was a TypeError
     assert "secret" not in mac
 
 

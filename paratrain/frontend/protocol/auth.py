@@ -20,4 +20,5 @@ def auth_mac(token: str, nonce: bytes, role: str) -> str:
 
 
 def auth_ok(token: str, nonce: bytes, role: str, mac: object) -> bool:
-    return isinstance(mac, str) and hmac.compare_digest(auth_mac(token, nonce, role), mac)
+    # compare_digest refuses str with non-ASCII characters (TypeError): such a mac is wrong, not an error
+    return isinstance(mac, str) and mac.isascii() and hmac.compare_digest(auth_mac(token, nonce, role), mac)
