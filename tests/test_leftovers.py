@@ -254,3 +254,36 @@ def test_the_next_run_removes_what_dead_runs_left_and_nothing_alive(tmp_path):
         listening.close()
         for path in (unmapped, mapped):
             path.unlink(missing_ok=True)
+
+
+@pytest.mark.timeout(180)
+def test_after_a_run_killed_whole_the_next_run_leaves_dev_shm_and_tmpdir_as_they_were(tmp_path):
+    """SIGKILL to a processes run's whole process group removes nothing (its log folder, its
+    fork server's folder, multiprocessing's semaphores stay); the next run removes it all."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+
+    def now() -> set[str]:  # torch's compile cache is meant to stay: every run reuses it
+        return (set(os.listdir("/dev/shm")) | set(os.listdir(temp))) - {f"torchinductor_{os.environ.get('USER', 'root')}"}
+
+    before = now()
+    killed = subprocess.Popen([sys.executable, "-m", "paratrain", "train", "--model", "mlp", "--nproc", "2",
+                               "--launcher", "processes", "--steps", "1000000", "--log-every", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True)
+    try:
+        for line in killed.stdout:
+            if "step" in line:
+                break
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    time.sleep(2)  # the ranks see their launcher gone within a second, and exit
+    assert now() - before, "a run killed whole left nothing: this test would show nothing"
+    done = subprocess.run([sys.executable, "-m", "paratrain", "train", "--model", "mlp", "--nproc", "2",
+                           "--launcher", "processes", "--steps", "2"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "paratrain: removed what dead runs left:" in done.stderr
+    assert now() - before == set(), "left after the next run"
