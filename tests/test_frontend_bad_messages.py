@@ -367,3 +367,21 @@ def test_a_strangers_message_over_64_kib_is_refused_before_it_is_decoded(tmp_pat
         assert serve.poll() is None
     finally:
         stop(serve)
+
+
+def test_connections_that_never_finish_the_handshake_are_closed_within_seconds(token_server):
+    """Plain TCP connections that say nothing: each holds a descriptor of the dispatcher's until
+    ZeroMQ's handshake deadline closes it (5 s; libzmq's default is 30 s)."""
+    import socket
+
+    pid = token_server.process.pid
+    host, port = token_server.address.rsplit(":", 1)
+    before = len(os.listdir(f"/proc/{pid}/fd"))
+    silent = [socket.create_connection((host, int(port))) for _ in range(100)]
+    try:
+        wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) >= before + 100, 10, "the dispatcher accepts them")
+        wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= before + 5, 10, "the silent connections are closed")
+        well_behaved_check(token_server.address, 0)
+    finally:
+        for connection in silent:
+            connection.close()

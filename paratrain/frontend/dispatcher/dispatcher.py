@@ -41,6 +41,7 @@ RECEIVE_SLICE_S = 0.2
 STALL_S = 1.0  # a loop turn this much later than it should come: the dispatcher itself was stalled
 DRAIN_MAX = 10_000  # messages read before judging a silent peer (its heartbeat may be among them)
 STRANGER_HEADER = 64 << 10  # bytes a peer may send before it has joined
+HANDSHAKE_S = 5.0  # for a connection to finish ZeroMQ's handshake (a local one takes milliseconds)
 
 
 class CannotServe(RuntimeError):
@@ -56,6 +57,9 @@ class Dispatcher:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises instead of dropping
         self.sock.setsockopt(zmq.SNDHWM, 0)  # clients bound their own backlog (see session.py)
         self.sock.setsockopt(zmq.MAXMSGSIZE, settings.max_message_mb << 20)
+        # A connection that has not finished ZeroMQ's handshake in this time is closed (libzmq's
+        # default, 30 s, let a stranger hold thousands of silent sockets, one descriptor each).
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         self.port = self._bind(settings.host, settings.port)
         self.started = time.time()
         # The log exists while it has a file to write, or a live capture to feed (see _trace).
