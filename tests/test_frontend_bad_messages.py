@@ -26,6 +26,7 @@ from frontend_helpers import client_hello, raw_client, reply_to, rss_bytes, star
 from paratrain.frontend.client.autostart import LocalServer
 from paratrain.frontend.client.connection import Connection
 from paratrain.frontend.protocol import Instruction, codec, messages
+from paratrain.frontend.protocol.handshake import ACCEPTS
 
 TOKEN = "fuzz-token"  # so that "before authentication" includes the challenge and its answer
 HUGE = [2**31, 2**32 + 1, 2**53 + 1, 2**63 - 1, 2**64 - 1, -1, -(2**31), -(2**63), 1e308, -1e308, 1e-320]
@@ -385,3 +386,23 @@ def test_connections_that_never_finish_the_handshake_are_closed_within_seconds(t
     finally:
         for connection in silent:
             connection.close()
+
+
+def test_a_stranger_flooding_the_dispatcher_gets_a_few_refusals_not_one_each(token_server):
+    """3 million byes from a stranger used to queue 176 MB of refusals it never read."""
+    from paratrain.frontend.dispatcher.peers import REFUSALS_EACH
+
+    context, sock = _stranger(token_server.address)
+    try:
+        bye = codec.encode(messages.Bye())
+        for _ in range(1000):
+            sock.send_multipart(bye)
+        replies = 0
+        while sock.poll(2000):
+            assert isinstance(codec.decode(sock.recv_multipart(), ACCEPTS["client"]), messages.Refused)
+            replies += 1
+        assert replies == REFUSALS_EACH
+    finally:
+        sock.close(linger=0)
+        context.term()
+    well_behaved_check(token_server.address, 0)

@@ -216,7 +216,7 @@ class Dispatcher:
             handler(peer if peer is not None else identity, message)
         elif role in ("client", "worker", "monitor"):
             self.send(identity, messages.Error(f"a {role} cannot send {message.KIND!r}"))
-        else:
+        elif self.peers.may_refuse(identity):  # a few times each: the replies to a flood would pile up unread
             reason = self.peers.dropped.get(identity) or "say hello (and authenticate) first"
             self.send(identity, messages.Refused(reason))
 

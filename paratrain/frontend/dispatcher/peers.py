@@ -19,6 +19,8 @@ PENDING_S = 10.0  # seconds a peer has to authenticate
 MAX_PENDING = 256  # unauthenticated peers at a time; the oldest goes first
 MONITOR_S = 60.0  # a monitor that asks nothing for this long is forgotten
 REMEMBER_DROPPED = 1024  # clients whose drop is remembered, to tell them why when they come back
+REFUSALS_EACH = 4  # refusals sent to one stranger; then silence (a flood's replies would queue unread)
+REMEMBER_REFUSED = 4096  # strangers whose refusals are counted; the oldest is forgotten first
 
 
 @dataclass
@@ -91,6 +93,15 @@ class Peers:
         self.monitors: dict[bytes, float] = {}  # identity -> last seen
         self.pending: OrderedDict[bytes, Pending] = OrderedDict()
         self.dropped: OrderedDict[bytes, str] = OrderedDict()  # identity -> why it was dropped
+        self.refused: OrderedDict[bytes, int] = OrderedDict()  # stranger -> refusals sent it
+
+    def may_refuse(self, identity: bytes) -> bool:
+        """Whether a stranger's message still gets a Refused (the first REFUSALS_EACH do)."""
+        sent = self.refused.pop(identity, 0)
+        self.refused[identity] = sent + 1
+        while len(self.refused) > REMEMBER_REFUSED:
+            self.refused.popitem(last=False)
+        return sent < REFUSALS_EACH
 
     def role_of(self, identity: bytes) -> str | None:
         if identity in self.clients:
