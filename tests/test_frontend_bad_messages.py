@@ -406,3 +406,32 @@ def test_a_stranger_flooding_the_dispatcher_gets_a_few_refusals_not_one_each(tok
         sock.close(linger=0)
         context.term()
     well_behaved_check(token_server.address, 0)
+
+
+def test_a_dispatcher_near_its_descriptor_limit_says_so(tmp_path):
+    """Silent connections each hold one of the dispatcher's descriptors: near its limit it prints
+    a line (before, 1,100 of them locked every real client out with nothing logged)."""
+    import resource
+    import socket
+    import subprocess
+
+    from frontend_helpers import PYTHON_M_PARATRAIN
+    from paratrain.frontend.client.autostart import wait_until_ready
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    said = tmp_path / "serve.err"
+    with open(said, "w") as stderr:
+        serve = subprocess.Popen([*PYTHON_M_PARATRAIN, "serve", "--port", "0", "--workers", "1", "--local-workers"],
+                                 stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=low_limit)
+    silent = []
+    try:
+        host, port = wait_until_ready(serve, 120).rsplit(":", 1)
+        used = len(os.listdir(f"/proc/{serve.pid}/fd"))
+        silent = [socket.create_connection((host, int(port))) for _ in range(int(0.8 * 256) - used + 10)]
+        wait_until(lambda: "file descriptors in use" in said.read_text(), 10, "the dispatcher warns")
+        assert " of 256 file descriptors in use (one per connection)" in said.read_text()
+    finally:
+        for connection in silent:
+            connection.close()
+        stop(serve)

@@ -475,3 +475,21 @@ def test_the_gt_comparison_exits_1_when_a_test_passing_on_gt_does_not_pass_here(
     assert gt_tests.exit_status([both]) == 0  # failing on GT too says nothing of us
     assert gt_tests.exit_status([both, ("test_b.py", {"t3": "PASSED"}, {"t3": "FAILED"})]) == 1
     assert gt_tests.exit_status([("test_c.py", {"t4": "PASSED"}, {})]) == 1  # did not run here at all
+
+
+def test_the_dispatcher_says_when_its_file_descriptors_run_short_once_a_minute():
+    from paratrain.frontend.dispatcher.descriptors import Descriptors, in_use
+
+    used, limit = in_use()  # this process's, as the dispatcher reads its own
+    assert 0 < used < limit
+    level = {"used": 10}
+    watch = Descriptors(read=lambda: (level["used"], 100))
+    assert watch.check(0.0) is None
+    level["used"] = 85
+    assert watch.check(1.0).startswith("85 of 100 file descriptors in use")
+    assert watch.check(2.0) is None and watch.check(60.9) is None  # not every tick
+    assert watch.check(61.5).startswith("85 of 100")
+    level["used"] = 20
+    assert watch.check(62.0) is None
+    level["used"] = 90
+    assert watch.check(63.0).startswith("90 of 100")  # a new crossing is said at once

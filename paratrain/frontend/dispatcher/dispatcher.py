@@ -27,6 +27,7 @@ from paratrain.frontend import signals
 from paratrain.frontend.dispatcher.admission import Admission
 from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.complaints import Complaints
+from paratrain.frontend.dispatcher.descriptors import Descriptors
 from paratrain.frontend.dispatcher.log import LOGGED, InstructionLog
 from paratrain.frontend.dispatcher.peers import ClientState, Peers, WorkerState
 from paratrain.frontend.dispatcher.reports import WorkerReports
@@ -73,6 +74,7 @@ class Dispatcher:
         self.syncs = Syncs(self.peers, self.send, self.peers.is_alive)
         self.admission = Admission(settings, self.peers, self.send, self.say, self.complain, on_ready=self._all_serving)
         self.reports = WorkerReports(self.peers, self.send)
+        self.descriptors = Descriptors()
         self.stopping = False
         self.failure: str | None = None  # why it stopped serving, if it had to
         self.on_ready = None  # called once, when every worker serves
@@ -360,6 +362,9 @@ class Dispatcher:
                                           f"{self.settings.client_timeout:g}s)")
         for identity in self.peers.expire(now):
             self.complain("expired", f"forgot a peer that did not authenticate in time ({identity.hex()})")
+        running_out = self.descriptors.check(now)
+        if running_out is not None:
+            self.say(running_out, warning=True)
         self.reports.answer_ready(now)
         if self.log is not None and self.log.tap_expired(now):
             self._set_log(None)
