@@ -55,12 +55,13 @@ def end_with(pid: int, who: str, poll_s: float = WATCH_S) -> threading.Thread:
 
 def start_time(pid: int) -> int | None:
     """When process `pid` started (clock ticks after boot), which tells a pid reused by a new
-    process from the one seen before; None: no such process."""
+    process from the one seen before; None: no such process, or it has exited (a zombie)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # after the command, which may hold ")"
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counted after the command's ")"
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])  # the state; field 22
 
 
 def descendants(root: int) -> list[tuple[int, int]]:

@@ -20,7 +20,7 @@ from frontend_helpers import free_port, stop, wait_until
 from paratrain.cli import main as paratrain_cli
 from paratrain.frontend.client.autostart import LocalServer, wait_until_ready
 from paratrain.frontend.monitor import Monitor
-from paratrain.frontend.processes import pid_alive
+from paratrain.lifetime import process_alive
 from paratrain.frontend.protocol import MalformedMessage, codec, messages
 from paratrain.frontend.protocol.handshake import receive
 from paratrain.frontend.trace import parse_line, read_log
@@ -99,7 +99,7 @@ def test_worker_stats_count_each_operation_on_the_worker_that_ran_it(client):
     assert one["operations"]["total"] - before["worker_1"]["operations"]["total"] >= 7
     assert one["operations"]["total"] == sum(one["operations"]["by_op"].values()) == one["operations"]["eager"]
     assert one["alive"] and one["rank"] == 1 and one["device"] == "cpu" and one["busy_s"] > 0
-    assert one["queue"] == 0 and pid_alive(one["pid"])
+    assert one["queue"] == 0 and process_alive(one["pid"])
 
 
 def test_print_worker_stats_names_every_worker_and_its_operations(client, capsys):
@@ -242,7 +242,7 @@ def test_gt_server_module_with_p_and_spawned_workers_starts_and_stops_cleanly():
         assert len(worker_pids) == 2
         server.terminate()
         assert server.wait(30) == 0
-        wait_until(lambda: not any(pid_alive(pid) for pid in worker_pids), 30, "the spawned workers exit")
+        wait_until(lambda: not any(process_alive(pid) for pid in worker_pids), 30, "the spawned workers exit")
     finally:
         stop(server)
 

@@ -1,19 +1,8 @@
-"""Processes of the frontend watching each other: is one still there, and how did it end."""
+"""How a process of the frontend ended, in words (whether one is still there: paratrain/lifetime.py)."""
 
 from __future__ import annotations
 
-import os
 import signal
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, and belongs to someone else
-    return True
 
 
 def describe_exit(code: int) -> str:

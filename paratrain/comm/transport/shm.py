@@ -51,6 +51,7 @@ import torch
 from paratrain.comm.errors import TransportFailure, TransportTimeout
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
 from paratrain.comm.transport.shm_works import Arrival, Incoming, Outgoing, Recv, Send, take_oldest
+from paratrain.lifetime import start_time
 
 _LOOK_S = 0.05  # how often a waiting rank checks that its peer's process still exists
 _NAP_S = 0.01   # the longest sleep between looks at the rings (a doorbell lost in a race)
@@ -329,14 +330,3 @@ class SharedMemoryP2P:
         pid, started = self._peers[peer]
         if start_time(pid) != started:
             raise TransportFailure(peer, f"rank {peer}'s process (pid {pid}) has exited")
-
-
-def start_time(pid: int) -> bytes | None:
-    """When process `pid` started (None: it is gone or a zombie): a pid reused by a new
-    process has another start time."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None if fields[0] in (b"Z", b"X") else fields[19]

@@ -46,7 +46,7 @@ import torch
 
 from paratrain.comm import native
 from paratrain.comm.errors import TransportFailure, TransportTimeout
-from paratrain.comm.transport.shm import start_time
+from paratrain.lifetime import start_time
 
 LINE = 64
 _WORDS_PER_LINE = LINE // 8

@@ -32,9 +32,10 @@ import sys
 import torch
 
 from paratrain.comm import native
-from paratrain.comm.transport.shm import SharedMemoryP2P, start_time
+from paratrain.comm.transport.shm import SharedMemoryP2P
 from paratrain.comm.transport.shm_arena import Arena
 from paratrain.comm.transport.shm_ring import Ring, round_up
+from paratrain.lifetime import process_alive, start_time
 from paratrain.settings import Settings
 
 DEFAULT_RING_BYTES = 4 << 20
@@ -114,7 +115,7 @@ def remove_stale_files() -> None:
     """Remove the rings and doorbells of processes of this namespace that no longer exist,
     one line each on stderr. Ranks of a host sweep together: each file is removed (and named)
     by one of them."""
-    for path, pid, kind in _our_files(lambda parent, pid: not _alive(pid)):
+    for path, pid, kind in _our_files(lambda parent, pid: not process_alive(pid)):
         if _unlink_one(path):
             # One write per line: the ranks of a host sweep at the same moment into one stream.
             sys.stderr.write(f"removed stale shared-memory {kind} {path} left by dead process {pid}\n")
@@ -139,16 +140,6 @@ def _our_files(chosen):
                 chosen(int(match[2]), int(match[3])):
             kind = {"bell": "doorbell", "arena": "segment"}.get(match[4], "ring")
             yield f"{SHM_DIR}/{name}", int(match[3]), kind
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _owner_of(path: str) -> int | None:

@@ -19,7 +19,8 @@ import sys
 from paratrain import forking
 from paratrain.frontend.dispatcher.dispatcher import Dispatcher
 from paratrain.frontend.dispatcher.settings import DispatcherSettings
-from paratrain.frontend.processes import describe_exit, pid_alive
+from paratrain.frontend.processes import describe_exit
+from paratrain.lifetime import process_alive
 from paratrain.frontend.protocol.addresses import READY_MARK
 from paratrain.settings import child_environment
 
@@ -169,7 +170,7 @@ def serve(settings: DispatcherSettings, *, local_workers: bool = False, threads:
                 dispatcher.lose_worker(rank, how)
 
     def should_stop() -> bool:
-        return exit_with_pid is not None and not pid_alive(exit_with_pid)
+        return exit_with_pid is not None and not process_alive(exit_with_pid)
 
     try:
         dispatcher.serve(should_stop, on_tick=watch)

@@ -25,8 +25,8 @@ from paratrain.frontend.protocol import VERSION, MalformedMessage, codec, messag
 from paratrain.frontend.protocol.addresses import endpoint, resolve, split_address
 from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
 from paratrain.frontend.protocol.records import ErrorReport, Fetched
-from paratrain.frontend.processes import pid_alive
 from paratrain.frontend.workers.executor import Executor
+from paratrain.lifetime import process_alive
 from paratrain.frontend.workers.settings import CompileSettings
 from paratrain.settings import Settings
 
@@ -170,7 +170,7 @@ class _WorkerLoop:
                 if now - last_beat >= HEARTBEAT_S:
                     self._send_heartbeat()
                     last_beat = now
-                    if self.exit_with_pid is not None and not pid_alive(self.exit_with_pid):
+                    if self.exit_with_pid is not None and not process_alive(self.exit_with_pid):
                         break
                 if not runner.is_alive():  # it never ends by itself: say so now, not by falling silent
                     self._leave(f"its executor thread ended ({self.executor_death or 'no reason given'})")
