@@ -30,9 +30,11 @@ from paratrain.settings import take_environment, threads_from_environment
 
 # Imported once, in the server; each child starts with them. `paratrain.launch` brings torch,
 # torch.distributed and our communication layer; the rest is what a frontend dispatcher and its
-# workers run. (Not torch._dynamo, which a dispatcher's first shape inference imports: it makes
-# torch's compile cache folder in the temp directory, and nothing else here needs it.)
-PRELOAD = ("torch", "paratrain.launch", "paratrain.cli", "paratrain.frontend.cli",
+# workers run. torch._dynamo too: PyTorch imports it on the first operation on meta tensors (a
+# dispatcher's first shape inference) and on the first compile, 2.4 s of CPU each time here, once
+# per server instead of once per dispatcher. (Its import makes torch's compile cache folder,
+# torchinductor_<user>, in the temp directory, where torch would make it on a first compile.)
+PRELOAD = ("torch", "torch._dynamo", "paratrain.launch", "paratrain.cli", "paratrain.frontend.cli",
            "paratrain.frontend.dispatcher.serve", "paratrain.frontend.workers.worker")
 
 def forkserver_context():
