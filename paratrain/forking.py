@@ -12,8 +12,10 @@ Two things a forked child does not get the way a spawned one does, set right her
   `in_environment` puts the parent's environment as it is now in place first;
 - torch's thread count, which OpenMP read from OMP_NUM_THREADS when the server loaded torch:
   set again from the environment the child is given.
-Standard output and error are the parent's as they are now (`ParentStdio`), not as they were
-when the server started (pytest, for one, points them at a new file for each test).
+Standard output and error are the parent's as they are now (`Stdio`), not as they were
+when the server started (pytest, for one, points them at a new file for each test). What torch
+reads from the environment as it is imported (inductor's compiler CXX, TORCHINDUCTOR_* settings)
+stays as it was when the server started: a variable changed since takes a new interpreter.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import os
 import runpy
 import subprocess
 import sys
+import threading
+import time
 from contextlib import contextmanager
 
 from paratrain.settings import take_environment, threads_from_environment
@@ -102,35 +106,48 @@ def run_command(environ: dict[str, str], argv: list[str], stdio: Stdio | None = 
     runpy.run_module("paratrain", run_name="__main__", alter_sys=True)
 
 
-def start_command(argv: list[str], environ: dict[str, str], *, capture_stdout: bool = False):
+def start_command(argv: list[str], environ: dict[str, str], *, capture_stdout: bool = False,
+                  stderr: int | None = None):
     """`python -m paratrain ARGV` as a child of this process: forked from the server where the
     platform forks (a ForkedCommand), else spawned (a subprocess.Popen). Either answers as a
-    Popen does; with `capture_stdout`, `.stdout` reads its standard output as text."""
+    Popen does; with `capture_stdout`, `.stdout` reads its standard output as text. `stderr`
+    as Popen takes it: None (ours), subprocess.PIPE (then `.stderr` reads it), subprocess.STDOUT,
+    or a file."""
     context = forkserver_context()
     if context is None:
         return subprocess.Popen([sys.executable, "-m", "paratrain", *argv], env=environ, text=True,
-                                stdout=subprocess.PIPE if capture_stdout else None)
-    return ForkedCommand(context, argv, environ, capture_stdout)
+                                stdout=subprocess.PIPE if capture_stdout else None, stderr=stderr)
+    return ForkedCommand(context, argv, environ, capture_stdout, stderr)
 
 
 class ForkedCommand:
     """A command forked from the server, with the face of the subprocess.Popen it stands for:
-    pid, poll(), wait(), terminate(), kill(), returncode, stdout. It is a daemon of this process:
-    when this process exits, multiprocessing stops it (SIGTERM), as it would be told to anyway."""
+    pid, poll(), wait(), communicate(), send_signal(), terminate(), kill(), returncode, stdout, stderr. It is a
+    daemon of this process: when this process exits, multiprocessing stops it (SIGTERM), as it
+    would be told to anyway."""
 
-    def __init__(self, context, argv: list[str], environ: dict[str, str], capture_stdout: bool):
+    def __init__(self, context, argv: list[str], environ: dict[str, str], capture_stdout: bool,
+                 stderr: int | None = None):
         self.args = ["paratrain", *argv]
-        read_end, write_end = os.pipe() if capture_stdout else (None, 1)
-        self._process = context.Process(target=run_command, args=(environ, argv, Stdio(stdout=write_end)),
+        pipes = []  # (our read end, the child's write end)
+        if capture_stdout:
+            pipes.append(os.pipe())
+        if stderr == subprocess.PIPE:
+            pipes.append(os.pipe())
+        child_stdout = pipes[0][1] if capture_stdout else 1
+        child_stderr = (pipes[-1][1] if stderr == subprocess.PIPE else 2 if stderr is None
+                        else child_stdout if stderr == subprocess.STDOUT else _fileno(stderr))
+        self._process = context.Process(target=run_command, args=(environ, argv, Stdio(child_stdout, child_stderr)),
                                         name=" ".join(self.args[:2]), daemon=True)
         try:
             with _main_module_hidden():
                 self._process.start()
         finally:
-            if capture_stdout:
+            for _, write_end in pipes:
                 os.close(write_end)  # the child holds its own copy: its exit ends our reads
         self.pid = self._process.pid
-        self.stdout = os.fdopen(read_end, "r") if capture_stdout else None
+        self.stdout = os.fdopen(pipes[0][0], "r") if capture_stdout else None
+        self.stderr = os.fdopen(pipes[-1][0], "r") if stderr == subprocess.PIPE else None
 
     @property
     def returncode(self) -> int | None:
@@ -145,11 +162,36 @@ class ForkedCommand:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self._process.exitcode
 
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """Read the captured streams to their end and wait for the exit; -> (stdout, stderr).
+        One thread per stream, as a full pipe of one must not stop the other."""
+        read: dict[str, str] = {}
+        readers = [threading.Thread(target=lambda name=name, stream=stream: read.__setitem__(name, stream.read()),
+                                    daemon=True)
+                   for name, stream in (("stdout", self.stdout), ("stderr", self.stderr)) if stream is not None]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0.1))
+        return read.get("stdout"), read.get("stderr")
+
+    def send_signal(self, signal_number: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, signal_number)
+
     def terminate(self) -> None:
         self._process.terminate()
 
     def kill(self) -> None:
         self._process.kill()
+
+
+def _fileno(target) -> int:
+    return target if isinstance(target, int) else target.fileno()
 
 
 @contextmanager

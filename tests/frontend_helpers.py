@@ -12,10 +12,28 @@ import time
 
 import zmq
 
+from paratrain import forking
 from paratrain.frontend.protocol import VERSION, codec, messages
 from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
 
 PYTHON_M_PARATRAIN = [sys.executable, "-m", "paratrain"]
+
+
+def paratrain_command(*argv: str, env: dict | None = None, stdout: bool = False, stderr=None):
+    """`python -m paratrain ARGV` in a child process, forked from the server that imported torch
+    once (as LocalServer starts a dispatcher): a fresh interpreter would spend 3 s of CPU on
+    importing torch first, which 2 cores under the whole suite feel. Popen's face."""
+    return forking.start_command(list(argv), {**os.environ, **(env or {})}, capture_stdout=stdout, stderr=stderr)
+
+
+def run_paratrain(*argv: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -m paratrain ARGV` to its end, as subprocess.run(capture_output=True, text=True)."""
+    process = paratrain_command(*argv, env=env, stdout=True, stderr=subprocess.PIPE)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        stop(process)
+    return subprocess.CompletedProcess(["paratrain", *argv], process.returncode, out, err)
 
 
 def free_port() -> int:
@@ -80,13 +98,17 @@ def raw_sync(sock, instructions: list, fetch=(), token: int = 10_000, frames=())
         assert not isinstance(reply, messages.Error), reply.message
 
 
-def start_serve(*args: str, stderr=None, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+def start_serve(*args: str, stderr=None, timeout: float = 120, fresh: bool = False) -> tuple[subprocess.Popen, str]:
     """`paratrain serve ARGS` in a child process (its stderr to `stderr`, a file); -> (the
-    process, its address once ready). Stop it with `stop`."""
+    process, its address once ready). Stop it with `stop`. `fresh`: a new interpreter, for an
+    environment that torch reads as it is imported (the server's torch was imported before)."""
     from paratrain.frontend.client.autostart import wait_until_ready
 
-    process = subprocess.Popen([*PYTHON_M_PARATRAIN, "serve", "--port", "0", *args], stdout=subprocess.PIPE,
-                               stderr=stderr, text=True)
+    if fresh:
+        process = subprocess.Popen([*PYTHON_M_PARATRAIN, "serve", "--port", "0", *args], stdout=subprocess.PIPE,
+                                   stderr=stderr, text=True)
+    else:
+        process = paratrain_command("serve", "--port", "0", *args, stdout=True, stderr=stderr)
     try:
         return process, wait_until_ready(process, timeout)
     except BaseException:
@@ -141,10 +163,8 @@ def standalone_workers(count: int, *serve_args: str):
     from paratrain.frontend.client.autostart import wait_until_ready
 
     port = free_port()
-    serve = subprocess.Popen([*PYTHON_M_PARATRAIN, "serve", "--workers", str(count), "--port", str(port),
-                              *serve_args], stdout=subprocess.PIPE, text=True)
-    workers = [subprocess.Popen([*PYTHON_M_PARATRAIN, "worker", "--port", str(port), "--threads", "1"])
-               for _ in range(count)]
+    serve = paratrain_command("serve", "--workers", str(count), "--port", str(port), *serve_args, stdout=True)
+    workers = [paratrain_command("worker", "--port", str(port), "--threads", "1") for _ in range(count)]
     try:
         yield serve, wait_until_ready(serve, 120)
     finally:

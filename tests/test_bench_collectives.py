@@ -7,14 +7,13 @@ threads; one smoke test starts real processes.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 import paratrain
+from frontend_helpers import run_paratrain
 from paratrain.bench import collectives_cli, overhead, tuning
 from paratrain.comm.group import Group
 from paratrain.bench.collectives import Measurement, bus_factor, element_counts
@@ -362,11 +361,10 @@ def test_plot_writes_a_png(tmp_path):
 
 def test_processes_launcher_runs_the_sweep_over_gloo(tmp_path):
     path = tmp_path / "out.json"
-    command = [sys.executable, "-m", "paratrain.cli", "bench", "collectives", "--launcher", "processes",
-               "--nproc", "2", "--ops", "all_reduce,all_gather", "--algos", "ring,native",
-               "--min-bytes", "1K", "--max-bytes", "4K", "--factor", "4", "--warmup", "1", "--iters", "2",
-               "--json", str(path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    done = run_paratrain("bench", "collectives", "--launcher", "processes", "--nproc", "2",
+                         "--ops", "all_reduce,all_gather", "--algos", "ring,native", "--min-bytes", "1K",
+                         "--max-bytes", "4K", "--factor", "4", "--warmup", "1", "--iters", "2",
+                         "--json", str(path), timeout=240)
     assert done.returncode == 0, done.stderr
     assert "transport shm (gloo's processes, every message through shared memory)" in done.stdout  # both ranks on this host
     records = json.loads(path.read_text())

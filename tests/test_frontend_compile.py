@@ -44,7 +44,9 @@ def serving(tmp_path: pathlib.Path, workers: int, **env: str):
         for name, value in env.items():
             patch.setenv(name, value)
         with open(log, "w") as stderr:
-            process, address = start_serve("--workers", str(workers), "--local-workers", stderr=stderr)
+            # torch reads CXX (inductor's compiler) as torch._dynamo is imported: a new interpreter
+            process, address = start_serve("--workers", str(workers), "--local-workers", stderr=stderr,
+                                           fresh="CXX" in env)
     try:
         yield address, log
     finally:

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 import paratrain.frontend as gt
-from frontend_helpers import free_port, stop, wait_until
+from frontend_helpers import free_port, paratrain_command, stop, wait_until
 from paratrain.cli import main as paratrain_cli
 from paratrain.frontend.client.autostart import LocalServer, wait_until_ready
 from paratrain.frontend.monitor import Monitor
@@ -191,9 +191,8 @@ def test_live_trace_captures_a_running_dispatcher_that_writes_no_log(tmp_path):
     capture = None
     try:
         saved, chrome = tmp_path / "live.log", tmp_path / "live.json"
-        capture = subprocess.Popen([sys.executable, "-m", "paratrain", "frontend", "trace", "--live", "4",
-                                    "--server", server.address, "--save", str(saved), "-o", str(chrome)],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        capture = paratrain_command("frontend", "trace", "--live", "4", "--server", server.address,
+                                    "--save", str(saved), "-o", str(chrome), stdout=True, stderr=subprocess.STDOUT)
         gt.connect(server.address)
         try:
             deadline = time.monotonic() + 60
@@ -251,8 +250,8 @@ def test_gt_server_module_with_p_and_spawned_workers_starts_and_stops_cleanly():
 def test_serve_p_with_a_gt_worker_module_starts_and_stops_cleanly(tmp_path):
     port = free_port()
     messages_file = open(tmp_path / "serve.err", "w")
-    server = _start(["-m", "paratrain", "serve", "-p", str(port), "--exit-with-pid", str(os.getpid())],
-                    stderr=messages_file)
+    server = paratrain_command("serve", "-p", str(port), "--exit-with-pid", str(os.getpid()), stdout=True,
+                               stderr=messages_file)
     worker = None
     try:
         worker = _start(["-m", "paratrain.frontend.worker", "--host", "127.0.0.1", "-p", str(port), "--backend",

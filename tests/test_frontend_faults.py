@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 import paratrain.frontend as gt
 from frontend_helpers import (
-    PYTHON_M_PARATRAIN, free_port, listening_addresses, standalone_workers, start_serve, stop,
+    free_port, listening_addresses, run_paratrain, standalone_workers, start_serve, stop,
 )
 from paratrain.cli import main as paratrain_cli
 from paratrain.frontend.top import Monitor
@@ -144,23 +144,20 @@ def test_serve_on_a_port_in_use_says_so_in_one_line():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([*PYTHON_M_PARATRAIN, "serve", "--port", str(port)], capture_output=True, text=True,
-                              timeout=60)
+        done = run_paratrain("serve", "--port", str(port))
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         f"paratrain serve: error: port {port} on 127.0.0.1 is in use (another `paratrain serve`? try --port 0)"], done.stderr
 
 
 def test_a_worker_without_a_dispatcher_waits_a_bounded_time_saying_so():
-    done = subprocess.run([*PYTHON_M_PARATRAIN, "worker", "--port", str(free_port()), "--connect-timeout", "2"],
-                          capture_output=True, text=True, timeout=60)
+    done = run_paratrain("worker", "--port", str(free_port()), "--connect-timeout", "2")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and "waiting for the dispatcher at 127.0.0.1:" in lines[0], done.stderr
     assert lines[-1].startswith("paratrain worker: error: no reply from 127.0.0.1:") and "within 2s" in lines[-1], done.stderr
 
 
 def test_a_worker_given_an_unknown_host_says_so_at_once():
-    done = subprocess.run([*PYTHON_M_PARATRAIN, "worker", "--host", "no-such-host.invalid"], capture_output=True,
-                          text=True, timeout=60)
+    done = run_paratrain("worker", "--host", "no-such-host.invalid")
     assert done.returncode == 1 and done.stderr.strip().splitlines() == [
         f"paratrain worker: error: cannot resolve host 'no-such-host.invalid' ({_resolver_error('no-such-host.invalid')})"], done.stderr
 
@@ -216,9 +213,8 @@ def test_what_a_program_queued_after_its_last_sync_runs_and_its_errors_fail_the_
 def test_a_worker_lost_before_every_worker_served_stops_the_server_with_one_line(tmp_path):
     """A local worker that cannot start: the world cannot form, so the server says why and stops."""
     # Each worker asks for a GPU and sees none (hidden on a GPU machine too): it fails at once
-    env = {**os.environ, "PARATRAIN_BACKEND": "cuda", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([*PYTHON_M_PARATRAIN, "serve", "--port", "0", "--workers", "2", "--local-workers"],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = run_paratrain("serve", "--port", "0", "--workers", "2", "--local-workers",
+                         env={"PARATRAIN_BACKEND": "cuda", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "cannot go on: a worker process (pid" in done.stderr and "ended before it joined" in done.stderr
 
