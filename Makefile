@@ -66,7 +66,8 @@ picture: $(STAMP)
 
 # Three pytest-xdist workers, one test file each at a time (files share their servers and
 # worlds): many tests wait on process start-up and rendezvous, which overlap on two cores. Then,
-# alone, the tests marked serial: they sweep what every run on the host shares (/dev/shm).
+# alone, the tests marked serial: they sweep what every run on the host shares (/dev/shm), or
+# their processes spin while they wait (MPI ranks), which costs every other test its cores.
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"

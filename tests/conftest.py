@@ -11,8 +11,9 @@ from paratrain.frontend.client.autostart import LocalServer
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "serial: sweeps what every run on the host shares (/dev/shm): "
-                                       "`make test` runs these after the parallel part, alone")
+    config.addinivalue_line("markers", "serial: sweeps what every run on the host shares (/dev/shm), or "
+                                       "its processes spin on every core (MPI ranks): `make test` runs "
+                                       "these after the parallel part, alone")
 
 
 def pytest_addoption(parser):
@@ -24,8 +25,12 @@ def pytest_addoption(parser):
 def hermetic_comm_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PARATRAIN_ALGO_TABLE", str(tmp_path / "no-algorithm-table.json"))
     monkeypatch.setenv("PARATRAIN_TRACE_DIR", str(tmp_path / "flight-records"))  # failures dump here
-    for name in ("PARATRAIN_DEBUG", "PARATRAIN_TIMEOUT", "PARATRAIN_SHM", "PARATRAIN_SHM_BYTES", "PARATRAIN_SHM_SPIN_US"):
+    for name in ("PARATRAIN_DEBUG", "PARATRAIN_TIMEOUT", "PARATRAIN_SHM", "PARATRAIN_SHM_BYTES"):
         monkeypatch.delenv(name, raising=False)
+    # A waiting rank polls 50 ms before it sleeps where each rank has a core; the suite runs three
+    # tests at once on two cores, where that polling takes the cores of the other tests' ranks.
+    # 200 us still polls first, then sleeps: both halves of a wait run.
+    monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "200")
 
 
 @pytest.fixture(autouse=True)
