@@ -435,3 +435,47 @@ def test_a_dispatcher_near_its_descriptor_limit_says_so(tmp_path):
         for connection in silent:
             connection.close()
         stop(serve)
+
+
+def test_a_client_that_does_not_read_its_replies_is_dropped_and_its_queue_bounded(tmp_path):
+    """Issue 37 item 4: replies to a client that never reads used to queue without limit (64 MiB
+    fetches 38 times: 2.5 GB). This one reads nothing after joining, its ZeroMQ takes one message
+    into a 64 KiB socket buffer, and it asks for 100 reads of 800 KB (80 MB): the dispatcher
+    holds a bounded few (backlog.py), drops it with a line, and serves on; the burst of 100 tasks
+    to the worker, which reads, waits its turn and loses no worker."""
+    from paratrain.frontend.protocol.handshake import handshake
+
+    said = tmp_path / "serve.err"
+    with open(said, "w") as stderr:
+        serve, address = start_serve("--workers", "1", "--local-workers", "--max-message-mb", "1", stderr=stderr)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1)
+        sock.setsockopt(zmq.RCVBUF, 64 << 10)
+        sock.connect(f"tcp://{address}")
+        handshake(sock, client_hello(), None, 30.0, address)
+        count = 200_000  # float32: 800 KB, under the 1 MiB a message may carry
+        sock.send_multipart(codec.encode(messages.Run([Instruction(1, "ones", [0], [count], [], {})], 1, [])))
+        assert isinstance(reply_to(sock), messages.Synced)
+        session = gt.Session(address, timeout=60)
+        session.call("ones", [3], {"dtype": None})  # what serving costs anyway comes first
+        before = rss_bytes(serve.pid)
+        for token in range(2, 102):  # read nothing from here on
+            sock.send_multipart(codec.encode(messages.Run([], token, [0])))
+            time.sleep(0.05)  # each sync answered before the next (a new one abandons a pending one)
+        wait_until(lambda: "does not read what is sent to it" in said.read_text(), 60, "the dispatcher drops it")
+        grown = rss_bytes(serve.pid) - before
+        text = said.read_text()
+        assert "client 1 left (it does not read what is sent to it" in text and "(the bound: 16 MiB" in text, text
+        assert "tensors are freed" in text and "worker 0 is lost" not in text, text
+        assert grown < 48 << 20, f"the dispatcher grew by {grown >> 20} MiB"  # 16 queued by ZeroMQ, 16 MiB here
+        three = session.call("ones", [3], {"dtype": None})[0]
+        (value,) = session.sync([three._handle])
+        assert float(value.sum()) == 3.0  # served on
+        session.close()
+    finally:
+        sock.close(linger=0)
+        context.term()
+        stop(serve)

@@ -25,6 +25,7 @@ import zmq
 
 from paratrain.frontend import signals
 from paratrain.frontend.dispatcher.admission import Admission
+from paratrain.frontend.dispatcher.backlog import SEND_QUEUE, STUCK_S, Backlog, least_limit_bytes
 from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.complaints import Complaints
 from paratrain.frontend.dispatcher.descriptors import Descriptors
@@ -56,7 +57,7 @@ class Dispatcher:
         self.sock = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises instead of dropping
-        self.sock.setsockopt(zmq.SNDHWM, 0)  # clients bound their own backlog (see session.py)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)  # beyond: the Backlog, bounded (backlog.py)
         self.sock.setsockopt(zmq.MAXMSGSIZE, settings.max_message_mb << 20)
         # A connection that has not finished ZeroMQ's handshake in this time is closed (libzmq's
         # default, 30 s, let a stranger hold thousands of silent sockets, one descriptor each).
@@ -66,6 +67,8 @@ class Dispatcher:
         # The log exists while it has a file to write, or a live capture to feed (see _trace).
         self.log = InstructionLog(settings.log_path, self.started) if settings.log_path else None
         self.peers = Peers()
+        self.backlog = Backlog(self.sock, least_limit_bytes(settings.max_message_mb << 20))
+        self.not_reading: set[bytes] = set()  # peers whose backlog is over its bound or stuck
         self.complain = Complaints(self.say)
         max_tensor = settings.max_tensor_mb << 20 if settings.max_tensor_mb else None
         auto_shard = AutoShard(settings.auto_shard_min_bytes) if settings.auto_shard else None
@@ -133,12 +136,14 @@ class Dispatcher:
         warming.start()
         try:
             while not self.stopping and not should_stop():
-                if self.sock.poll(250, zmq.POLLIN):
+                if self.sock.poll(5 if self.backlog else 250, zmq.POLLIN):  # what waits goes soon
                     # At most a slice of time on messages before the ticks: a flood from one peer
                     # must not stop the pings that keep the workers serving.
                     until = time.monotonic() + RECEIVE_SLICE_S
                     while self.sock.poll(0, zmq.POLLIN) and not self.stopping and time.monotonic() < until:
                         self._receive()
+                        self._drop_peers_not_reading()
+                self._drop_peers_not_reading()
                 now = time.monotonic()
                 # A turn takes at most a poll and a slice. Later than that, this process was not
                 # running (a loaded host, a long import on another thread): its peers' silence in
@@ -149,6 +154,7 @@ class Dispatcher:
                 last_turn = now
                 if now - last_tick >= TICK_S:
                     self._tick(now)
+                    self._drop_peers_not_reading()
                     on_tick()
                     last_tick = now
         finally:
@@ -410,7 +416,25 @@ class Dispatcher:
             self._log_sent(identity, message, frames)
 
     def send_frames(self, identity: bytes, frames: list) -> None:
-        try:
-            self.sock.send_multipart([identity, *frames], copy=False)
-        except zmq.ZMQError:
-            pass  # the peer is gone; liveness checks deal with it
+        if not self.backlog.send(identity, frames, time.monotonic()):
+            self.not_reading.add(identity)
+
+    def _drop_peers_not_reading(self) -> None:
+        """Between messages (never in the middle of one): send what waits, and drop each peer
+        whose backlog is over its bound or stuck, freeing what it holds."""
+        if self.backlog:
+            self.not_reading.update(self.backlog.flush(time.monotonic()))
+        while self.not_reading:
+            identity = self.not_reading.pop()
+            waiting = self.backlog.bytes.get(identity, 0)
+            self.backlog.forget(identity)
+            why = (f"it does not read what is sent to it: {waiting / 2**20:.1f} MiB waited for it "
+                   f"(the bound: {self.backlog.limit_bytes >> 20} MiB, or {STUCK_S:g}s without taking any)")
+            client = self.peers.clients.get(identity)
+            worker = self.peers.worker_ids.get(identity)
+            if client is not None:
+                self._drop_client(client, why, tell=False)
+            elif worker is not None:
+                self.lose_worker(worker.rank, why)
+            else:
+                self.peers.forget(identity)

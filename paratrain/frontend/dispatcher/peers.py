@@ -114,6 +114,11 @@ class Peers:
             return "pending"
         return None
 
+    def forget(self, identity: bytes) -> None:
+        """A peer not yet a client or worker (a stranger, a monitor) is forgotten."""
+        self.pending.pop(identity, None)
+        self.monitors.pop(identity, None)
+
     def is_alive(self, rank: int) -> bool:
         worker = self.workers.get(rank)
         return worker is not None and worker.lost is None
