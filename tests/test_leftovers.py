@@ -29,6 +29,14 @@ from paratrain.settings import Settings
 pytestmark = [pytest.mark.serial, pytest.mark.skipif(not shm_setup.enabled(Settings.resolve()), reason="shared memory between processes: x86-64 Linux")]
 
 
+@pytest.fixture(autouse=True)
+def default_polling(monkeypatch):
+    """These run alone: a waiting rank polls as long as it would on the user's machine (conftest
+    shortens it for the parallel part), so a surviving rank is still waiting, not sweeping its dead
+    peer's files, when the test stops it."""
+    monkeypatch.delenv("PARATRAIN_SHM_SPIN_US", raising=False)
+
+
 def _files_of(pid: int) -> list[str]:
     return sorted(f"{shm_setup.SHM_DIR}/{name}" for name in os.listdir(shm_setup.SHM_DIR)
                   if name.startswith("paratrain-") and f"-{pid}-" in name)
@@ -76,8 +84,11 @@ def test_a_rank_killed_setting_up_shared_memory_leaves_nothing_after_a_processes
     assert any(path.endswith("-bell") for path in named) and any("-to-0" in path for path in named), named
     assert not [path for path in named if os.path.exists(path)]
     # No torchelastic_* folder, nor ours. multiprocessing's own folder for this process (where the
-    # forkserver that forks the ranks listens) lives as long as this process and goes with it.
-    assert [name for name in os.listdir(temp) if str(temp / name) != multiprocessing.util.get_temp_dir()] == []
+    # forkserver that forks the ranks listens) lives as long as this process and goes with it;
+    # torchinductor_<user> is torch's compile cache, made where the forkserver imports torch._dynamo
+    # and kept for every later run.
+    assert [name for name in os.listdir(temp) if str(temp / name) != multiprocessing.util.get_temp_dir()
+            and not name.startswith("torchinductor_")] == []
 
 
 # ---- without it: the next run on the host removes them, naming them ------------------------
