@@ -479,3 +479,45 @@ def test_a_client_that_does_not_read_its_replies_is_dropped_and_its_queue_bounde
         sock.close(linger=0)
         context.term()
         stop(serve)
+
+
+def test_connections_that_say_nothing_or_only_hello_are_closed(tmp_path):
+    """Issue 37 item 5: 10,000 connections that said nothing, or only hello, cost 290 MB and a
+    descriptor each, forever. Now each is closed once JOIN_S passes without its peer joining
+    (on a server with a token, hello is not joining: the challenge must be answered), with a
+    line; a client that joined, and its heartbeat connection, are kept."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    from paratrain.frontend.dispatcher.connections import JOIN_S
+
+    said = tmp_path / "serve.err"
+    with open(said, "w") as stderr:
+        serve, address = start_serve("--workers", "1", "--local-workers", "--token", TOKEN, stderr=stderr)
+    context = zmq.Context()
+    silent, hello_only = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    watches = []
+    try:
+        session = gt.Session(address, token=TOKEN, timeout=60)
+        for sock in (silent, hello_only):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL, 600_000)  # once closed, it stays closed
+            watches.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+            sock.connect(f"tcp://{address}")
+        hello_only.send_multipart(codec.encode(client_hello()))  # and never answers the challenge
+        started = time.monotonic()
+        for watch in watches:
+            assert watch.poll(int((JOIN_S + 10) * 1000)), "the dispatcher kept a connection that never joined"
+            assert recv_monitor_message(watch)["event"] == zmq.EVENT_DISCONNECTED
+        assert time.monotonic() - started > JOIN_S - 1
+        wait_until(lambda: "did not join within" in said.read_text(), 10, "the dispatcher says so")
+        two = session.call("full", [2], {"dtype": None, "value": 1.0})[0]
+        (value,) = session.sync([two._handle])
+        assert float(value.sum()) == 2.0  # the client that joined was kept
+        session.close()
+    finally:
+        for watch in watches:
+            watch.close(linger=0)
+        silent.close(linger=0)
+        hello_only.close(linger=0)
+        context.term()
+        stop(serve)

@@ -2,6 +2,7 @@
 executor and the dispatcher's router. Fast: no process is started."""
 
 import pathlib
+import time
 
 import msgpack
 import zmq
@@ -493,3 +494,51 @@ def test_the_dispatcher_says_when_its_file_descriptors_run_short_once_a_minute()
     assert watch.check(62.0) is None
     level["used"] = 90
     assert watch.check(63.0).startswith("90 of 100")  # a new crossing is said at once
+
+
+def test_connections_that_never_join_are_shut_and_at_most_a_cap_kept(monkeypatch):
+    """Issue 37 item 5: a connection that says nothing held a descriptor forever. Here: silent
+    connections are shut after JOIN_S of the dispatcher's time, the oldest beyond the cap at
+    once, and one whose peer joined is kept."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from paratrain.frontend.dispatcher import connections as module
+
+    monkeypatch.setattr(module, "MAX_UNJOINED", 2)
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    tracked = module.Connections(router)
+    peers, watches = [], []
+    try:
+        for _ in range(5):
+            peer = context.socket(zmq.DEALER)
+            watches.append(peer.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+            peer.connect(f"tcp://127.0.0.1:{port}")
+            peers.append(peer)
+            time.sleep(0.1)  # accepted in this order
+        peers[0].send(b"hello")  # the first one's peer joins
+        assert router.poll(5000)
+        frames = router.recv_multipart(copy=False)
+        deadline = time.monotonic() + 5
+        while len(tracked.unjoined) < 5 and time.monotonic() < deadline:
+            tracked.read_events(0.0)
+            time.sleep(0.05)
+        assert len(tracked.unjoined) == 5
+        tracked.joined(frames[0], 0.0)
+        assert tracked.shut_unjoined(1.0) == (0, 2)  # 4 unjoined, at most 2: the 2 oldest go
+        assert tracked.shut_unjoined(module.JOIN_S + 1) == (2, 0)  # the rest, late
+
+        def dropped(watch) -> bool:
+            return watch.poll(3000) and recv_monitor_message(watch)["event"] == zmq.EVENT_DISCONNECTED
+        assert [dropped(watch) for watch in watches[1:]] == [True] * 4
+        assert not watches[0].poll(500), "the joined peer's connection was shut"
+    finally:
+        tracked.close()
+        for peer in peers:
+            peer.close(linger=0)
+        for watch in watches:
+            watch.close(linger=0)
+        router.close(linger=0)
+        context.term()

@@ -28,6 +28,7 @@ from paratrain.frontend.dispatcher.admission import Admission
 from paratrain.frontend.dispatcher.backlog import SEND_QUEUE, STUCK_S, Backlog, least_limit_bytes
 from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.complaints import Complaints
+from paratrain.frontend.dispatcher.connections import JOIN_S, MAX_UNJOINED, Connections
 from paratrain.frontend.dispatcher.descriptors import Descriptors
 from paratrain.frontend.dispatcher.log import LOGGED, InstructionLog
 from paratrain.frontend.dispatcher.peers import ClientState, Peers, WorkerState
@@ -78,6 +79,7 @@ class Dispatcher:
         self.admission = Admission(settings, self.peers, self.send, self.say, self.complain, on_ready=self._all_serving)
         self.reports = WorkerReports(self.peers, self.send)
         self.descriptors = Descriptors()
+        self.connections = Connections(self.sock)  # those that never join are shut (connections.py)
         self.stopping = False
         self.failure: str | None = None  # why it stopped serving, if it had to
         self.on_ready = None  # called once, when every worker serves
@@ -151,6 +153,7 @@ class Dispatcher:
                 stalled = now - last_turn - (0.25 + RECEIVE_SLICE_S)
                 if stalled > STALL_S:
                     self.peers.excuse(stalled)
+                    self.connections.excuse(stalled)
                 last_turn = now
                 if now - last_tick >= TICK_S:
                     self._tick(now)
@@ -178,6 +181,7 @@ class Dispatcher:
                 self.send(worker.identity, messages.Exit("the dispatcher stopped"))
         if self.log is not None:
             self.log.close()
+        self.connections.close()
         self.sock.close(linger=200)
         self.context.term()
 
@@ -205,6 +209,9 @@ class Dispatcher:
             if joined:
                 self.send(identity, messages.Error(f"the dispatcher could not handle your {message.KIND} "
                                                    f"({type(error).__name__}: {str(error)[:300]})"))
+        if (self.peers.role_of(identity) in ("client", "worker", "monitor")
+                or isinstance(message, messages.Alive) and message.secret in self.peers.by_secret):
+            self.connections.joined(frames[0], time.monotonic())
 
     def _dispatch(self, identity: bytes, role: str | None, message) -> None:
         if isinstance(message, messages.Alive):
@@ -368,6 +375,12 @@ class Dispatcher:
                                           f"{self.settings.client_timeout:g}s)")
         for identity in self.peers.expire(now):
             self.complain("expired", f"forgot a peer that did not authenticate in time ({identity.hex()})")
+        late, over = self.connections.shut_unjoined(now)
+        if late:
+            self.complain("unjoined", f"closed {late} connection(s) whose peer did not join within {JOIN_S:g}s")
+        if over:
+            self.complain("unjoined cap", f"closed the {over} oldest of the connections that have not joined: at most "
+                                          f"{MAX_UNJOINED} are kept")
         running_out = self.descriptors.check(now)
         if running_out is not None:
             self.say(running_out, warning=True)
