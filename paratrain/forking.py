@@ -35,8 +35,8 @@ from paratrain.settings import take_environment, threads_from_environment
 # Imported once, in the server; each child starts with them. `paratrain.launch` brings torch,
 # torch.distributed and our communication layer; the rest is what a frontend dispatcher and its
 # workers run. torch._dynamo too: PyTorch imports it on the first operation on meta tensors (a
-# dispatcher's first shape inference) and on the first compile, 2.4 s of CPU each time here, once
-# per server instead of once per dispatcher. (Its import makes torch's compile cache folder,
+# dispatcher's first shape inference), on the first compile and in a training rank's first steps,
+# 2.4 s of CPU each time here: once per server instead of once per child. (Its import makes torch's compile cache folder,
 # torchinductor_<user>, in the temp directory, where torch would make it on a first compile.)
 PRELOAD = ("torch", "torch._dynamo", "paratrain.launch", "paratrain.cli", "paratrain.frontend.cli",
            "paratrain.frontend.dispatcher.serve", "paratrain.frontend.workers.worker")
@@ -166,8 +166,11 @@ class ForkedCommand:
         """Read the captured streams to their end and wait for the exit; -> (stdout, stderr).
         One thread per stream, as a full pipe of one must not stop the other."""
         read: dict[str, str] = {}
-        readers = [threading.Thread(target=lambda name=name, stream=stream: read.__setitem__(name, stream.read()),
-                                    daemon=True)
+
+        def read_all(name: str, stream) -> None:
+            read[name] = stream.read()
+
+        readers = [threading.Thread(target=read_all, args=(name, stream), daemon=True)
                    for name, stream in (("stdout", self.stdout), ("stderr", self.stderr)) if stream is not None]
         deadline = None if timeout is None else time.monotonic() + timeout
         for reader in readers:

@@ -527,8 +527,10 @@ def test_connections_that_never_join_are_shut_and_at_most_a_cap_kept(monkeypatch
             time.sleep(0.05)
         assert len(tracked.unjoined) == 5
         tracked.joined(frames[0], 0.0)
-        assert tracked.shut_unjoined(1.0) == (0, 2)  # 4 unjoined, at most 2: the 2 oldest go
-        assert tracked.shut_unjoined(module.JOIN_S + 1) == (2, 0)  # the rest, late
+        said = tracked.shut_unjoined(1.0)  # 4 unjoined, at most 2: the 2 oldest go
+        assert [kind for kind, _ in said] == ["unjoined cap"] and "closed the 2 oldest" in said[0][1]
+        said = tracked.shut_unjoined(module.JOIN_S + 1)  # the rest, late
+        assert [kind for kind, _ in said] == ["unjoined"] and "closed 2 connection(s)" in said[0][1]
 
         def dropped(watch) -> bool:
             return watch.poll(3000) and recv_monitor_message(watch)["event"] == zmq.EVENT_DISCONNECTED

@@ -37,35 +37,40 @@ class Backlog:
         self.waiting: dict[bytes, deque[list]] = {}
         self.bytes: dict[bytes, int] = {}
         self.moved: dict[bytes, float] = {}  # when the peer last took a message of its backlog
+        self.over: set[bytes] = set()  # peers whose backlog went past limit_bytes
 
     def __bool__(self) -> bool:
         return bool(self.waiting)
 
-    def send(self, identity: bytes, frames: list, now: float) -> bool:
-        """Send `frames` to the peer now, or after what waits for it; False when what waits for it
-        is over the limit (it does not read)."""
+    def send(self, identity: bytes, frames: list, now: float) -> None:
+        """Send `frames` to the peer now, or after what waits for it."""
         if identity not in self.waiting:
             if self._try(identity, frames):
-                return True
+                return
             self.waiting[identity], self.bytes[identity], self.moved[identity] = deque(), 0, now
         self.waiting[identity].append(frames)
         self.bytes[identity] += _size(frames)
-        return self.bytes[identity] <= self.limit_bytes
+        if self.bytes[identity] > self.limit_bytes:
+            self.over.add(identity)
 
-    def flush(self, now: float) -> list[bytes]:
-        """Send what waits, as far as each peer takes it; -> the peers whose backlog is stuck."""
-        stuck = []
+    def not_reading(self, now: float) -> list[tuple[bytes, int]]:
+        """Send what waits, as far as each peer takes it; -> (peer, bytes that waited) for each
+        peer that does not read (over the limit, or stuck), forgotten here."""
         for identity, queue in list(self.waiting.items()):
             while queue and self._try(identity, queue[0]):
                 self.bytes[identity] -= _size(queue.popleft())
                 self.moved[identity] = now
             if not queue:
-                self.forget(identity)
+                self._forget(identity)
             elif now - self.moved[identity] > STUCK_S:
-                stuck.append(identity)
-        return stuck
+                self.over.add(identity)
+        found = [(identity, self.bytes.get(identity, 0)) for identity in self.over]
+        for identity in self.over:
+            self._forget(identity)
+        self.over.clear()
+        return found
 
-    def forget(self, identity: bytes) -> None:
+    def _forget(self, identity: bytes) -> None:
         self.waiting.pop(identity, None)
         self.bytes.pop(identity, None)
         self.moved.pop(identity, None)

@@ -60,9 +60,9 @@ class Connections:
         for fd, (since, peer) in self.unjoined.items():
             self.unjoined[fd] = (since + seconds, peer)
 
-    def shut_unjoined(self, now: float) -> tuple[int, int]:
+    def shut_unjoined(self, now: float) -> list[tuple[str, str]]:
         """Shut connections unjoined past JOIN_S, and the oldest beyond MAX_UNJOINED;
-        -> (how many were late, how many were over the cap)."""
+        -> (kind, line) to say for each of the two that happened."""
         self.read_events(now)
         late = [fd for fd, (since, _) in self.unjoined.items() if now - since > JOIN_S]
         over = max(0, len(self.unjoined) - len(late) - MAX_UNJOINED)
@@ -70,7 +70,13 @@ class Connections:
         for fd in (*late, *oldest):
             _, peer = self.unjoined.pop(fd)
             _shut(fd, peer)
-        return len(late), len(oldest)
+        said = []
+        if late:
+            said.append(("unjoined", f"closed {len(late)} connection(s) whose peer did not join within {JOIN_S:g}s"))
+        if oldest:
+            said.append(("unjoined cap", f"closed the {len(oldest)} oldest of the connections that have not joined: "
+                                         f"at most {MAX_UNJOINED} are kept"))
+        return said
 
     def close(self) -> None:
         try:

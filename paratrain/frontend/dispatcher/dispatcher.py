@@ -28,7 +28,7 @@ from paratrain.frontend.dispatcher.admission import Admission
 from paratrain.frontend.dispatcher.backlog import SEND_QUEUE, STUCK_S, Backlog, least_limit_bytes
 from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.complaints import Complaints
-from paratrain.frontend.dispatcher.connections import JOIN_S, MAX_UNJOINED, Connections
+from paratrain.frontend.dispatcher.connections import Connections
 from paratrain.frontend.dispatcher.descriptors import Descriptors
 from paratrain.frontend.dispatcher.log import LOGGED, InstructionLog
 from paratrain.frontend.dispatcher.peers import ClientState, Peers, WorkerState
@@ -69,7 +69,6 @@ class Dispatcher:
         self.log = InstructionLog(settings.log_path, self.started) if settings.log_path else None
         self.peers = Peers()
         self.backlog = Backlog(self.sock, least_limit_bytes(settings.max_message_mb << 20))
-        self.not_reading: set[bytes] = set()  # peers whose backlog is over its bound or stuck
         self.complain = Complaints(self.say)
         max_tensor = settings.max_tensor_mb << 20 if settings.max_tensor_mb else None
         auto_shard = AutoShard(settings.auto_shard_min_bytes) if settings.auto_shard else None
@@ -157,7 +156,6 @@ class Dispatcher:
                 last_turn = now
                 if now - last_tick >= TICK_S:
                     self._tick(now)
-                    self._drop_peers_not_reading()
                     on_tick()
                     last_tick = now
         finally:
@@ -375,12 +373,8 @@ class Dispatcher:
                                           f"{self.settings.client_timeout:g}s)")
         for identity in self.peers.expire(now):
             self.complain("expired", f"forgot a peer that did not authenticate in time ({identity.hex()})")
-        late, over = self.connections.shut_unjoined(now)
-        if late:
-            self.complain("unjoined", f"closed {late} connection(s) whose peer did not join within {JOIN_S:g}s")
-        if over:
-            self.complain("unjoined cap", f"closed the {over} oldest of the connections that have not joined: at most "
-                                          f"{MAX_UNJOINED} are kept")
+        for kind, line in self.connections.shut_unjoined(now):
+            self.complain(kind, line)
         running_out = self.descriptors.check(now)
         if running_out is not None:
             self.say(running_out, warning=True)
@@ -429,18 +423,14 @@ class Dispatcher:
             self._log_sent(identity, message, frames)
 
     def send_frames(self, identity: bytes, frames: list) -> None:
-        if not self.backlog.send(identity, frames, time.monotonic()):
-            self.not_reading.add(identity)
+        self.backlog.send(identity, frames, time.monotonic())
 
     def _drop_peers_not_reading(self) -> None:
         """Between messages (never in the middle of one): send what waits, and drop each peer
         whose backlog is over its bound or stuck, freeing what it holds."""
-        if self.backlog:
-            self.not_reading.update(self.backlog.flush(time.monotonic()))
-        while self.not_reading:
-            identity = self.not_reading.pop()
-            waiting = self.backlog.bytes.get(identity, 0)
-            self.backlog.forget(identity)
+        if not self.backlog:
+            return
+        for identity, waiting in self.backlog.not_reading(time.monotonic()):
             why = (f"it does not read what is sent to it: {waiting / 2**20:.1f} MiB waited for it "
                    f"(the bound: {self.backlog.limit_bytes >> 20} MiB, or {STUCK_S:g}s without taking any)")
             client = self.peers.clients.get(identity)
