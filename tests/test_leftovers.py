@@ -42,13 +42,17 @@ def _files_of(pid: int) -> list[str]:
                   if name.startswith("paratrain-") and f"-{pid}-" in name)
 
 
-def _die_once_shared_memory_is_named(record: str) -> None:
+def _die_once_shared_memory_is_named(record: str, after: str | None = None) -> None:
     """In this process: once its rings and doorbell exist (the doorbell comes last), write
-    their names to `record` and die by SIGKILL, before the peers have opened them."""
+    their names to `record` and die by SIGKILL, before the peers have opened them; if `after`
+    is given, not before that file exists."""
     make_fifo = os.mkfifo
 
     def mkfifo_then_die(path, mode=0o666):
         make_fifo(path, mode)
+        deadline = time.monotonic() + 30
+        while after is not None and not os.path.exists(after) and time.monotonic() < deadline:
+            time.sleep(0.01)
         Path(record).write_text(json.dumps(_files_of(os.getpid())))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -101,8 +105,18 @@ def _raw_rank(rank: int, store: str, record: str) -> None:
     from paratrain.comm import TorchTransport, over_process_group
     from paratrain.settings import Settings
 
+    # Every rank sweeps dead processes' files as it sets up: rank 0's sweep must come before rank
+    # 1 dies, or it (rightly) removes what this test means to leave for the next run.
+    swept = record + ".swept"
     if rank == 1:
-        _die_once_shared_memory_is_named(record)
+        _die_once_shared_memory_is_named(record, after=swept)
+    else:
+        sweep = shm_setup.remove_stale_files
+
+        def sweep_then_say_so():
+            sweep()
+            Path(swept).touch()
+        shm_setup.remove_stale_files = sweep_then_say_so
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     over_process_group(TorchTransport(), Settings.resolve())
