@@ -14,7 +14,7 @@ import zmq
 
 from paratrain import forking
 from paratrain.frontend.protocol import VERSION, codec, messages
-from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
+from paratrain.frontend.protocol.handshake import ACCEPTS, join
 
 PYTHON_M_PARATRAIN = [sys.executable, "-m", "paratrain"]
 
@@ -69,11 +69,12 @@ def client_hello() -> messages.Hello:
 def raw_client(address: str, token: str | None = None):
     """A client socket that speaks the protocol directly (to send what the API never would)."""
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{address}")
     try:
-        welcome = handshake(sock, client_hello(), token, 30.0, address)
+        sock, welcome = join(context, f"tcp://{address}", client_hello(), token, 30.0, address)
+    except BaseException:
+        context.term()
+        raise
+    try:
         yield sock, welcome
     finally:
         sock.send_multipart(codec.encode(messages.Bye()))

@@ -26,6 +26,7 @@ from frontend_helpers import client_hello, raw_client, reply_to, rss_bytes, star
 from paratrain.frontend.client.autostart import LocalServer
 from paratrain.frontend.client.connection import Connection
 from paratrain.frontend.protocol import Instruction, codec, messages
+from paratrain.frontend.protocol.auth import secure_connector
 from paratrain.frontend.protocol.handshake import ACCEPTS
 
 TOKEN = "fuzz-token"  # so that "before authentication" includes the challenge and its answer
@@ -160,8 +161,10 @@ class Fuzzer:
         self.replies = 0
 
     def stranger(self):
+        """A peer that holds the token (so gets past ZeroMQ's handshake) but has not joined."""
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_connector(sock, TOKEN)
         sock.connect(f"tcp://{self.address}")
         return sock
 
@@ -197,7 +200,7 @@ def token_server():
     env_timeout = os.environ.get("PARATRAIN_TIMEOUT")
     os.environ["PARATRAIN_TIMEOUT"] = "20"  # a worker left waiting on a broken partner gives up soon
     try:
-        srv = LocalServer.start(2, token=TOKEN, extra_args=("--max-tensor-mb", "16", "--max-message-mb", "4",
+        srv = LocalServer.start(2, token=TOKEN, extra_args=("--max-tensor-mb", "16",
                                                "--client-timeout", "20", "--threads", "1"))
     finally:
         if env_timeout is None:
@@ -243,10 +246,12 @@ def test_mutated_messages_never_kill_the_dispatcher(token_server, request):
 
 # ---- the messages that used to kill it ------------------------------------------------------------------
 
-def _stranger(address: str):
+def _stranger(address: str, token: str | None = None):
+    """A peer that has not joined (with the token: past ZeroMQ's handshake, before the challenge)."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_connector(sock, token)
     sock.connect(f"tcp://{address}")
     return context, sock
 
@@ -258,7 +263,7 @@ def _stranger(address: str):
     {"t": ["run"]},
 ])
 def test_an_odd_field_before_authentication_costs_the_dispatcher_nothing(token_server, header):
-    context, sock = _stranger(token_server.address)
+    context, sock = _stranger(token_server.address, TOKEN)
     try:
         sock.send(msgpack.packb(header))
         assert not sock.poll(300)  # a stranger's malformed message is dropped (and logged), not answered
@@ -310,9 +315,10 @@ def test_a_bad_instruction_costs_its_client_an_error_and_nothing_more(token_serv
 def test_strangers_cannot_make_the_dispatcher_hold_memory(token_server):
     """Hellos with a large map used to stay forever: three took a dispatcher from 315 MB to 1 GB.
     A peer that has not joined must authenticate within seconds, and nothing it sends is kept.
-    The hellos are 3 MB, under this server's --max-message-mb 4, so libzmq delivers them (larger
-    ones it drops unseen). Each is still received whole before it is refused (issue 37 item 3: a
-    bound before that is still to come); the 64 KiB refusal itself: the test after the next."""
+    The hellos are 3 MB, cut as a token's peers cut every part (codec.py), so libzmq delivers them.
+    These peers hold the token, so they pass ZeroMQ's handshake; those
+    without it never get that far (the test after this one); the 64 KiB refusal itself: the test
+    after that."""
     pid = token_server.process.pid
     well_behaved_check(token_server.address, 3)  # what serving costs anyway (warm-up, first clients) comes first
     before = rss_bytes(pid)
@@ -320,11 +326,11 @@ def test_strangers_cannot_make_the_dispatcher_hold_memory(token_server):
            "name": "n", **{f"k{i}": "x" * 60_000 for i in range(50)}}  # 3 MB of header
     packed = msgpack.packb(big)
     assert 64 << 10 < len(packed) < 4 << 20
-    strangers = [_stranger(token_server.address) for _ in range(3)]
+    strangers = [_stranger(token_server.address, TOKEN) for _ in range(3)]
     try:
         for _ in range(10):  # 90 MB in all: kept, they would grow the dispatcher by as much
             for _, sock in strangers:
-                sock.send(packed)
+                sock.send_multipart(codec.pieces(packed))
         time.sleep(1.0)
         well_behaved_check(token_server.address, 3)
         grown = rss_bytes(pid) - before
@@ -333,6 +339,65 @@ def test_strangers_cannot_make_the_dispatcher_hold_memory(token_server):
             sock.close(linger=0)
             context.term()
     assert grown < 50 << 20, f"the dispatcher grew by {grown >> 20} MiB"
+
+
+def _zmtp_stranger(address: str, mechanism: bytes, megabytes: int) -> None:
+    """A peer without the token that speaks ZeroMQ's wire protocol by hand and sends `megabytes`
+    that libzmq would have to hold whole before the program saw any of it: after a NULL greeting,
+    one message of 60 KiB frames, each marked "more" (ZMQ_MAXMSGSIZE bounds one frame, not a
+    message); after a CURVE greeting, one command frame that large."""
+    import socket
+    import struct
+
+    host, port = address.rsplit(":", 1)
+    connection = socket.create_connection((host, int(port)))
+    try:
+        connection.sendall(b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + mechanism.ljust(20, b"\0") + bytes(32))
+        connection.recv(64)
+        if mechanism == b"CURVE":
+            connection.sendall(bytes([0x06]) + struct.pack(">Q", megabytes << 20))
+            pieces = [bytes(1 << 20)] * megabytes
+        else:
+            ready = b"\x05READY" + bytes([11]) + b"Socket-Type" + struct.pack(">I", 6) + b"DEALER"
+            connection.sendall(bytes([0x04, len(ready)]) + ready)
+            frame = bytes(60 << 10)
+            pieces = [bytes([0x03]) + struct.pack(">Q", len(frame)) + frame] * (megabytes * 17)
+        for piece in pieces:
+            connection.sendall(piece)
+    except OSError:  # refused: the dispatcher closed the connection
+        pass
+    finally:
+        connection.close()
+
+
+def test_strangers_without_the_token_cannot_make_the_dispatcher_hold_memory(token_server):
+    """Issue 37 item 3: three strangers each sending a 900 MiB message took a dispatcher with a
+    token from 251 MB to 2,525 MB, since a message is received whole before its first check.
+    With a token, ZeroMQ's CURVE handshake (keys from the token) ends a stranger's connection
+    before any message is read, and no frame may exceed codec.PIECE_BYTES, the handshake's
+    included. Here 3 strangers send 200 MiB each, as one message of small frames or as one
+    handshake command: the dispatcher's peak grows by under 50 MiB (each way alone took it up by
+    the whole 600 MiB: the first before CURVE, the second before the frame cap)."""
+    import threading
+
+    pid = token_server.process.pid
+    well_behaved_check(token_server.address, 0)  # what serving costs anyway comes first
+    before = rss_bytes(pid)
+    for mechanism in (b"NULL", b"CURVE"):
+        strangers = [threading.Thread(target=_zmtp_stranger, args=(token_server.address, mechanism, 200))
+                     for _ in range(3)]
+        for stranger in strangers:
+            stranger.start()
+        peak = before
+        while any(stranger.is_alive() for stranger in strangers):
+            peak = max(peak, rss_bytes(pid))
+            time.sleep(0.02)
+        for stranger in strangers:
+            stranger.join()
+        grown = max(peak, rss_bytes(pid)) - before
+        assert grown < 50 << 20, f"{mechanism.decode()} strangers took the dispatcher up by {grown >> 20} MiB"
+    well_behaved_check(token_server.address, 1)
+    assert token_server.process.poll() is None
 
 
 def test_unauthenticated_peers_expire_and_are_few():
@@ -392,7 +457,7 @@ def test_a_stranger_flooding_the_dispatcher_gets_a_few_refusals_not_one_each(tok
     """3 million byes from a stranger used to queue 176 MB of refusals it never read."""
     from paratrain.frontend.dispatcher.peers import REFUSALS_EACH
 
-    context, sock = _stranger(token_server.address)
+    context, sock = _stranger(token_server.address, TOKEN)
     try:
         bye = codec.encode(messages.Bye())
         for _ in range(1000):
@@ -501,6 +566,7 @@ def test_connections_that_say_nothing_or_only_hello_are_closed(tmp_path):
         for sock in (silent, hello_only):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RECONNECT_IVL, 600_000)  # once closed, it stays closed
+            secure_connector(sock, TOKEN)  # past ZeroMQ's handshake: what ends them is not joining
             watches.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             sock.connect(f"tcp://{address}")
         hello_only.send_multipart(codec.encode(client_hello()))  # and never answers the challenge

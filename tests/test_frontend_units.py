@@ -34,6 +34,30 @@ class FakeTensor:
 
 # ---- the protocol --------------------------------------------------------------------------
 
+@pytest.mark.parametrize("tensor_bytes", [0, 5, codec.PIECE_BYTES - 1, codec.PIECE_BYTES, codec.PIECE_BYTES + 1,
+                                          3 * codec.PIECE_BYTES, 3 * codec.PIECE_BYTES + 7])
+def test_parts_travel_in_frames_no_larger_than_a_piece_and_arrive_whole(tensor_bytes):
+    """A dispatcher with a token takes no frame over PIECE_BYTES (what a stranger can make it
+    hold), so its peers cut a large part; a frame shorter than a piece (maybe empty) ends each."""
+    data = np.random.default_rng(tensor_bytes).integers(0, 256, tensor_bytes, dtype=np.uint8)
+    instruction = Instruction(1, "upload", [0], [], [], {"shape": [tensor_bytes], "dtype": "uint8", "frame": 0})
+    message = messages.Run([instruction], 1, [], [data.tobytes()])
+    frames = codec.encode(message, cut=True)
+    assert all(memoryview(frame).nbytes <= codec.PIECE_BYTES for frame in frames)
+    assert len(frames) == 2 + tensor_bytes // codec.PIECE_BYTES
+    received = [bytes(frame) for frame in frames]  # as ZeroMQ delivers them
+    decoded = codec.decode(received, TO_DISPATCHER, cut=True)
+    assert bytes(decoded.frames[0]) == data.tobytes() and decoded.instructions == message.instructions
+    assert codec.peek(received, cut=True) == ("run", 0)
+    assert len(codec.encode(message)) == 2  # uncut: what the dispatcher sends, and all without a token
+    if tensor_bytes:
+        with pytest.raises(MalformedMessage, match=f"a tensor of {tensor_bytes} bytes"):
+            codec.decode(received, TO_DISPATCHER, max_part=tensor_bytes - 1, cut=True)
+    if tensor_bytes >= codec.PIECE_BYTES:
+        with pytest.raises(MalformedMessage, match="ends inside a part"):
+            codec.decode(received[:2], TO_DISPATCHER, cut=True)  # the first piece, and no more
+
+
 def test_decode_rejects_what_is_not_a_msgpack_map():
     for frame in (b"\x80\x04garbage", msgpack.packb([1, 2]), msgpack.packb({"no_type": 1}), b""):
         with pytest.raises(MalformedMessage):

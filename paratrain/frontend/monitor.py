@@ -12,7 +12,7 @@ import zmq
 from paratrain.frontend.errors import ProtocolError
 from paratrain.frontend.protocol import VERSION, codec, messages
 from paratrain.frontend.protocol.addresses import endpoint
-from paratrain.frontend.protocol.handshake import handshake, receive
+from paratrain.frontend.protocol.handshake import join, receive
 
 KEEP_S = 2.0  # each request keeps the dispatcher logging this long: a capture that dies stops it soon
 POLL_S = 0.1  # between requests that found nothing new
@@ -22,14 +22,11 @@ class Monitor:
     def __init__(self, address: str, token: str | None = None, timeout: float = 10.0, name: str = "paratrain top"):
         self.address, self.timeout = address, timeout
         self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint(address))
         hello = messages.Hello("monitor", VERSION, os.getpid(), name, socket.gethostname()[:256], "", None)
         try:
-            handshake(self.sock, hello, token, timeout, address)
+            self.sock, _ = join(self.context, endpoint(address), hello, token, timeout, address)
         except BaseException:
-            self.close()
+            self.context.term()
             raise
 
     def stats(self) -> messages.Stats:

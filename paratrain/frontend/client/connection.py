@@ -27,7 +27,8 @@ from paratrain.frontend.errors import ConnectionLost, DispatcherUnreachable, Pro
 from paratrain.frontend.protocol import VERSION, codec, messages
 from paratrain.frontend.protocol.addresses import endpoint
 from paratrain.frontend.protocol.fields import MalformedMessage
-from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
+from paratrain.frontend.protocol.auth import secure_connector
+from paratrain.frontend.protocol.handshake import ACCEPTS, join
 
 HEARTBEAT_S = 1.0
 PING_S, PONG_TIMEOUT_S = 1.0, 4.0  # ZMTP heartbeats on the heartbeat connection
@@ -43,15 +44,13 @@ class Connection:
         self.server_alive = lambda: True  # set by whoever started the server, to fail fast
         self.lost: str | None = None  # why the dispatcher no longer serves us
         self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(self.endpoint)
+        self.token = token
+        self.cut = bool(token)  # a dispatcher with a token takes parts cut into pieces (codec.py)
         hello = messages.Hello("client", VERSION, os.getpid(), (name or os.path.basename(sys.argv[0] or "python"))[:256],
                                socket.gethostname()[:256], "", None)
         try:
-            self.welcome: messages.ClientWelcome = handshake(self.sock, hello, token, connect_timeout, address)
+            self.sock, self.welcome = join(self.context, self.endpoint, hello, token, connect_timeout, address)
         except BaseException:
-            self.sock.close(linger=0)
             self.context.term()
             raise
         self._stop_heartbeat = threading.Event()
@@ -63,7 +62,7 @@ class Connection:
         """Send without waiting. (A refusal sent to us meanwhile is read at the next receive,
         or by the heartbeat thread within seconds: polling here would cost every batch.)"""
         self.check()
-        self.sock.send_multipart(codec.encode(message), copy=False)
+        self.sock.send_multipart(codec.encode(message, self.cut), copy=False)
 
     def check(self) -> None:
         """ConnectionLost if the dispatcher has said it dropped us."""
@@ -98,6 +97,7 @@ class Connection:
     def _beat(self, secret: bytes) -> None:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_connector(sock, self.token)
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(PING_S * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(PONG_TIMEOUT_S * 1000))
         events = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)

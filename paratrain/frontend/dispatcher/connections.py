@@ -24,7 +24,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 JOIN_S = 10.0  # for a connection's peer to join (a real one takes milliseconds)
 MAX_UNJOINED = 256  # connections that have not joined, at most; beyond, the oldest are shut
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | _HANDSHAKE_FAILED
 
 
 class Connections:
@@ -33,6 +35,7 @@ class Connections:
         self.monitor = sock.get_monitor_socket(_EVENTS)
         # descriptor -> (when accepted, in the dispatcher's time; the peer's address then)
         self.unjoined: OrderedDict[int, tuple[float, object]] = OrderedDict()
+        self.failed_handshakes = 0  # since last said (with a token: peers without it, or with another)
 
     def read_events(self, now: float) -> None:
         while self.monitor.poll(0, zmq.POLLIN):
@@ -41,6 +44,8 @@ class Connections:
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self.unjoined[fd] = (now, _peer_of(fd))
                 self.unjoined.move_to_end(fd)
+            elif event["event"] & _HANDSHAKE_FAILED:  # libzmq closes the connection itself
+                self.failed_handshakes += 1
             else:
                 self.unjoined.pop(fd, None)
 
@@ -62,7 +67,7 @@ class Connections:
 
     def shut_unjoined(self, now: float) -> list[tuple[str, str]]:
         """Shut connections unjoined past JOIN_S, and the oldest beyond MAX_UNJOINED;
-        -> (kind, line) to say for each of the two that happened."""
+        -> (kind, line) to say for each of those and for handshakes refused since the last call."""
         self.read_events(now)
         late = [fd for fd, (since, _) in self.unjoined.items() if now - since > JOIN_S]
         over = max(0, len(self.unjoined) - len(late) - MAX_UNJOINED)
@@ -71,6 +76,10 @@ class Connections:
             _, peer = self.unjoined.pop(fd)
             _shut(fd, peer)
         said = []
+        if self.failed_handshakes:
+            said.append(("handshake", f"refused {self.failed_handshakes} connection(s) in the encrypted handshake: "
+                                      "a peer without this server's token, or with another"))
+            self.failed_handshakes = 0
         if late:
             said.append(("unjoined", f"closed {len(late)} connection(s) whose peer did not join within {JOIN_S:g}s"))
         if oldest:

@@ -37,6 +37,7 @@ from paratrain.frontend.dispatcher.router import Router
 from paratrain.frontend.dispatcher.settings import DispatcherSettings
 from paratrain.frontend.dispatcher.syncs import Syncs
 from paratrain.frontend.protocol import MalformedMessage, codec, messages
+from paratrain.frontend.protocol.auth import secure_listener
 from paratrain.frontend.shapes import warm_up
 
 TICK_S = 1.0  # pings, liveness and expiry, this often
@@ -59,10 +60,15 @@ class Dispatcher:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises instead of dropping
         self.sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)  # beyond: the Backlog, bounded (backlog.py)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, settings.max_message_mb << 20)
+        # With a token, parts come cut into frames of at most a piece (codec.py): a piece is then all
+        # a stranger can make the dispatcher hold; --max-message-mb bounds whole tensors (_receive).
+        self.cut = bool(settings.token)
+        # (CURVE wraps each frame in a MESSAGE command: 33 bytes more on the wire, where libzmq checks.)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, codec.PIECE_BYTES + 1024 if self.cut else settings.max_message_mb << 20)
         # A connection that has not finished ZeroMQ's handshake in this time is closed (libzmq's
         # default, 30 s, let a stranger hold thousands of silent sockets, one descriptor each).
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        secure_listener(self.sock, settings.token)  # with a token, strangers end in the handshake
         self.port = self._bind(settings.host, settings.port)
         self.started = time.time()
         # The log exists while it has a file to write, or a live capture to feed (see _trace).
@@ -189,7 +195,8 @@ class Dispatcher:
         role = self.peers.role_of(identity)
         joined = role in ("client", "worker", "monitor")
         try:
-            message = codec.decode(body, self.accepts, codec.MAX_HEADER if joined else STRANGER_HEADER)
+            message = codec.decode(body, self.accepts, codec.MAX_HEADER if joined else STRANGER_HEADER,
+                                   self.settings.max_message_mb << 20, cut=self.cut)
         except MalformedMessage as error:
             who = f"{role} {self._name(identity, role)}" if joined else f"an unjoined peer {identity.hex()}"
             self.complain(f"malformed {role}", f"dropped a malformed message from {who}: {error}")

@@ -1,7 +1,16 @@
 """Messages to ZeroMQ frames and back: the one place that packs and unpacks.
 
-A message is a multipart ZeroMQ message: its first frame a msgpack map, `{"t": kind, field:
-value, ...}`, and then the raw bytes of any tensors it carries. msgpack decodes only nil, bools,
+A message is a multipart ZeroMQ message: its first part a msgpack map, `{"t": kind, field:
+value, ...}`, and then the raw bytes of any tensors it carries, a frame each.
+
+With a token, what travels toward the dispatcher is cut: a part of n bytes goes as
+n // PIECE_BYTES frames of PIECE_BYTES and one shorter (maybe empty) frame, so a frame shorter
+than a piece ends a part, and a part under PIECE_BYTES is one frame as it is. Such a dispatcher
+takes no frame over PIECE_BYTES (ZMQ_MAXMSGSIZE), which is then all that a stranger still in
+ZeroMQ's handshake can make it hold, however large the tensors its peers exchange. Without a
+token there are no strangers to fear (the dispatcher listens on loopback, and anyone there may
+join), and what the dispatcher sends is never cut (its peers set no cap): joining pieces costs a
+copy, about a fifth of a large tensor's trip. msgpack decodes only nil, bools,
 numbers, strings, bytes, lists and maps (no pickle, no extension types), and decoding is
 bounded: the header's size, and the lengths of its strings, lists and maps. `decode` then
 checks the kind against the messages this receiver accepts and every field against its spec.
@@ -17,6 +26,7 @@ import msgpack
 from paratrain.frontend.protocol.fields import MalformedMessage
 
 MAX_HEADER = 64 << 20  # bytes of one header (a batch of instructions, a list of freed handles)
+PIECE_BYTES = 256 << 10  # the largest frame a part travels in
 MAX_STR = 1 << 16
 MAX_ARRAY = 1 << 20
 MAX_MAP = 1 << 12
@@ -51,14 +61,65 @@ def layout(cls) -> Layout:
     return found
 
 
-def encode(message) -> list:
-    """The frames of `message`: its header, then its frames (tensor bytes), if it has any."""
+def encode(message, cut: bool = False) -> list:
+    """The frames of `message`: its header, then its frames (tensor bytes), if it has any; each
+    cut into pieces with `cut` (toward a dispatcher with a token)."""
     shape = layout(type(message))
     header = {"t": message.KIND}
     for name in shape.names:
         header[name] = getattr(message, name)
     packed = msgpack.packb(header, use_bin_type=True)
-    return [packed, *message.frames] if shape.carries_frames else [packed]
+    if not shape.carries_frames:
+        return pieces(packed) if cut else [packed]
+    if not cut:
+        return [packed, *message.frames]
+    return [piece for part in (packed, *message.frames) for piece in pieces(part)]
+
+
+def pieces(part) -> list:
+    """The frames one part (bytes-like) travels in (see the top of this file)."""
+    view = memoryview(part)
+    if view.nbytes < PIECE_BYTES:
+        return [part]
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    whole = view.nbytes - view.nbytes % PIECE_BYTES
+    return [view[start:start + PIECE_BYTES] for start in range(0, whole, PIECE_BYTES)] + [view[whole:]]
+
+
+def _size(frame) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+def parts(frames: list, first_only: bool = False) -> list:
+    """The parts that `frames` carry (a received message's frames, bytes-like); with
+    first_only, only the first (the header). Frames are joined only where a part was split."""
+    if all(_size(frame) != PIECE_BYTES for frame in frames):
+        return frames  # the common case: every part is one frame
+    joined, pending = [], []
+    for frame in frames:
+        if _size(frame) == PIECE_BYTES:
+            pending.append(frame)
+            continue
+        if pending:
+            pending.append(frame)
+            frame = _join(pending)
+            pending = []
+        joined.append(frame)
+        if first_only:
+            return joined
+    if pending:
+        raise MalformedMessage(f"a message ends inside a part ({len(pending)} full frames, no last frame)")
+    return joined
+
+
+def _join(frames: list) -> bytearray:
+    whole, at = bytearray(sum(_size(frame) for frame in frames)), 0
+    for frame in frames:
+        size = _size(frame)
+        whole[at:at + size] = frame
+        at += size
+    return whole
 
 
 def decoder(accepted) -> dict:
@@ -66,12 +127,14 @@ def decoder(accepted) -> dict:
     return {cls.KIND: cls for cls in accepted}
 
 
-def peek(frames: list, count_of: str | None = None) -> tuple[str | None, int]:
+def peek(frames: list, count_of: str | None = None, cut: bool = False) -> tuple[str | None, int]:
     """(type of a message, length of its list field `count_of`), read without decoding the
     rest: a receiver's I/O thread routes on it and leaves the decoding to the thread that
     handles the message. (None, 0) when there is nothing to read; decoding will say why."""
     kind, count = None, 0
     try:
+        if cut:
+            frames = parts(frames, first_only=True)
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(frames[0]) + 1)
         unpacker.feed(frames[0])
         entries = unpacker.read_map_header()
@@ -91,11 +154,18 @@ def peek(frames: list, count_of: str | None = None) -> tuple[str | None, int]:
     return (kind if type(kind) is str else None), count
 
 
-def decode(frames: list, accepted: dict, max_header: int = MAX_HEADER):
-    """A message from `frames` (bytes-like), of a kind in `accepted` ({kind: class}), with every
-    field checked. MalformedMessage (naming the field) otherwise."""
+def decode(frames: list, accepted: dict, max_header: int = MAX_HEADER, max_part: int | None = None,
+           cut: bool = False):
+    """A message from `frames` (bytes-like, as received), of a kind in `accepted` ({kind:
+    class}), with every field checked. MalformedMessage (naming the field) otherwise.
+    `max_part`: the most bytes one tensor may carry; `cut`: its parts came cut into pieces."""
     if not frames:
         raise MalformedMessage("an empty message")
+    if cut:
+        frames = parts(frames)
+    if max_part is not None and any(_size(frame) > max_part for frame in frames[1:]):
+        largest = max(_size(frame) for frame in frames[1:])
+        raise MalformedMessage(f"a tensor of {largest} bytes (at most {max_part} here: --max-message-mb)")
     head = frames[0]
     if len(head) > max_header:
         raise MalformedMessage(f"a header of {len(head)} bytes (at most {max_header} here)")

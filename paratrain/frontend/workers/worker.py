@@ -23,7 +23,7 @@ import zmq
 
 from paratrain.frontend.protocol import VERSION, MalformedMessage, codec, messages
 from paratrain.frontend.protocol.addresses import endpoint, resolve, split_address
-from paratrain.frontend.protocol.handshake import ACCEPTS, handshake
+from paratrain.frontend.protocol.handshake import ACCEPTS, join
 from paratrain.frontend.protocol.records import ErrorReport, Fetched
 from paratrain.frontend.workers.executor import Executor
 from paratrain.lifetime import process_alive
@@ -70,21 +70,20 @@ def run_worker(address: str, token: str | None = None, *, group=None, local_rank
     device = worker_device(local_rank, backend)
     target = endpoint(address)  # resolves the host now: an unknown host is an error, not a silent wait
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(target)
+    sock = None
     hello = messages.Hello("worker", VERSION, os.getpid(), (name or os.path.basename(sys.argv[0] or "python"))[:256],
                            socket.gethostname()[:256], str(device), group.rank if group is not None else None)
     own_group = group is None
     try:
-        welcome = handshake(sock, hello, token, connect_timeout, address, on_wait=_waiting_notice(address))
+        sock, welcome = join(context, target, hello, token, connect_timeout, address, on_wait=_waiting_notice(address))
         if own_group:
             group = _join_world(welcome, device, resolve(split_address(address)[0]), settings)
         executor = Executor(group, device, compile_settings, numpy_products=(backend or "").lower() == "numpy",
                             max_reply_bytes=welcome.max_message_mb << 20)
-        _WorkerLoop(sock, context, executor, exit_with_pid).run()
+        _WorkerLoop(sock, context, executor, exit_with_pid, cut=bool(token)).run()
     finally:
-        sock.close(linger=0)
+        if sock is not None:
+            sock.close(linger=0)
         context.term()
         if own_group and group is not None:
             _leave_world(group)
@@ -131,8 +130,9 @@ def _leave_world(group) -> None:
 
 
 class _WorkerLoop:
-    def __init__(self, sock, context, executor: Executor, exit_with_pid: int | None):
+    def __init__(self, sock, context, executor: Executor, exit_with_pid: int | None, cut: bool = False):
         self.sock, self.context, self.executor = sock, context, executor
+        self.cut = cut  # a dispatcher with a token takes parts cut into pieces (codec.py)
         self.exit_with_pid = exit_with_pid
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
@@ -216,9 +216,9 @@ class _WorkerLoop:
                           f"{error}", file=sys.stderr, flush=True)
                     continue
                 try:
-                    replies = [codec.encode(reply) for reply in self._execute(message)]
+                    replies = [codec.encode(reply, self.cut) for reply in self._execute(message)]
                 except Exception as error:  # noqa: BLE001 - this message fails, the executor goes on
-                    replies = [codec.encode(reply) for reply in self._failed(message, error)]
+                    replies = [codec.encode(reply, self.cut) for reply in self._failed(message, error)]
                 for reply in replies:
                     self.outbox.put(reply)  # encoded here: the I/O thread only sends
                 if replies:
