@@ -24,8 +24,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 JOIN_S = 10.0  # for a connection's peer to join (a real one takes milliseconds)
 MAX_UNJOINED = 256  # connections that have not joined, at most; beyond, the oldest are shut
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# A handshake refused for its content (a wrong key, no CURVE at all). Not NO_DETAIL: that is a
+# connection closed mid-handshake, by its peer or by shut_unjoined below.
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | _HANDSHAKE_FAILED
 
 
