@@ -9,11 +9,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo demo-dp demo-frontend test bench-collectives results matrix picture install clean
 
+# torch through pip, which takes the CPU build from this machine's disk (TORCH_SPEC); the rest
+# through uv, which installs and byte-compiles on every core (40 s with pip, 17 s with uv here).
+# uv keeps the torch it finds: the project asks only torch>=2.4.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH_SPEC)
-	$(BIN)/pip install --quiet -e '.[test,mpi]'
+	$(BIN)/pip install --quiet $(TORCH_SPEC) uv
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install --quiet --compile-bytecode -e '.[test,mpi]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -68,10 +70,11 @@ picture: $(STAMP)
 # worlds): many tests wait on process start-up and rendezvous, which overlap on two cores. Then,
 # alone, the tests marked serial: they sweep what every run on the host shares (/dev/shm), or
 # their processes spin while they wait (MPI ranks), which costs every other test its cores.
+# PYTEST_ARGS adds options to both, e.g. PYTEST_ARGS=--durations=30 for the slowest tests.
 TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(BIN)/python -m pytest -q -m serial
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
