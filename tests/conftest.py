@@ -21,6 +21,25 @@ def pytest_addoption(parser):
                      help="mutated messages the frontend fuzz test sends on each side of authentication")
 
 
+# The files that take longest (seconds of one xdist worker, measured with `make test
+# PYTEST_ARGS=--durations=0`), in that order. pytest-xdist's --dist loadfile hands files to its
+# workers in collection order, so collecting these first leaves short files to fill the end of
+# the run, instead of one long file running alone on a core while the others sit idle. A file
+# not named keeps its place after them; a stale list costs only that balance.
+LONGEST_FIRST = (
+    "test_collectives_fabric.py", "test_parallel_3d.py", "test_fsdp.py", "test_frontend_gt.py",
+    "test_frontend_compile.py", "test_frontend_faults.py", "test_shm_arena.py", "test_checkpoint.py",
+    "test_frontend_bad_messages.py", "test_frontend_demo.py", "test_bench_collectives.py", "test_matrix.py",
+    "test_data_parallel.py", "test_native_kernels.py", "test_frontend_workers.py", "test_shm_p2p.py",
+    "test_precision.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: in-file order kept
+
+
 @pytest.fixture(autouse=True)
 def hermetic_comm_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PARATRAIN_ALGO_TABLE", str(tmp_path / "no-algorithm-table.json"))

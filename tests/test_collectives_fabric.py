@@ -26,11 +26,14 @@ from collective_checks import (
 
 # ---- tests ------------------------------------------------------------------------------------
 
-matrix = pytest.mark.parametrize(
-    "world_size, dtype",
-    [(n, dtype) for n in WORLD_SIZES for dtype in DTYPES],
-    ids=[f"x{n}-{dtype_name(dtype)}" for n in WORLD_SIZES for dtype in DTYPES],
-)
+# Every dtype at every world size but the largest; at 8 ranks (a third of the file's time when
+# it ran all four) float32, and bfloat16, whose 8 significant bits are where a sum of 8 ranks'
+# inputs is still exact only if every rank's part is folded in once. float16 and int64 take the
+# same paths (the dtype only picks the reduction kernel) at 1 to 5 ranks.
+CASES = [(n, dtype) for n in WORLD_SIZES for dtype in DTYPES
+         if n != max(WORLD_SIZES) or dtype in (torch.float32, torch.bfloat16)]
+matrix = pytest.mark.parametrize("world_size, dtype", CASES,
+                                 ids=[f"x{n}-{dtype_name(dtype)}" for n, dtype in CASES])
 
 
 def _run_sweep(op_name, world_size, dtype):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import paratrain.frontend as gt
+from paratrain.frontend.client.autostart import LocalServer
 
 ALIAS = Path(__file__).resolve().parents[1] / "compat"
 RTOL, ATOL = 1e-5, 1e-6
@@ -269,21 +270,22 @@ def test_a_group_of_every_worker_after_a_group_of_two_does_not_hang(four):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_a_numpy_backend_worker_makes_products_as_numpy_does(tmp_path, backend):
+def test_a_numpy_backend_worker_makes_products_as_numpy_does(monkeypatch, backend):
     """GT's tests compare products with NumPy's at a relative tolerance, served by a worker with
     GT's NumPy backend: on ours too its products are NumPy's, to the bit; PyTorch's CPU products
     (the cpu backend) differ in the last bits. A product that needs a gradient is PyTorch's."""
-    done = _program("""
-        import numpy as np
-        import paratrain.frontend as gt
+    monkeypatch.setenv("GT_BACKEND", backend)  # the server's workers read it, as a program's would
+    server = LocalServer.start(1)
+    try:
+        session = gt.Session(server.address)
         rng = np.random.default_rng(0)
         a = rng.standard_normal((8, 64), dtype=np.float32)
         b = rng.standard_normal((64, 8), dtype=np.float32)
-        x, w = gt.from_numpy(a), gt.from_numpy(b)
-        print("bitwise", np.array_equal((x @ w).numpy(), a @ b))
-        w.requires_grad_(True)
+        x, w = session.upload(a), session.upload(b)
+        assert np.array_equal((x @ w).numpy(), a @ b) == (backend == "numpy")
+        w = session.upload(b, requires_grad=True)
         (x @ w).sum().backward()
-        print("gradient", np.allclose(w.grad.numpy(), np.repeat(a.sum(0)[:, None], 8, 1), rtol=1e-5, atol=1e-5))
-    """, {"GT_BACKEND": backend}, tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert f"bitwise {backend == 'numpy'}" in done.stdout and "gradient True" in done.stdout, done.stdout
+        np.testing.assert_allclose(w.grad.numpy(), np.repeat(a.sum(0)[:, None], 8, 1), rtol=1e-5, atol=1e-5)
+        session.close()
+    finally:
+        server.stop()
