@@ -17,6 +17,7 @@ talk through shared memory ("shm") unless PARATRAIN_SHM=0.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -232,11 +233,13 @@ def _agent_logs_quiet(unless: bool):
 
 
 @record  # writes the rank's traceback where the elastic agent reports it
-def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_environ=None, _stdio=None):
+def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_environ=None, _stdio=None,
+                  keep_world: bool = False):
     """One rank of a process world: join the process group, run, leave. `settings` were
     resolved by the launching process; the rank's place in the world is its own. A rank
     forked from the server (paratrain/forking.py) takes `parent_environ` first; the unpickled
-    `_stdio` has already pointed its output at the launcher's."""
+    `_stdio` has already pointed its output at the launcher's. `keep_world`: the process group
+    stays for the next run in this process (torchrun's rank; see _run_here)."""
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -260,12 +263,28 @@ def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_en
         raise
     finally:
         group.close()
-        dist.destroy_process_group()
+        if not keep_world:
+            dist.destroy_process_group()
 
 
 def _run_here(fn, args, settings: Settings) -> dict[int, object]:
+    """Under torchrun: this process is one rank, and runs `fn` as that rank. Its process group
+    is made once and kept for every later `run` in the script, and destroyed at exit: a second
+    group made in the same torchrun store finds the first one's addresses under the same keys,
+    and gloo waited on those for minutes."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        atexit.register(_leave_world)
     table = algorithm_table(settings, settings.launch.world_size)
-    return {settings.launch.rank: _process_main(fn, args, settings, table)}
+    return {settings.launch.rank: _process_main(fn, args, settings, table, keep_world=True)}
+
+
+def _leave_world() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_process_group_from_env(settings: Settings | None = None, table: AlgorithmTable | None = None) -> Group:

@@ -164,3 +164,31 @@ def test_every_data_parallel_strategy_the_pages_name_is_one_dp_mode_accepts():
         resolve_strategy(name)  # raises StrategyError for a name --dp-mode refuses
     table = (ROOT / "docs" / "training.md").read_text()
     assert all(f"| `{name}`" in table for name in STRATEGIES), "training.md's strategy table lists every strategy"
+
+
+def test_the_readmes_group_example_runs_under_torchrun_as_it_says(tmp_path):
+    """"The same script runs under `torchrun --nproc-per-node 4 step.py`": the script calls
+    `run` twice, and the second call used to make a second process group in torchrun's store,
+    where gloo waited minutes on the first one's addresses. Each rank prints its own result,
+    once per call."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text()
+    script = re.search(r"### 1\. The communication library.*?```python\n(.*?)```", readme, re.S).group(1)
+    assert "torchrun --nproc-per-node 4 step.py" in readme
+    (tmp_path / "step.py").write_text(script)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    run = subprocess.Popen([str(torchrun), "--nproc-per-node", "4", "step.py"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+    try:
+        stdout, stderr = run.communicate(timeout=90)
+    finally:
+        if run.poll() is None:  # it hung: no rank is left waiting on the rest
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    assert run.returncode == 0, stderr[-3000:]
+    printed = sorted(re.findall(r"\{\d+: \([^)]*\)\}", stdout))  # ranks share the pipe: lines may run together
+    assert printed == sorted(f"{{{rank}: (10.0, 1000.0)}}" for rank in range(4) for _ in range(2)), stdout
