@@ -64,3 +64,33 @@ def test_a_model_without_a_plan_cannot_be_split(tmp_path):
     result = paratrain("train", "--model", MODEL, "--tp", "2", "--plan-only")
     assert result.exit_code == 2
     assert f"model.plan: {MODEL} has no parallelism plan of its own; give one with --plan" in result.output
+
+
+def test_the_readmes_config_builds_and_arguments_that_cannot_run_are_one_line(tmp_path):
+    """examples/own_model/README.md's `model:` section, as written, plans; the same without its
+    head count (6 does not divide a width of 128) used to end in a traceback from every rank."""
+    import re
+
+    section = re.search(r"`(model: \{name: examples/own_model/model\.py:build[^`]*)`", (EXAMPLE / "README.md").read_text())
+    config = tmp_path / "run.yaml"
+    config.write_text(section.group(1).replace("examples/own_model/model.py", str(EXAMPLE / "model.py")) + "\n")
+    result = paratrain("train", "--config", str(config), "--plan-only")
+    assert result.exit_code == 0, result.output
+    config.write_text(f"model: {{name: {MODEL}, layers: 8, width: 128}}\n")
+    result = paratrain("train", "--config", str(config), "--plan-only")
+    assert result.exit_code == 2, result.output
+    assert "with layers=8, width=128: one sequence of 64 tokens does not pass through it: RuntimeError: " \
+           "shape '[1, 64, 6, -1]' is invalid" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_a_model_whose_logits_are_not_batch_position_vocabulary_is_one_line(tmp_path):
+    source = ("import torch\nfrom torch import nn\n"
+              "class Pooled(nn.Module):\n"
+              "    vocab_size, block_size = 32, 8\n"
+              "    def __init__(self):\n        super().__init__(); self.embed = nn.Embedding(32, 4); self.head = nn.Linear(4, 32)\n"
+              "    def forward(self, tokens):\n        return self.head(self.embed(tokens).mean(1))\n"
+              "def build():\n    return Pooled()\n")
+    result = paratrain("train", "--model", f"{write(tmp_path, source)}:build", "--plan-only")
+    assert result.exit_code == 2, result.output
+    assert "(1, 8) token ids gave logits of shape (1, 32), not (1, 8, 32)" in result.output

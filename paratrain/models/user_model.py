@@ -77,6 +77,24 @@ class CausalLMFile:
                 raise ModelFileError(f"model {self.spec}: its {name} is not an attribute of the module "
                                  f"({', '.join(CONTEXT_ATTRS) if flag == '--block-size' else 'vocab_size'}); "
                                  f"give it with {flag}")
+        self._check_forward(model)
+
+    def _check_forward(self, model: nn.Module) -> None:
+        """One sequence through the model, on the meta device: arguments that build a module which
+        cannot run (a width its head count does not divide) are one line here, before any rank
+        starts, not a traceback from every rank."""
+        tokens = torch.zeros(1, self.block_size, dtype=torch.long, device="meta")
+        try:
+            with torch.no_grad():
+                logits = model(tokens)
+        except Exception as error:  # the user's code
+            raise ModelFileError(f"model {self.spec} with {_options(self.options)}: one sequence of "
+                                 f"{self.block_size} tokens does not pass through it: "
+                                 f"{type(error).__name__}: {error}") from None
+        if isinstance(logits, torch.Tensor) and tuple(logits.shape) != (1, self.block_size, self.vocab_size):
+            raise ModelFileError(f"model {self.spec}: (1, {self.block_size}) token ids gave logits of shape "
+                                 f"{tuple(logits.shape)}, not (1, {self.block_size}, {self.vocab_size}) "
+                                 "(batch, position, vocabulary)")
 
     def build(self, device=None) -> nn.Module:
         function = load_function(self.spec)
@@ -97,6 +115,10 @@ class CausalLMFile:
                 return function(**kwargs)
         except Exception as error:  # the user's code
             raise ModelFileError(f"model {self.spec}: {type(error).__name__}: {error}") from None
+
+
+def _options(options: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in options.items()) or "its defaults"
 
 
 def language_model_shape(model: nn.Module) -> tuple[int | None, int | None]:
