@@ -178,3 +178,21 @@ def test_train_runs_unchanged_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "world 2 = dp 2 x pp 1 x tp 1 (torchrun)" in result.stdout
     assert json.loads((tmp_path / "m.json").read_text())["summary"]["steps"] == 3
+
+
+def test_the_training_pages_example_config_and_error_lines_are_what_runs():
+    """docs/training.md's `--config examples/run.yaml` names a file that exists and validates (its
+    plan printed, nothing trained), and the page's error lines are what the command prints."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "training.md").read_text()
+    assert ".venv/bin/paratrain train --config examples/run.yaml --lr 0.01" in page
+    result = CliRunner().invoke(main, ["train", "--config", str(root / "examples" / "run.yaml"), "--lr", "0.01",
+                                       "--plan-only"])
+    assert result.exit_code == 0, result.output
+    assert "world 4 = dp 2 x pp 1 x tp 2" in result.output
+    shown = re.search(r"\$ paratrain train --nproc 4 --global-batch 30 --lr -1\n(.*?)```", page, re.S).group(1)
+    printed = CliRunner().invoke(main, ["train", "--nproc", "4", "--global-batch", "30", "--lr", "-1"]).output
+    assert shown.strip().splitlines() == printed.strip().splitlines()
