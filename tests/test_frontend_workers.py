@@ -127,6 +127,13 @@ def test_top_shows_every_worker_and_client(two_workers):
     assert result.output.count("alive") == 2 and "clients" in result.output and "ops/s" in result.output
 
 
+def test_top_into_a_pipe_prints_each_update_after_the_last(two_workers):
+    """Off a terminal, a view redrawn in place printed nothing until it ended (issue 38)."""
+    result = CliRunner().invoke(paratrain_cli, ["top", "--server", two_workers.address, "--interval", "0.05", "-n", "3"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("clients") == 3 and result.output.count("alive") == 6
+
+
 def test_layers_on_four_workers_train_with_adamw_like_pytorch(four_workers):
     gt.connect(four_workers.address)
     try:

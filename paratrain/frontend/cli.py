@@ -124,15 +124,18 @@ def worker(host, port, token, threads, connect_timeout, backend, name, exit_with
 @click.option("--interval", default=1.0, show_default=True, type=FiniteFloat(min=0, min_open=True),
               help="Seconds between updates.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit.")
-def top(server, token, interval, once):
+@click.option("-n", "--iterations", type=click.IntRange(min=1), default=None,
+              help="Stop after this many updates (default: until Ctrl-C).")
+def top(server, token, interval, once, iterations):
     """Live view of a dispatcher: per worker operations/s, busy %, queue depth and memory held;
-    per client instructions and tensors."""
+    per client instructions and tensors. On a terminal the view is redrawn in place; into a pipe
+    or a file each update is printed after the last."""
     from paratrain.frontend.errors import FrontendError
     from paratrain.frontend.protocol.addresses import AddressError
     from paratrain.frontend.top import run_top
 
     try:
-        run_top(server, token, interval, once)
+        run_top(server, token, interval, once, snapshots=iterations)
     except (AddressError, FrontendError) as error:
         raise click.ClickException(str(error)) from None
 

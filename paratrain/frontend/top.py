@@ -27,17 +27,27 @@ def render(stats: messages.Stats) -> Group:
     return Group(workers, clients)
 
 
-def run_top(address: str, token: str | None, interval: float, once: bool) -> None:
+def run_top(address: str, token: str | None, interval: float, once: bool, snapshots: int | None = None) -> None:
+    """Off a terminal (a pipe, a file) a view redrawn in place shows nothing until it ends: there
+    each update is printed after the last, as `top -b` does. `snapshots`: stop after this many."""
     monitor = Monitor(address, token)
     console = Console()
     try:
-        if once:
-            console.print(render(monitor.stats()))
-            return
-        with Live(render(monitor.stats()), console=console, refresh_per_second=4) as live:
+        if once or not console.is_terminal:
+            printed = 0
             while True:
+                console.print(render(monitor.stats()))
+                console.file.flush()  # a pipe's reader sees each update as it is made
+                printed += 1
+                if once or printed == snapshots:
+                    return
+                time.sleep(interval)
+        with Live(render(monitor.stats()), console=console, refresh_per_second=4) as live:
+            shown = 1
+            while snapshots is None or shown < snapshots:
                 time.sleep(interval)
                 live.update(render(monitor.stats()))
+                shown += 1
     except KeyboardInterrupt:
         pass
     finally:
