@@ -196,3 +196,16 @@ def test_the_training_pages_example_config_and_error_lines_are_what_runs():
     shown = re.search(r"\$ paratrain train --nproc 4 --global-batch 30 --lr -1\n(.*?)```", page, re.S).group(1)
     printed = CliRunner().invoke(main, ["train", "--nproc", "4", "--global-batch", "30", "--lr", "-1"]).output
     assert shown.strip().splitlines() == printed.strip().splitlines()
+
+
+def test_the_summary_says_where_a_resumed_runs_first_loss_comes_from(capsys):
+    """After a resume the first loss of this run is not the first of training: it says so."""
+    from paratrain.train.cli import print_summary
+
+    common = {"final_loss": 1.5, "step_ms": 10.0, "step_ms_stdev": 1.0, "compute_ms": 8.0, "comm_ms": 2.0,
+              "exposed_comm_ms": 1.0, "samples_per_s": 100.0}
+    print_summary({**common, "first_loss": 2.5, "first_step": 0})
+    print_summary({**common, "first_loss": 2.0, "first_step": 6})
+    fresh, resumed = [line for line in capsys.readouterr().out.splitlines() if "final loss" in line]
+    assert fresh.endswith("1.50000 (from 2.50000)")
+    assert resumed.endswith("1.50000 (from 2.00000 at step 6, where this run resumed)")

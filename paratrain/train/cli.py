@@ -35,7 +35,8 @@ def describe_model(config: TrainConfig) -> str:
 
 def print_summary(summary: dict) -> None:
     rows = [
-        ("final loss", f"{summary['final_loss']:.5f} (from {summary['first_loss']:.5f})"),
+        ("final loss", f"{summary['final_loss']:.5f} (from {summary['first_loss']:.5f}"
+         + (f" at step {summary['first_step']}, where this run resumed)" if summary.get("first_step") else ")")),
         ("step time", f"{summary['step_ms']:.1f} ms (stdev {summary['step_ms_stdev']:.1f})"),
         ("compute", f"{summary['compute_ms']:.1f} ms"),
         ("communication", f"{summary['comm_ms']:.1f} ms in all, {summary['exposed_comm_ms']:.1f} ms not hidden"),

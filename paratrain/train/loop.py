@@ -129,7 +129,7 @@ def summarize(log: list[dict], config: TrainConfig, world_size: int, params: int
     summary = {
         "model": config.model.name, "params": params, "world_size": world_size,
         "dp_mode": strategy_of(config.parallel).name, "global_batch": config.data.global_batch,
-        "steps": len(log), "final_loss": log[-1]["loss"], "first_loss": log[0]["loss"],
+        "steps": len(log), "final_loss": log[-1]["loss"], "first_loss": log[0]["loss"], "first_step": log[0]["step"],
         "step_ms": step_ms, "step_ms_stdev": statistics.pstdev(e["step_ms"] for e in timed),
         "compute_ms": mean("compute_ms"), "comm_ms": mean("comm_ms"),
         "exposed_comm_ms": mean("exposed_comm_ms"),
