@@ -3,6 +3,9 @@ any world size gives back the global batch, each data set has the shapes its mod
 and bad requests fail with a message that says what was wrong."""
 
 import math
+import re
+
+import numpy as np
 
 import pytest
 import torch
@@ -16,7 +19,17 @@ SMALL = {
     "tokens": {"vocab_size": 32, "block_size": 16},
     "digits": {},
     "text": {"block_size": 16},  # the shipped Shakespeare
+    "token_file": {"block_size": 16, "vocab_size": 300},  # and a path: small_token_file below
 }
+
+
+@pytest.fixture(autouse=True)
+def small_token_file(tmp_path, monkeypatch):
+    """The token-file data set reads a file: 4,000 uint16 ids, as numpy writes nanoGPT's train.bin."""
+    path = tmp_path / "train.bin"
+    np.random.default_rng(0).integers(0, 300, 4000).astype(np.uint16).tofile(path)
+    monkeypatch.setitem(SMALL, "token_file", {**SMALL["token_file"], "path": str(path)})
+    return path
 
 
 def _batches_equal(a, b):
@@ -24,7 +37,7 @@ def _batches_equal(a, b):
 
 
 def test_registry_names_every_data_set():
-    assert DATASET_NAMES == ("teacher", "regression", "tokens", "digits", "text")
+    assert DATASET_NAMES == ("teacher", "regression", "tokens", "digits", "text", "token_file")
 
 
 @pytest.mark.parametrize("name", DATASET_NAMES)
@@ -193,3 +206,28 @@ def test_a_rank_draws_exactly_its_rows_of_the_global_batch(name, options, batch_
         mine = rank_batch(dataset, 5, batch_size, rank, world)
         for got, expected in zip(mine, shard(whole, rank, world)):
             assert torch.equal(got, expected)
+
+
+def test_a_token_file_gives_windows_of_its_ids_and_holds_out_its_last_tenth(small_token_file):
+    ids = np.fromfile(small_token_file, dtype=np.uint16).astype(np.int64)
+    data = build_dataset("token_file", seed=0, **SMALL["token_file"])
+    inputs, targets = data.global_batch(3, 8)
+    assert inputs.shape == targets.shape == (8, 16) and inputs.dtype == torch.int64
+    for row_in, row_target in zip(inputs.tolist(), targets.tolist()):
+        starts = [i for i in range(3600 - 16) if ids[i:i + 16].tolist() == row_in]  # training ids only
+        assert starts and ids[starts[0] + 1:starts[0] + 17].tolist() == row_target
+    held_out = data.validation_batches(8, 1)[0][0]
+    assert held_out[0].tolist() == ids[3600:3616].tolist()  # the last 10% begins at id 3,600
+
+
+@pytest.mark.parametrize("write, options, message", [
+    (lambda p: np.arange(30, dtype=np.uint16).tofile(p), {}, "is too short: 30 ids give 27 for training"),
+    (lambda p: np.full(4000, 300, dtype=np.uint16).tofile(p), {}, "id 300 (token 0) is beyond the model's vocabulary of 300"),
+    (lambda p: p.write_bytes(bytes(4001)), {}, "holds 4001 bytes, not a whole number of uint16 ids (2 bytes each)"),
+    (lambda p: p.write_bytes(bytes(4002)), {"dtype": "uint32"}, "(is it uint16? then drop ':uint32')"),
+])
+def test_a_token_file_that_cannot_serve_is_one_line(tmp_path, write, options, message):
+    path = tmp_path / "bad.bin"
+    write(path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_dataset("token_file", seed=0, **{**SMALL["token_file"], "path": str(path), **options})

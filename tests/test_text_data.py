@@ -118,7 +118,7 @@ def test_bad_text_inputs_fail_with_one_line(two_part_file, options, message):
 def test_text_is_refused_for_models_that_are_not_gpts():
     with pytest.raises(ValueError, match="model 'cnn' cannot train on text"):
         dataset_for("cnn", {}, "text", 0)
-    with pytest.raises(ValueError, match=r"'tokens' data or on text \('text' or 'text:PATH'\), not 'digits'"):
+    with pytest.raises(ValueError, match=r"'tokens' data or on text \('text' or 'text:PATH'\) or a token file \('tokens:PATH'\), not 'digits'"):
         dataset_for("gpt-tiny", {}, "digits", 0)
     assert dataset_for("gpt-small", {}, "text", 0).block_size == 64  # vocab 512 is enough
 
@@ -238,3 +238,27 @@ def test_sample_command_reports_a_missing_checkpoint_in_one_line(monkeypatch):
     result = CliRunner().invoke(main, ["sample", "--checkpoint", "nowhere"])
     assert result.exit_code == 2
     assert result.output.strip() == "paratrain sample: error: no checkpoint at nowhere"
+
+
+def test_a_numpy_token_file_trains_and_evaluates_at_dp2_tp2(tmp_path):
+    """nanoGPT's format: a flat uint16 file of token ids, here written by numpy. The model's
+    vocabulary is given on the command line (the file's ids reach 999)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    successors = rng.integers(0, 1000, (1000, 3))  # a walk with 3 successors per id: learnable
+    ids = [0]
+    for choice in rng.integers(0, 3, 20_000):
+        ids.append(successors[ids[-1], choice])
+    path = tmp_path / "train.bin"
+    np.array(ids, dtype=np.uint16).tofile(path)
+    metrics = tmp_path / "m.json"
+    result = CliRunner().invoke(main, ["train", "--model", "gpt-tiny", "--vocab-size", "1024", "--data", f"tokens:{path}",
+                                       "--dp", "2", "--tp", "2", "--steps", "8", "--eval-every", "7", "--optimizer",
+                                       "adamw", "--lr", "0.003", "--metrics-out", str(metrics)])
+    assert result.exit_code == 0, result.output
+    summary = __import__("json").loads(metrics.read_text())["summary"]
+    assert summary["final_loss"] < summary["first_loss"] - 0.3 and "val_loss" in summary
+    too_far = CliRunner().invoke(main, ["train", "--model", "gpt-tiny", "--data", f"tokens:{path}", "--steps", "2"])
+    assert too_far.exit_code == 2 and "is beyond the model's vocabulary of 256" in too_far.output
+    assert len(too_far.output.strip().splitlines()) == 1, too_far.output

@@ -27,6 +27,7 @@ from paratrain.data.synthetic import (
     TeacherDataset,
 )
 from paratrain.data.text import TextConfig, TextDataset
+from paratrain.data.token_file import TokenFileConfig, TokenFileDataset
 from paratrain.data.tokens import TokenDataset, TokensConfig
 
 
@@ -47,6 +48,7 @@ _DATASETS = {
     "tokens": (TokenDataset, TokensConfig),
     "digits": (DigitsDataset, DigitsConfig),
     "text": (TextDataset, TextConfig),
+    "token_file": (TokenFileDataset, TokenFileConfig),
 }
 DATASET_NAMES = tuple(_DATASETS)
 

@@ -9,6 +9,7 @@ import torch
 
 from paratrain.data import build_dataset
 from paratrain.data.text import is_text_name, text_path_of
+from paratrain.data.token_file import is_token_file_name, token_file_options
 from paratrain.models import CAUSAL_LM_CONFIGS, CNNConfig, DeepMLPConfig, MLPConfig, build_model, model_config
 from paratrain.models.plans import default_plan
 from paratrain.parallel.plan import Plan, load_plan
@@ -61,14 +62,18 @@ def data_choice(model_name: str, overrides: dict, data_name: str | None) -> tupl
         raise ValueError(f"no data set known for model {model_name!r}")
     if data_name is None or data_name == natural:
         return natural, options
-    if not is_text_name(data_name):
-        also = " or on text ('text' or 'text:PATH')" if isinstance(config, CAUSAL_LM_CONFIGS) else ""
+    if not is_text_name(data_name) and not is_token_file_name(data_name):
+        also = (" or on text ('text' or 'text:PATH') or a token file ('tokens:PATH')"
+                if isinstance(config, CAUSAL_LM_CONFIGS) else "")
         raise ValueError(f"model {model_name!r} trains on '{natural}' data{also}, not {data_name!r}")
     if not isinstance(config, CAUSAL_LM_CONFIGS):
-        raise ValueError(f"model {model_name!r} cannot train on text: byte-level text is for the language "
-                         f"models (GPT, Llama, FILE.py:FUNCTION), which predict the next byte")
-    return "text", {"path": text_path_of(data_name), "block_size": config.block_size,
-                    "vocab_size": config.vocab_size}
+        raise ValueError(f"model {model_name!r} cannot train on {data_name.partition(':')[0]}: text and token "
+                         f"files are for the language models (GPT, Llama, FILE.py:FUNCTION), which predict the "
+                         f"next token")
+    shape = {"block_size": config.block_size, "vocab_size": config.vocab_size}
+    if is_token_file_name(data_name):
+        return "token_file", {**token_file_options(data_name), **shape}
+    return "text", {"path": text_path_of(data_name), **shape}
 
 
 def fsdp_units_note(config) -> list[str]:

@@ -9,6 +9,7 @@ import math
 from paratrain.comm.algorithms import algorithms_for
 from paratrain.data import DATASET_NAMES, dataset_config
 from paratrain.data.text import is_text_name
+from paratrain.data.token_file import is_token_file_name
 from paratrain.launch import LAUNCHERS
 import torch
 
@@ -143,8 +144,8 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
 def _data_problems(problems: list[str], config: TrainConfig) -> None:
     """The data set must exist, suit the model and (text) its file be there and long enough."""
     name = config.data.name
-    if name is not None and not is_text_name(name):
-        _choice(problems, "data.name", name, DATASET_NAMES + ("text:PATH",))
+    if name is not None and not is_text_name(name) and not is_token_file_name(name):
+        _choice(problems, "data.name", name, DATASET_NAMES + ("text:PATH", "tokens:PATH[:uint32]"))
         if name not in DATASET_NAMES:
             return
     try:
