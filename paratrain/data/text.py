@@ -75,8 +75,17 @@ class TextConfig:
             )
 
     def split_sizes(self, size: int) -> tuple[int, int]:
-        train_bytes = int(size * (1.0 - self.val_fraction))
-        return train_bytes, size - train_bytes
+        return split_sizes(size, self.val_fraction)
+
+    def ids(self) -> np.ndarray:
+        """The file as token ids: one per byte."""
+        return np.memmap(self.file, dtype=np.uint8, mode="r")
+
+
+def split_sizes(tokens: int, val_fraction: float) -> tuple[int, int]:
+    """(training, validation) tokens of a stream whose last `val_fraction` is held out."""
+    train = int(tokens * (1.0 - val_fraction))
+    return train, tokens - train
 
 
 class TextDataset:
@@ -88,10 +97,10 @@ class TextDataset:
         self.seed, self.config = check_seed(seed), config
         self.vocab_size, self.block_size = config.vocab_size, config.block_size
         # One read-only map of the file, shared by every rank of a threads run; the OS pages
-        # in only the windows drawn.
-        data = np.memmap(config.file, dtype=np.uint8, mode="r")
-        train_bytes, _ = config.split_sizes(len(data))
-        self.train_data, self.val_data = data[:train_bytes], data[train_bytes:]
+        # in only the windows drawn. (Its config says how the file holds ids: token_file.py.)
+        data = config.ids()
+        train, _ = config.split_sizes(len(data))
+        self.train_data, self.val_data = data[:train], data[train:]
 
     def global_batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """B windows of the training bytes at random starts drawn from (seed, step) alone:

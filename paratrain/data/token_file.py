@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.data.synthetic import check_positive_fields, check_seed
-from paratrain.data.text import TextDataset
+from paratrain.data.synthetic import check_positive_fields
+from paratrain.data.text import TextDataset, split_sizes
 
 WIDTHS = {"uint16": np.uint16, "uint32": np.uint32}
 CHUNK_TOKENS = 1 << 24  # ids read at a time for the largest one: 32 MiB of uint16
@@ -73,16 +73,17 @@ class TokenFileConfig:
             raise ValueError(f"token file {self.file} is too short: {tokens} ids give {train} for training and "
                              f"{val} for validation (the last {self.val_fraction:.0%}), and each needs at least "
                              f"block_size + 1 = {need}")
-        ids = np.memmap(self.file, dtype=WIDTHS[self.dtype], mode="r")
-        largest, where = _largest(ids)
+        largest, where = _largest(self.ids())
         if largest >= self.vocab_size:
             raise ValueError(f"token file {self.file}: id {largest} (token {where:,}) is beyond the model's "
                              f"vocabulary of {self.vocab_size} (ids 0 to {self.vocab_size - 1}); "
                              f"give the model a larger vocab_size")
 
     def split_sizes(self, tokens: int) -> tuple[int, int]:
-        train = int(tokens * (1.0 - self.val_fraction))
-        return train, tokens - train
+        return split_sizes(tokens, self.val_fraction)
+
+    def ids(self) -> np.ndarray:
+        return np.memmap(self.file, dtype=WIDTHS[self.dtype], mode="r")
 
 
 def _largest(ids: np.ndarray) -> tuple[int, int]:
@@ -97,13 +98,5 @@ def _largest(ids: np.ndarray) -> tuple[int, int]:
 
 
 class TokenFileDataset(TextDataset):
-    """Text's windows over ids of any width (TextDataset reads only `train_data`, `val_data`)."""
+    """Text's windows over ids of any width (the config's `ids()` maps them)."""
     name = "token_file"
-
-    def __init__(self, seed: int, config: TokenFileConfig):  # not TextDataset's: that one maps bytes
-        config.validate()
-        self.seed, self.config = check_seed(seed), config
-        self.vocab_size, self.block_size = config.vocab_size, config.block_size
-        ids = np.memmap(config.file, dtype=WIDTHS[config.dtype], mode="r")
-        train, _ = config.split_sizes(len(ids))
-        self.train_data, self.val_data = ids[:train], ids[train:]

@@ -45,7 +45,6 @@ class Connection:
         self.lost: str | None = None  # why the dispatcher no longer serves us
         self.context = zmq.Context()
         self.token = token
-        self.cut = bool(token)  # a dispatcher with a token takes parts cut into pieces (codec.py)
         hello = messages.Hello("client", VERSION, os.getpid(), (name or os.path.basename(sys.argv[0] or "python"))[:256],
                                socket.gethostname()[:256], "", None)
         try:
@@ -62,7 +61,7 @@ class Connection:
         """Send without waiting. (A refusal sent to us meanwhile is read at the next receive,
         or by the heartbeat thread within seconds: polling here would cost every batch.)"""
         self.check()
-        self.sock.send_multipart(codec.encode(message, self.cut), copy=False)
+        self.sock.send_multipart(codec.encode(message, codec.cuts(self.token)), copy=False)
 
     def check(self) -> None:
         """ConnectionLost if the dispatcher has said it dropped us."""

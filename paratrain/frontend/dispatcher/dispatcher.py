@@ -62,9 +62,9 @@ class Dispatcher:
         self.sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)  # beyond: the Backlog, bounded (backlog.py)
         # With a token, parts come cut into frames of at most a piece (codec.py): a piece is then all
         # a stranger can make the dispatcher hold; --max-message-mb bounds whole tensors (_receive).
-        self.cut = bool(settings.token)
         # (CURVE wraps each frame in a MESSAGE command: 33 bytes more on the wire, where libzmq checks.)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, codec.PIECE_BYTES + 1024 if self.cut else settings.max_message_mb << 20)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, codec.PIECE_BYTES + 1024 if codec.cuts(settings.token)
+                             else settings.max_message_mb << 20)
         # A connection that has not finished ZeroMQ's handshake in this time is closed (libzmq's
         # default, 30 s, let a stranger hold thousands of silent sockets, one descriptor each).
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
@@ -196,7 +196,7 @@ class Dispatcher:
         joined = role in ("client", "worker", "monitor")
         try:
             message = codec.decode(body, self.accepts, codec.MAX_HEADER if joined else STRANGER_HEADER,
-                                   self.settings.max_message_mb << 20, cut=self.cut)
+                                   self.settings.max_message_mb << 20, cut=codec.cuts(self.settings.token))
         except MalformedMessage as error:
             who = f"{role} {self._name(identity, role)}" if joined else f"an unjoined peer {identity.hex()}"
             self.complain(f"malformed {role}", f"dropped a malformed message from {who}: {error}")

@@ -61,6 +61,11 @@ def layout(cls) -> Layout:
     return found
 
 
+def cuts(token: str | None) -> bool:
+    """Whether parts toward a dispatcher travel cut into pieces: with a token (see the top)."""
+    return bool(token)
+
+
 def encode(message, cut: bool = False) -> list:
     """The frames of `message`: its header, then its frames (tensor bytes), if it has any; each
     cut into pieces with `cut` (toward a dispatcher with a token)."""
@@ -91,9 +96,9 @@ def _size(frame) -> int:
     return frame.nbytes if isinstance(frame, memoryview) else len(frame)
 
 
-def parts(frames: list, first_only: bool = False) -> list:
-    """The parts that `frames` carry (a received message's frames, bytes-like); with
-    first_only, only the first (the header). Frames are joined only where a part was split."""
+def parts(frames: list) -> list:
+    """The parts that `frames` carry (a received message's frames, bytes-like). Frames are
+    joined only where a part was cut."""
     if all(_size(frame) != PIECE_BYTES for frame in frames):
         return frames  # the common case: every part is one frame
     joined, pending = [], []
@@ -102,24 +107,11 @@ def parts(frames: list, first_only: bool = False) -> list:
             pending.append(frame)
             continue
         if pending:
-            pending.append(frame)
-            frame = _join(pending)
-            pending = []
+            frame, pending = b"".join([*pending, frame]), []
         joined.append(frame)
-        if first_only:
-            return joined
     if pending:
         raise MalformedMessage(f"a message ends inside a part ({len(pending)} full frames, no last frame)")
     return joined
-
-
-def _join(frames: list) -> bytearray:
-    whole, at = bytearray(sum(_size(frame) for frame in frames)), 0
-    for frame in frames:
-        size = _size(frame)
-        whole[at:at + size] = frame
-        at += size
-    return whole
 
 
 def decoder(accepted) -> dict:
@@ -127,14 +119,12 @@ def decoder(accepted) -> dict:
     return {cls.KIND: cls for cls in accepted}
 
 
-def peek(frames: list, count_of: str | None = None, cut: bool = False) -> tuple[str | None, int]:
+def peek(frames: list, count_of: str | None = None) -> tuple[str | None, int]:
     """(type of a message, length of its list field `count_of`), read without decoding the
     rest: a receiver's I/O thread routes on it and leaves the decoding to the thread that
     handles the message. (None, 0) when there is nothing to read; decoding will say why."""
     kind, count = None, 0
     try:
-        if cut:
-            frames = parts(frames, first_only=True)
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(frames[0]) + 1)
         unpacker.feed(frames[0])
         entries = unpacker.read_map_header()

@@ -18,8 +18,8 @@ ACCEPTS = {"client": codec.decoder(messages.TO_CLIENT), "worker": codec.decoder(
            "monitor": codec.decoder(messages.TO_MONITOR)}
 
 
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_REFUSED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def join(context: zmq.Context, endpoint: str, hello: messages.Hello, token: str | None, timeout: float | None,
@@ -34,7 +34,7 @@ def join(context: zmq.Context, endpoint: str, hello: messages.Hello, token: str 
     try:
         secure_connector(sock, token)
         # Watched from before the connection starts: a refusal for a missing token comes once.
-        refusals = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        refusals = sock.get_monitor_socket(_REFUSED)
         try:
             sock.connect(endpoint)
             return sock, handshake(sock, hello, token, timeout, address, on_wait, refusals)

@@ -80,7 +80,7 @@ def run_worker(address: str, token: str | None = None, *, group=None, local_rank
             group = _join_world(welcome, device, resolve(split_address(address)[0]), settings)
         executor = Executor(group, device, compile_settings, numpy_products=(backend or "").lower() == "numpy",
                             max_reply_bytes=welcome.max_message_mb << 20)
-        _WorkerLoop(sock, context, executor, exit_with_pid, cut=bool(token)).run()
+        _WorkerLoop(sock, context, executor, exit_with_pid, cut=codec.cuts(token)).run()
     finally:
         if sock is not None:
             sock.close(linger=0)
