@@ -11,10 +11,12 @@ STAMP := $(VENV)/.installed
 
 # torch through pip, which takes the CPU build from this machine's disk (TORCH_SPEC); the rest
 # through uv, which installs and byte-compiles on every core (40 s with pip, 17 s with uv here).
-# uv keeps the torch it finds: the project asks only torch>=2.4.
+# uv keeps the torch it finds: the project asks only torch>=2.4. pip byte-compiles on one core,
+# compileall on all of them (57 s -> 42 s here); a file that does not compile is left to Python.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH_SPEC) uv
+	$(BIN)/pip install --quiet --no-compile $(TORCH_SPEC) uv
+	$(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install --quiet --compile-bytecode -e '.[test,mpi]'
 	touch $(STAMP)
 

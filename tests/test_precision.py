@@ -18,7 +18,7 @@ from paratrain.models import GPT
 from paratrain.train.check import BF16_LOSS_RTOL, BF16_PARAM_ATOL, BF16_PROGRESS_RTOL, compare
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
-from paratrain.train.reference import reference_run
+from paratrain.train.reference import Reference, reference_run
 
 LAYOUTS = [
     pytest.param(2, {}, id="dp2"),
@@ -66,7 +66,7 @@ def test_bf16_matches_the_bf16_reference_in_every_layout(world, overrides):
 def test_a_halved_gradient_fails_the_bf16_tolerance():
     config = bf16_config()
     halved_lr = reference_run(bf16_config(**{"optim.lr": 0.25}))  # SGD: the same as a halved gradient
-    as_results = {0: {"log": [{"loss": loss} for loss in halved_lr[0]], "state": halved_lr[1]}}
+    as_results = {0: {"log": [{"loss": loss} for loss in halved_lr.losses], "state": halved_lr.state}}
     report = compare(config, as_results, bf16_reference(0.5))
     assert report["progress_diff"] > 3 * BF16_PROGRESS_RTOL
 
@@ -122,5 +122,5 @@ def test_compare_looks_at_every_rank_not_only_the_last():
     reference_state = {"w": torch.zeros(3)}
     results = {0: {"log": [{"loss": 1.0}, {"loss": 0.5}], "state": {"w": torch.ones(3)}},  # wrong
                1: {"log": [{"loss": 1.0}, {"loss": 0.5}], "state": {"w": torch.zeros(3)}}}
-    report = compare(bf16_config(), results, ([1.0, 0.5], reference_state))
+    report = compare(bf16_config(), results, Reference([1.0, 0.5], reference_state, []))
     assert report["max_param_diff"] == 1.0 and report["worst_param"] == "w (rank 0)"

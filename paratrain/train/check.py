@@ -52,10 +52,15 @@ def passes(report: dict, tolerance: Tolerances) -> bool:
 
 def compare(config, results: dict, reference) -> dict:
     """Largest relative loss difference per step, relative difference of the loss decrease
-    over the run, and the largest absolute parameter difference on any rank."""
-    reference_losses, reference_state = reference
-    losses = [entry["loss"] for entry in results[min(results)]["log"]]
+    over the run, and the largest absolute parameter difference on any rank. With clipping,
+    the gradient norms before it are losses too: a norm off by a share too small to move the
+    parameters beyond their tolerance in a few steps still fails the loss tolerance."""
+    reference_losses, reference_state = reference.losses, reference.state
+    log = results[min(results)]["log"]
+    losses = [entry["loss"] for entry in log]
     loss_diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference_losses)]
+    norms = [entry["grad_norm"] for entry in log if "grad_norm" in entry]
+    norm_diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(norms, reference.grad_norms)]
     progress_diff = 0.0
     if len(losses) >= 2:
         ours, ref = losses[0] - losses[-1], reference_losses[0] - reference_losses[len(losses) - 1]
@@ -71,7 +76,8 @@ def compare(config, results: dict, reference) -> dict:
                 worst, worst_diff = f"{name} (rank {rank})", diff
     return {
         "losses": losses, "reference_losses": reference_losses, "loss_diffs": loss_diffs,
-        "max_loss_diff": max(loss_diffs, default=0.0), "progress_diff": progress_diff,
+        "max_loss_diff": max(loss_diffs + norm_diffs, default=0.0), "progress_diff": progress_diff,
+        "grad_norms": norms, "reference_grad_norms": reference.grad_norms, "max_grad_norm_diff": max(norm_diffs, default=0.0),
         "missing": sorted(set(reference_state) - seen), "max_param_diff": worst_diff, "worst_param": worst,
     }
 
@@ -123,6 +129,13 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
     click.echo(f"loss decrease difference     {report['progress_diff']:.2e} (relative; tolerance {progress_rtol:g})")
     click.echo(f"largest parameter difference {report['max_param_diff']:.2e} in {report['worst_param']} "
                f"(absolute; tolerance {param_atol:g})")
+    norms = report["grad_norms"]
+    if norms:  # a limit that never binds proves nothing about clipping
+        limit = config.optim.clip_grad_norm
+        click.echo(f"gradient norm before clipping {', '.join(f'{n:.5g}' for n in norms)} (reference "
+                   f"{', '.join(f'{n:.5g}' for n in report['reference_grad_norms'])}; largest difference "
+                   f"{report['max_grad_norm_diff']:.2e}, relative, counted as a loss's): clipped to {limit:g} "
+                   f"on {sum(n > limit for n in norms)} of {len(norms)} steps")
     ok = passes(report, Tolerances(loss_rtol, param_atol, progress_rtol))
     if report["missing"]:
         click.echo(f"parameters no rank reported: {', '.join(report['missing'])}")

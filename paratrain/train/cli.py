@@ -46,6 +46,9 @@ def print_summary(summary: dict) -> None:
     if "val_loss" in summary:
         accuracy = f", accuracy {summary['val_accuracy']:.1%}" if "val_accuracy" in summary else ""
         rows.insert(1, ("validation", f"loss {summary['val_loss']:.5f}{accuracy} (last evaluation)"))
+    if "clipped_steps" in summary:
+        rows.append(("clipping", f"{summary['clipped_steps']} of {summary['steps']} steps clipped "
+                                 f"(largest gradient norm {summary['max_grad_norm']:.4g})"))
     if "memory" in summary:
         rows.append(("memory", _memory_line(summary["memory"])))
     if "bubble" in summary:

@@ -45,6 +45,7 @@ class OptimConfig:
     warmup_steps: int = 0  # linear ramp from lr/warmup_steps to lr
     schedule: str = "cosine"  # after warm-up: cosine decay to min_lr_ratio*lr, or constant
     min_lr_ratio: float = 0.1
+    clip_grad_norm: float = 0.0  # > 0: scale gradients so their global 2-norm is at most this; 0: off
 
 
 @dataclass

@@ -19,6 +19,7 @@ from paratrain.data import rank_batch
 from paratrain.mesh import Mesh
 from paratrain.parallel.data import build_data_parallel
 from paratrain.parallel.data.strategy import strategy_of
+from paratrain.parallel.grad_norm import clip_grad_norm_
 from paratrain.train.config import TrainConfig
 from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.held_memory import HeldMemory, per_rank
@@ -75,6 +76,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         with held.watching() if step == config.steps - 1 else nullcontext():
             loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
             dp.finish_gradients()
+            grad_norm = clip_grad_norm_(dp, mesh, config.optim.clip_grad_norm) if config.optim.clip_grad_norm else None
             dp.step(optimizer)
             scheduler.step()
             dp.zero_grad()
@@ -88,6 +90,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         }
         if bubble is not None:
             entry["bubble"] = bubble
+        if grad_norm is not None:
+            entry["grad_norm"] = grad_norm  # before clipping, as torch's clip_grad_norm_ returns it
         if evaluator.due(step):
             entry.update(evaluator.run())
             dp.timer.take()  # FSDP's gathers for evaluation: not the next step's communication
@@ -98,7 +102,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
             progress.write(
                 f"step {step:5d}  loss {entry['loss']:.5f}  {step_ms:7.1f} ms  "
                 f"(comm {comm_ms:6.1f} ms, exposed {exposed_ms:6.1f} ms)"
-                + (f"  bubble {bubble:.1%}" if bubble is not None else "") + format_validation(entry)
+                + (f"  bubble {bubble:.1%}" if bubble is not None else "")
+                + (f"  grad norm {grad_norm:.4g}" if grad_norm is not None else "") + format_validation(entry)
             )
         save_started = time.perf_counter()
         saved = save_if_due(config, group, state, scheduler, step + 1, layout_of(config, group.size))
@@ -137,6 +142,10 @@ def summarize(log: list[dict], config: TrainConfig, world_size: int, params: int
     }
     if tokens_per_sample:
         summary["tokens_per_s"] = summary["samples_per_s"] * tokens_per_sample
+    norms = [entry["grad_norm"] for entry in log if "grad_norm" in entry]
+    if norms:  # how often the clip bound: a limit that never binds changes nothing
+        summary["clipped_steps"] = sum(norm > config.optim.clip_grad_norm for norm in norms)
+        summary["max_grad_norm"] = max(norms)
     evaluated = [entry for entry in log if "val_loss" in entry]
     if evaluated:
         summary.update({key: evaluated[-1][key] for key in ("val_loss", "val_accuracy") if key in evaluated[-1]})

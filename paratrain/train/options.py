@@ -88,6 +88,8 @@ TRAINING_FLAGS = [
     Flag("optim.momentum", "--momentum", type=float, help="SGD momentum."),
     Flag("optim.weight_decay", "--weight-decay", type=float, help="Weight decay."),
     Flag("optim.warmup_steps", "--warmup-steps", type=int, help="Linear warm-up steps."),
+    Flag("optim.clip_grad_norm", "--clip-grad-norm", type=float,
+         help="Clip gradients to this global 2-norm, over every dp/tp/pp/zero shard (0: off, the default)."),
     Flag("optim.schedule", "--lr-schedule", help="Learning rate after warm-up: cosine (default) or constant."),
     Flag("parallel.grad_accum", "--grad-accum", type=int, help="Micro-batches per step; only the last communicates."),
     Flag("parallel.bucket_mb", "--bucket-mb", type=float, help="DDP bucket size in MiB (default 25)."),

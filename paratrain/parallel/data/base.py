@@ -15,6 +15,20 @@ import torch
 from paratrain.parallel.data.timing import CommTimer
 
 
+def pieces_of_shard(params, owned, shard_grad: torch.Tensor) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """`params` laid end to end in a flat buffer, of which this rank owns the spans `owned`,
+    (start, end, where the span sits in the shard): each parameter's owned part of `shard_grad`."""
+    pieces, offset = [], 0
+    for param in params:
+        end = offset + param.numel()
+        for start_owned, end_owned, at in owned:
+            low, high = max(offset, start_owned), min(end, end_owned)
+            if low < high:
+                pieces.append((param, shard_grad[at + low - start_owned : at + high - start_owned]))
+        offset = end
+    return pieces
+
+
 class DataParallel:
     def __init__(self, module: torch.nn.Module, group, algo: str = "auto"):
         self.module, self.group, self.algo = module, group, algo
@@ -40,6 +54,19 @@ class DataParallel:
 
     def finish_gradients(self) -> None:
         """After the step's last backward: every rank holds the averaged gradient."""
+
+    # After finish_gradients: whether the gradients the optimizer reads are 1/n shards (ZeRO,
+    # FSDP: the global norm sums over replicas) or the same whole on every replica.
+    grads_sharded = False
+
+    def gradient_pieces(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(parameter, the part of its gradient this rank's optimizer reads), after
+        finish_gradients: what the global gradient norm is made of (parallel/grad_norm.py)."""
+        return [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
+
+    def gradients_to_scale(self) -> list[torch.Tensor]:
+        """The gradient tensors the optimizer reads, to be scaled in place (clipping)."""
+        return [grad for _, grad in self.gradient_pieces()]
 
     def step(self, optimizer) -> None:
         optimizer.step()

@@ -31,7 +31,7 @@ from functools import partial
 
 import torch
 
-from paratrain.parallel.data.base import DataParallel
+from paratrain.parallel.data.base import DataParallel, pieces_of_shard
 from paratrain.parallel.data.buckets import StartInOrder
 from paratrain.parallel.data.compression import Pending
 from paratrain.parallel.data.fsdp_units import ShardedUnit, unit_layout
@@ -148,6 +148,15 @@ class FullyShardedDataParallel(DataParallel):
             unit.free()
 
     # ---- the step -------------------------------------------------------------------------
+
+    grads_sharded = True
+
+    def gradient_pieces(self):
+        return [piece for unit in self.units
+                for piece in pieces_of_shard(unit.params, [(unit.own.start, unit.own.stop, 0)], unit.shard.grad)]
+
+    def gradients_to_scale(self):
+        return [unit.shard.grad for unit in self.units]
 
     def make_optimizer(self, build):
         return build([unit.shard for unit in self.units])

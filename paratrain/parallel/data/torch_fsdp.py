@@ -47,6 +47,11 @@ class TorchFullyShardedDataParallel(DataParallel):
         finally:
             self.module.set_requires_gradient_sync(True)
 
+    grads_sharded = True  # DTensors sharded on their first dimension: each rank reads its own rows
+
+    def gradient_pieces(self):
+        return [(p, p.grad.to_local()) for p in self.module.parameters() if p.grad is not None]
+
     def zero_grad(self) -> None:
         for param in self.module.parameters():
             param.grad = None

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.comm.ops import part_bounds
-from paratrain.parallel.data.base import DataParallel
+from paratrain.parallel.data.base import DataParallel, pieces_of_shard
 from paratrain.parallel.data.buckets import MIB, StartInOrder, assign_buckets
 from paratrain.parallel.data.compression import Pending
 
@@ -112,6 +112,14 @@ class ZeroOneDataParallel(DataParallel):
             pending.finish(self.timer)
         self._pending = []
         self._order.reset()
+
+    grads_sharded = True
+
+    def gradient_pieces(self):
+        return pieces_of_shard(self.params, self._owned, self.shard.grad)
+
+    def gradients_to_scale(self):
+        return [self.shard.grad]
 
     def step(self, optimizer) -> None:
         optimizer.step()
