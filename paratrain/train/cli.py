@@ -18,6 +18,7 @@ from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.timeline import format_timeline
 from paratrain.settings import Settings
 from paratrain.train.config import TrainConfig, to_dict
+from paratrain.train.config_reference import config_yaml
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate, format_estimate
 from paratrain.train.options import checkpoint_options, training_options, validated_config
@@ -149,12 +150,14 @@ def _part_name(model, part) -> str:
 @checkpoint_options
 @click.option("--plan-only", is_flag=True,
               help="Print the model, mesh, schedule, the plan's split and memory per rank; do not train.")
+@click.option("--print-config", is_flag=True,
+              help="Print the resolved configuration as YAML (a file for --config) and exit; do not train.")
 @click.option("--benchmark", is_flag=True,
               help="Measure instead of train: `paratrain bench train` with these options.")
 @click.option("--max-nproc", type=click.IntRange(min=1),
               help="With --benchmark: every world size up to this (multiples of pp x tp), batch per replica fixed.")
 @click.pass_context
-def train(ctx, config_path, plan_only, benchmark, max_nproc, **flags):
+def train(ctx, config_path, plan_only, print_config, benchmark, max_nproc, **flags):
     """Train a model on a world of ranks: data, tensor and pipeline parallelism.
 
     \b
@@ -172,10 +175,13 @@ def train(ctx, config_path, plan_only, benchmark, max_nproc, **flags):
     """
     if max_nproc and not benchmark:
         raise click.UsageError("--max-nproc goes with --benchmark")
-    if benchmark and not plan_only:
+    if benchmark and not (plan_only or print_config):
         return _benchmark(ctx, config_path, max_nproc, flags)
     settings = Settings.resolve()
     config, world = validated_config(config_path, flags, settings)
+    if print_config:
+        click.echo(config_yaml(config), nl=False)
+        return
     if not settings.launch.in_torchrun or settings.launch.rank == 0:
         click.echo(describe_model(config))
         for line in describe_run(config, world, settings):
