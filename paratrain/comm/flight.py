@@ -21,10 +21,24 @@ import tempfile
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
+
+import torch
 
 from paratrain.errors import UserError
 
 CAPACITY = 64  # enough to see the calls around a hang; small enough to dump in a blink
+_NO_RANGE = nullcontext()
+
+
+def named_range(op: str):
+    """A collective as a named range (`paratrain.all_reduce`) in a torch.profiler trace while
+    one records (`train --profile`); otherwise nothing. torch.profiler sets the flag read here
+    for the whole process (its C++ `_profiler_enabled()` answers for the calling thread only,
+    and not for a Kineto profiler); a torch without the flag gets the ranges always."""
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+        return torch.profiler.record_function(f"paratrain.{op}")
+    return _NO_RANGE
 
 
 class Call:

@@ -25,7 +25,7 @@ from paratrain.comm import checks
 from paratrain.comm.algorithms import ALGORITHMS, OPS, SHARED_ALGORITHMS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
-from paratrain.comm.flight import Call
+from paratrain.comm.flight import Call, named_range
 from paratrain.comm.handles import CollectiveHandle, timed
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
 from paratrain.comm.ops import check_reduce_op, divide_, part_size
@@ -153,7 +153,8 @@ class Group(PointToPoint, StraightCalls):
                 if self.debug:
                     checks.same_call_everywhere(link, signature.with_algo(chosen))
                 try:
-                    result = body(chosen, link)
+                    with named_range(op_name):
+                        result = body(chosen, link)
                 except TRANSPORT_ERRORS as error:  # a native collective's own
                     raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
                 self._retire(link.finished)

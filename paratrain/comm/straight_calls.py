@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.comm.flight import named_range
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
 from paratrain.comm.ops import divide_
 from paratrain.comm.p2p_calls import USER_TAGS
@@ -40,12 +41,13 @@ class StraightCalls:
         link = None
         try:
             try:
-                if entry.timed is not None:  # a shared-segment plan: no message, so no Link to make
-                    entry.timed(self.timeout)
-                else:
-                    link = Link(self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
-                                self.segment_bytes, self._scratch)
-                    entry.run(link)
+                with named_range(op_name):
+                    if entry.timed is not None:  # a shared-segment plan: no message, so no Link to make
+                        entry.timed(self.timeout)
+                    else:
+                        link = Link(self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
+                                    self.segment_bytes, self._scratch)
+                        entry.run(link)
             except TRANSPORT_ERRORS as error:  # the shared segment's own waits (Link's say who already)
                 raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
         except Exception as error:

@@ -98,6 +98,8 @@ class TrainConfig:
     log_every: int = 10  # steps between lines of the printed log
     metrics_out: str | None = None  # JSON file for the per-step log and the summary
     eval_every: int = 0  # steps between validation losses (and one at the last step); 0: none
+    profile: str | None = None  # directory for a torch.profiler trace of `profile_steps` steps (trace.json)
+    profile_steps: int = 2  # steps profiled, after the first
 
 
 _SECTIONS = {

@@ -25,6 +25,7 @@ from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.held_memory import HeldMemory, per_rank
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.parallel_model import build_parallel_model, full_state
+from paratrain.train.profile import StepProfiler, profiled_steps
 from paratrain.train.recompute import recompute_in_backward
 from paratrain.train.resume import checkpoint_to_resume, layout_of, restore, save_if_due, train_state_for
 from paratrain.train.setup import dataset_for
@@ -69,9 +70,13 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         # None: a bar only when stderr is a terminal; in CI and files, the plain log lines alone
         disable=None if group.rank == 0 else True, file=sys.stderr, dynamic_ncols=True,
     )
+    profiler = StepProfiler(group, config.profile, profiled_steps(first_step, config.steps, config.profile_steps)) \
+        if config.profile else None
     for step in range(first_step, config.steps):
         # This rank's rows only, drawn before the clock starts: a step's time is training.
         inputs, targets = rank_batch(dataset, step, config.data.global_batch, mesh.dp.rank, mesh.dp.size)
+        if profiler is not None:
+            profiler.before(step)
         started = time.perf_counter()
         with held.watching() if step == config.steps - 1 else nullcontext():
             loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
@@ -105,6 +110,10 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
                 + (f"  bubble {bubble:.1%}" if bubble is not None else "")
                 + (f"  grad norm {grad_norm:.4g}" if grad_norm is not None else "") + format_validation(entry)
             )
+        trace = profiler.after(step) if profiler is not None else None
+        if trace is not None:
+            progress.write(f"profile of steps {profiler.steps.start}-{profiler.steps[-1]}: {trace} "
+                           "(open it in ui.perfetto.dev)")
         save_started = time.perf_counter()
         saved = save_if_due(config, group, state, scheduler, step + 1, layout_of(config, group.size))
         if saved and group.rank == 0:

@@ -100,8 +100,8 @@ TRAINING_FLAGS = [
     Flag("parallel.local_sgd", "--local-sgd", type=int, help="Average parameters every K steps instead of gradients "
                                                               "every step (--dp-mode local-sgd)."),
     Flag("parallel.zero", "--zero", type=int, help="ZeRO stage, sharded across ranks: 1 optimizer state, 2 and "
-                                                    "gradients, 3 and parameters (FSDP); --zero K is --dp-mode zeroK "
-                                                    "(with --dp-mode torch: PyTorch's)."),
+                                                    "gradients, 3 and parameters (FSDP): the same as --dp-mode zero1, "
+                                                    "zero2 or fsdp (with --dp-mode torch: PyTorch's)."),
     Flag("parallel.reshard_after_forward", "--reshard-after-forward/--no-reshard-after-forward",
          "reshard_after_forward", default=None,
          help="zero 3: free each unit's gathered parameters after its forward (default) or keep them for backward."),
@@ -129,6 +129,10 @@ TRAINING_FLAGS = [
     Flag("parallel.timeout", "--timeout", type=float, help="Seconds before a blocking communication fails."),
     Flag("parallel.debug", "--debug", is_flag=True, default=None, help="Check every collective is the same call on all ranks; an error prints its traceback."),
     Flag("log_every", "--log-every", type=int, help="Steps between printed log lines."),
+    Flag("profile", "--profile", type=click.Path(file_okay=False),
+         help="Write a torch.profiler trace (DIR/trace.json, every rank; ui.perfetto.dev) of --profile-steps "
+              "steps after the first, with our collectives as named ranges."),
+    Flag("profile_steps", "--profile-steps", type=int, help="Steps --profile records (default 2)."),
     Flag("eval_every", "--eval-every", type=int,
         help="Steps between validation losses, and one at the end (default 0: none)."),
 ]

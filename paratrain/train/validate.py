@@ -85,6 +85,7 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     _at_least(problems, "optim.weight_decay", optim.weight_decay, 0, "number")
     _at_least(problems, "optim.warmup_steps", optim.warmup_steps, 0)
     _at_least(problems, "optim.clip_grad_norm", optim.clip_grad_norm, 0, "number")
+    _at_least(problems, "profile_steps", config.profile_steps, 1)
     if not _is_number(optim.min_lr_ratio) or not 0 <= optim.min_lr_ratio <= 1:
         problems.append(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio!r}")
 
