@@ -57,9 +57,9 @@ def _stage_layers(text: str) -> list[int]:
         raise ConfigError([f"--stage-layers takes comma-separated integers, got {text}"]) from None
 
 
-def _channels(values: list[str]) -> tuple[int, ...]:
-    try:
-        return tuple(int(c) for c in values)
+def _channels(values: list[str]) -> list[int]:
+    try:  # a list, as YAML gives it: --print-config's output read back is the same configuration
+        return [int(c) for c in values]
     except ValueError:
         raise ConfigError([f"--channels takes integers, got {' '.join(values)}"]) from None
 
