@@ -47,6 +47,11 @@ def print_summary(summary: dict) -> None:
     if "val_loss" in summary:
         accuracy = f", accuracy {summary['val_accuracy']:.1%}" if "val_accuracy" in summary else ""
         rows.insert(1, ("validation", f"loss {summary['val_loss']:.5f}{accuracy} (last evaluation)"))
+    if "tflops_per_rank" in summary:
+        rows.append(("model FLOPs", f"{summary['model_flops_per_step']:.3g} per step, "
+                                    f"{summary['tflops_per_rank']:.3g} TFLOP/s per rank"
+                     + (f", MFU {summary['mfu']:.1%} of {summary['peak_tflops']:g} TFLOP/s" if "mfu" in summary
+                        else " (MFU: give --peak-tflops)")))
     if "clipped_steps" in summary:
         rows.append(("clipping", f"{summary['clipped_steps']} of {summary['steps']} steps clipped "
                                  f"(largest gradient norm {summary['max_grad_norm']:.4g})"))

@@ -100,6 +100,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation losses (and one at the last step); 0: none
     profile: str | None = None  # directory for a torch.profiler trace of `profile_steps` steps (trace.json)
     profile_steps: int = 2  # steps profiled, after the first
+    peak_tflops: float | None = None  # per device, for MFU in the summary; None: TFLOP/s achieved only
 
 
 _SECTIONS = {

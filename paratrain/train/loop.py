@@ -23,6 +23,7 @@ from paratrain.parallel.grad_norm import clip_grad_norm_
 from paratrain.train.config import TrainConfig
 from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.held_memory import HeldMemory, per_rank
+from paratrain.train.mfu import model_flops_per_step, utilization
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.parallel_model import build_parallel_model, full_state
 from paratrain.train.profile import StepProfiler, profiled_steps
@@ -126,6 +127,9 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     params = sum(p.numel() for p in parallel.model.parameters())
     summary = summarize(log, config, group.size, params, tokens_per_sample) | parallel.pipeline_summary(log)
     summary["memory"] = per_rank({**held.measure(), "peak_bytes": held.peak_bytes}, group)
+    if group.rank == 0:  # the rank whose summary is printed; counting runs the model once on meta
+        flops = model_flops_per_step(config.model.name, config.model.overrides, dataset, config.data.global_batch)
+        summary.update(utilization(flops, summary["step_ms"], group.size, config.peak_tflops))
     result = {"log": log, "summary": summary}
     if return_state:
         with dp.gathered():

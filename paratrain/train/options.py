@@ -133,6 +133,9 @@ TRAINING_FLAGS = [
          help="Write a torch.profiler trace (DIR/trace.json, every rank; ui.perfetto.dev) of --profile-steps "
               "steps after the first, with our collectives as named ranges."),
     Flag("profile_steps", "--profile-steps", type=int, help="Steps --profile records (default 2)."),
+    Flag("peak_tflops", "--peak-tflops", type=float,
+         help="Peak TFLOP/s of one device in the precision trained in: the summary's MFU is measured against it "
+              "(`paratrain plan --hardware NAME` shows a profile's; without it, the TFLOP/s achieved per rank)."),
     Flag("eval_every", "--eval-every", type=int,
         help="Steps between validation losses, and one at the end (default 0: none)."),
 ]

@@ -86,6 +86,8 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     _at_least(problems, "optim.warmup_steps", optim.warmup_steps, 0)
     _at_least(problems, "optim.clip_grad_norm", optim.clip_grad_norm, 0, "number")
     _at_least(problems, "profile_steps", config.profile_steps, 1)
+    if config.peak_tflops is not None and (not _is_number(config.peak_tflops) or config.peak_tflops <= 0):
+        problems.append(f"peak_tflops must be a finite number > 0 (TFLOP/s per device), got {config.peak_tflops!r}")
     if not _is_number(optim.min_lr_ratio) or not 0 <= optim.min_lr_ratio <= 1:
         problems.append(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio!r}")
 
