@@ -214,6 +214,18 @@ def test_live_trace_captures_a_running_dispatcher_that_writes_no_log(tmp_path):
         server.stop()
 
 
+def test_live_trace_without_save_leaves_no_file_in_the_current_folder(logged, tmp_path, monkeypatch):
+    cwd, chrome = tmp_path / "cwd", tmp_path / "out" / "live.json"
+    cwd.mkdir()
+    chrome.parent.mkdir()
+    monkeypatch.chdir(cwd)
+    result = CliRunner().invoke(paratrain_cli, ["frontend", "trace", "--live", "0.5", "--server", logged.address,
+                                                "-o", str(chrome)])
+    assert result.exit_code == 0, result.output
+    assert "captured" in result.output and chrome.exists()
+    assert list(cwd.iterdir()) == []
+
+
 # ---- GT's entry points -------------------------------------------------------------------------
 
 def _start(command: list[str], **kwargs) -> subprocess.Popen:

@@ -155,7 +155,7 @@ def frontend():
 @click.option("-n", "--max-events", type=click.IntRange(1), default=None,
               help="With --live: stop after this many lines.")
 @click.option("--save", type=OutputPath(), default=None,
-              help="With --live: write the captured log here [default: trace_YYYYmmdd_HHMMSS.log].")
+              help="With --live: also write the captured log here (default: it is kept in memory only).")
 @click.option("-o", "--output", type=OutputPath(), default="frontend_trace.json", show_default=True, help="Chrome trace to write.")
 @click.option("--png", type=OutputPath(), default=None,
               help="Also draw a timeline here: a lane per worker, a bar per instruction.")
@@ -181,9 +181,7 @@ def trace(log, live, server, token, max_events, save, output, png):
 
 
 def _capture(server: str, token: str | None, seconds: float, max_events: int | None, save: str | None) -> list[str]:
-    """Capture a running dispatcher's log lines, and save them as a log file."""
-    import time
-
+    """Capture a running dispatcher's log lines; with `save`, write them there as a log file."""
     from paratrain.frontend.dispatcher.log import HEADER
     from paratrain.frontend.errors import FrontendError
     from paratrain.frontend.monitor import capture
@@ -193,10 +191,10 @@ def _capture(server: str, token: str | None, seconds: float, max_events: int | N
         lines, missed = capture(server, token, seconds, max_events)
     except (AddressError, FrontendError) as error:
         raise click.ClickException(str(error)) from None
-    save = save or time.strftime("trace_%Y%m%d_%H%M%S.log")
-    with open(save, "w") as out:
-        out.write(HEADER + f"# captured {seconds:g}s from {server}\n" + "".join(line + "\n" for line in lines))
-    click.echo(f"captured {len(lines)} lines from {server} into {save}"
+    if save:
+        with open(save, "w") as out:
+            out.write(HEADER + f"# captured {seconds:g}s from {server}\n" + "".join(line + "\n" for line in lines))
+    click.echo(f"captured {len(lines)} lines from {server}" + (f" into {save}" if save else "")
                + (f" ({missed} missed: the capture fell behind)" if missed else ""))
     return lines
 
