@@ -34,7 +34,8 @@ def assert_matches_reference(config: TrainConfig, world_size: int) -> None:
 
 
 def assert_results_match_reference(config: TrainConfig, results: dict) -> None:
-    reference_losses, reference_state, _ = reference_run(config)
+    reference = reference_run(config)
+    reference_losses, reference_state = reference.losses, reference.state
     losses = [entry["loss"] for entry in results[0]["log"]]
     assert len(losses) == len(reference_losses)
     for step, (ours, ref) in enumerate(zip(losses, reference_losses)):

@@ -24,6 +24,7 @@ import torch
 
 from paratrain.data import validation_batches
 from paratrain.parallel.pipeline.pp_comms import PipelineLink
+from paratrain.parallel.precision import compute_dtype
 
 # Held-out global batches per evaluation: enough for a steady number (gpt-tiny on text at batch
 # 64: 32K held-out bytes), few enough that evaluating costs about as much as 3 training steps.
@@ -41,7 +42,7 @@ class Evaluator:
         self.batches = validation_batches(dataset, config.data.global_batch, EVAL_BATCHES) if self.every else []
         # Accuracy is argmax over the whole output: only classifiers, whose output is never sharded.
         self.classifier = dataset.task == "classification"
-        self.autocast_dtype = torch.bfloat16 if config.parallel.precision == "bf16" else None
+        self.autocast_dtype = compute_dtype(config.parallel.precision)
         self.pipelined = mesh is not None and mesh.shape["pp"] > 1
 
     def due(self, step: int) -> bool:

@@ -20,6 +20,7 @@ from paratrain.mesh import Mesh
 from paratrain.parallel.data import build_data_parallel
 from paratrain.parallel.data.strategy import strategy_of
 from paratrain.parallel.grad_norm import clip_grad_norm_
+from paratrain.parallel.precision import LossScaler
 from paratrain.train.config import TrainConfig
 from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.held_memory import HeldMemory, per_rank
@@ -51,7 +52,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     optimizer = dp.make_optimizer(lambda params: build_optimizer(config.optim, params))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     held = HeldMemory(parallel.module, optimizer)  # its peak is sampled during the last step
-    forward_backward = parallel.step_function(mesh, dp, par, device)
+    scaler = LossScaler(par.loss_scale) if par.precision == "fp16" else None
+    forward_backward = parallel.step_function(mesh, dp, par, device, scaler)
     tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
     evaluator = Evaluator(config, dataset, parallel.module, parallel.loss_fn, mesh.dp, mesh, parallel, device)
     # No rank trains before every rank holds its weights. Under the threads launcher the ranks
@@ -82,8 +84,14 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         with held.watching() if step == config.steps - 1 else nullcontext():
             loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
             dp.finish_gradients()
-            grad_norm = clip_grad_norm_(dp, mesh, config.optim.clip_grad_norm) if config.optim.clip_grad_norm else None
-            dp.step(optimizer)
+            finite = scaler.unscale(dp, mesh.world) if scaler is not None else True
+            grad_norm = None
+            if config.optim.clip_grad_norm:  # an overflowed step's norm is inf, as torch's clip says
+                grad_norm = clip_grad_norm_(dp, mesh, config.optim.clip_grad_norm) if finite else float("inf")
+            if finite:
+                dp.step(optimizer)
+            if scaler is not None:
+                scaler.update(stepped=finite)
             scheduler.step()
             dp.zero_grad()
         step_ms = (time.perf_counter() - started) * 1e3
@@ -98,6 +106,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
             entry["bubble"] = bubble
         if grad_norm is not None:
             entry["grad_norm"] = grad_norm  # before clipping, as torch's clip_grad_norm_ returns it
+        if scaler is not None:
+            entry.update(loss_scale=scaler.scale, skipped=not finite)
         if evaluator.due(step):
             entry.update(evaluator.run())
             dp.timer.take()  # FSDP's gathers for evaluation: not the next step's communication
@@ -109,7 +119,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
                 f"step {step:5d}  loss {entry['loss']:.5f}  {step_ms:7.1f} ms  "
                 f"(comm {comm_ms:6.1f} ms, exposed {exposed_ms:6.1f} ms)"
                 + (f"  bubble {bubble:.1%}" if bubble is not None else "")
-                + (f"  grad norm {grad_norm:.4g}" if grad_norm is not None else "") + format_validation(entry)
+                + (f"  grad norm {grad_norm:.4g}" if grad_norm is not None else "")
+                + ("  skipped: fp16 overflow" if scaler is not None and not finite else "") + format_validation(entry)
             )
         trace = profiler.after(step) if profiler is not None else None
         if trace is not None:
@@ -155,6 +166,9 @@ def summarize(log: list[dict], config: TrainConfig, world_size: int, params: int
     }
     if tokens_per_sample:
         summary["tokens_per_s"] = summary["samples_per_s"] * tokens_per_sample
+    if any("skipped" in entry for entry in log):  # fp16: steps whose gradients overflowed
+        summary["skipped_steps"] = sum(entry["skipped"] for entry in log)
+        summary["loss_scale"] = log[-1]["loss_scale"]
     norms = [entry["grad_norm"] for entry in log if "grad_norm" in entry]
     if norms:  # how often the clip bound: a limit that never binds changes nothing
         summary["clipped_steps"] = sum(norm > config.optim.clip_grad_norm for norm in norms)

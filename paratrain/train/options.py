@@ -115,7 +115,11 @@ TRAINING_FLAGS = [
     Flag("parallel.virtual_stages", "--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved-1f1b)."),
     Flag("parallel.stage_layers", "--stage-layers", convert=_stage_layers, help="Explicit layers per chunk, e.g. 3,2,2,3 (default: balanced by cost)."),
     Flag("parallel.checkpoint_activations", "--checkpoint-activations", is_flag=True, default=None, help="Recompute activations in backward."),
-    Flag("parallel.precision", "--precision", help="fp32 (default) or bf16 (autocast)."),
+    Flag("parallel.precision", "--precision", help="fp32 (default), bf16 or fp16 (autocast; fp16 with dynamic loss "
+                                                    "scaling, overflowed steps skipped and counted)."),
+    Flag("parallel.loss_scale", "--loss-scale", type=float,
+         help="fp16: the initial loss scale (default 65536, torch.amp.GradScaler's; halved on each overflow, "
+              "doubled after 2000 steps without one)."),
     Flag("parallel.sequence_parallel", "--sequence-parallel", is_flag=True, default=None, help="Shard norm/dropout regions over tp ranks."),
     Flag("model.channels", "--channels", cls=ManyValues, convert=_channels, help="CNN channels, e.g. --channels 32 64 128."),
     Flag("model.hidden", "--hidden", type=int, help="Hidden width (mlp, cnn)."),

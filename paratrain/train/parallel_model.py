@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
+from paratrain.parallel.precision import compute_dtype
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers, split_layers
@@ -41,15 +42,31 @@ class ParallelModel:
     def own_parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
 
-    def step_function(self, mesh, dp, par, device):
+    def step_function(self, mesh, dp, par, device, scaler=None):
         """(inputs, targets) -> (summed loss, bubble or None): one step's forward and backward,
-        through the pipeline's schedule, or over `grad_accum` micro-batches of this replica."""
+        through the pipeline's schedule, or over `grad_accum` micro-batches of this replica.
+        With a loss `scaler` (fp16) backward runs from the loss times its scale; the summed loss
+        returned is the loss itself."""
+        loss_fn = self.loss_fn
+        if scaler is not None:
+            def loss_fn(outputs, targets):
+                return self.loss_fn(outputs, targets) * scaler.scale
+
         if self.schedule is not None:
-            runtime = PipelineRuntime(self.schedule, mesh.coords.pp, self.chunks, mesh.pp, self.loss_fn, dp,
-                                      par.checkpoint_activations, _autocast_dtype(par.precision), device)
-            return lambda x, y: _pipeline_step(runtime, self.schedule, x, y)
-        autocast = _autocast(par.precision, device)
-        return lambda x, y: _accumulation_step(dp, self.loss_fn, x, y, par, autocast)
+            runtime = PipelineRuntime(self.schedule, mesh.coords.pp, self.chunks, mesh.pp, loss_fn, dp,
+                                      par.checkpoint_activations, compute_dtype(par.precision), device)
+            step = lambda x, y: _pipeline_step(runtime, self.schedule, x, y)  # noqa: E731
+        else:
+            autocast = _autocast(par.precision, device)
+            step = lambda x, y: _accumulation_step(dp, loss_fn, x, y, par, autocast)  # noqa: E731
+        if scaler is None:
+            return step
+
+        def unscaled_loss(x, y):
+            scale = scaler.scale  # a power of two: the division is exact
+            loss_sum, bubble = step(x, y)
+            return loss_sum / scale, bubble
+        return unscaled_loss
 
     def global_loss(self, loss_sum: float, mesh) -> float:
         """The step's loss over the whole global batch, on every rank (logging only, untimed)."""
@@ -152,11 +169,8 @@ def _pipeline_step(runtime, schedule, inputs, targets):
 
 
 def _autocast(precision: str, device):
-    """A factory of the forward's precision context: bf16 autocast, or nothing for fp32."""
-    if precision == "bf16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    """A factory of the forward's precision context: bf16 or fp16 autocast, or nothing for fp32."""
+    dtype = compute_dtype(precision)
+    if dtype is not None:
+        return lambda: torch.autocast(device.type, dtype=dtype)
     return nullcontext
-
-
-def _autocast_dtype(precision: str):
-    return torch.bfloat16 if precision == "bf16" else None

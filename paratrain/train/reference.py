@@ -3,11 +3,13 @@ the whole global batch, with nothing of paratrain's parallel code in it."""
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
 
+from paratrain.parallel.precision import compute_dtype
 from paratrain.train.config import TrainConfig
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.setup import build_seeded_model, dataset_for
@@ -17,6 +19,7 @@ class Reference(NamedTuple):
     losses: list[float]  # per step
     state: dict  # final parameters by name
     grad_norms: list[float]  # per step, before clipping (empty without --clip-grad-norm)
+    skipped_steps: int = 0  # fp16: steps GradScaler skipped after an overflow
 
 
 def reference_run(config: TrainConfig) -> Reference:
@@ -24,17 +27,25 @@ def reference_run(config: TrainConfig) -> Reference:
     dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
     optimizer = build_optimizer(config.optim, model.parameters())
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
-    bf16 = config.parallel.precision == "bf16"
-    losses, norms = [], []
+    dtype = compute_dtype(config.parallel.precision)
+    # fp16: PyTorch's own loss scaling, with its defaults, which ours follows (parallel/precision.py)
+    scaler = torch.amp.GradScaler("cpu", init_scale=config.parallel.loss_scale, enabled=config.parallel.precision == "fp16")
+    losses, norms, skipped = [], [], 0
     for step in range(config.steps):
         inputs, targets = dataset.global_batch(step, config.data.global_batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
+        with torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext():
             loss = dataset.loss(model(inputs), targets)
-        loss.backward()
+        scaler.scale(loss).backward()
         if config.optim.clip_grad_norm:
+            scaler.unscale_(optimizer)
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.clip_grad_norm).item())
-        optimizer.step()
-        scheduler.step()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped += scaler.is_enabled() and scaler.get_scale() < scale  # it backs off after a skipped step
+        with warnings.catch_warnings():  # after a step GradScaler skipped, the schedule goes on (as ours does)
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return Reference(losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms)
+    return Reference(losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms, skipped)

@@ -15,6 +15,7 @@ import torch
 
 from paratrain.models import CAUSAL_LM_CONFIGS, MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, build_model, \
     is_model_file, model_config
+from paratrain.parallel.precision import PRECISIONS
 from paratrain.parallel.data.strategy import StrategyError, strategy_of, strategy_problems
 from paratrain.parallel.data.compression import build_compressor
 from paratrain.parallel.data.naive import LAYOUTS
@@ -28,7 +29,6 @@ from paratrain.train.setup import data_choice, plan_for
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
-PRECISIONS = ("fp32", "bf16")
 
 
 def _is_int(value) -> bool:
@@ -180,6 +180,8 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
         layout_ok = False
     dp_size = max(world_size // (par.pp * par.tp), 1)
     _choice(problems, "parallel.precision", par.precision, PRECISIONS)
+    if not _is_number(par.loss_scale) or not 1 <= par.loss_scale < 2.0**127:
+        problems.append(f"parallel.loss_scale must be a number in [1, 2^127), got {par.loss_scale!r}")
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs tp > 1")
     if model.name not in MODEL_NAMES and not is_model_file(model.name):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from paratrain.parallel.precision import compute_dtype
 from paratrain.parallel.data.base import DataParallel
 from paratrain.parallel.data.compression import build_compressor
 from paratrain.parallel.data.ddp import BucketedDataParallel
@@ -56,13 +57,13 @@ def build_data_parallel(module, group, *, mode=None, zero=0, local_sgd=0, algo="
 
     FSDP reads its units from `model` (the whole model `module` was cut from; default `module`)
     and `plan` (its block list), and gathers what is outside the blocks when one of `roots` (the
-    modules the loop calls: the model, or this rank's pipeline chunks) runs. `precision` bf16:
-    FSDP gathers parameters and reduce-scatters gradients in bf16."""
+    modules the loop calls: the model, or this rank's pipeline chunks) runs. `precision` bf16 or
+    fp16: FSDP gathers parameters and reduce-scatters gradients in that dtype."""
     strategy = resolve_strategy(mode, zero, local_sgd)
     options = {"algo": algo, "naive_layout": naive_layout, "bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb,
                "compress": compress, "local_sgd": local_sgd, "model": model, "plan": plan, "roots": roots,
                "reshard_after_forward": reshard_after_forward, "prefetch": prefetch,
-               "compute_dtype": torch.bfloat16 if precision == "bf16" else None}
+               "compute_dtype": compute_dtype(precision)}
     return _BUILDERS[strategy.name](module, group, options)
 
 
