@@ -2,8 +2,11 @@
 
 from paratrain.comm import Group
 from paratrain.launch import run
+from paratrain.mesh import Mesh
 from paratrain.parallel.tensor.apply_plan import parallelize
 from paratrain.settings import Settings
+from paratrain.train.api import Prepared, prepare
+from paratrain.train.setup import seeded
 
 __version__ = "0.1.0"
-__all__ = ["Group", "Settings", "parallelize", "run", "__version__"]
+__all__ = ["Group", "Mesh", "Prepared", "Settings", "parallelize", "prepare", "run", "seeded", "__version__"]

@@ -17,18 +17,15 @@ from tqdm import tqdm
 
 from paratrain.data import rank_batch
 from paratrain.mesh import Mesh
-from paratrain.parallel.data import build_data_parallel
 from paratrain.parallel.data.strategy import strategy_of
-from paratrain.parallel.grad_norm import clip_grad_norm_
-from paratrain.parallel.precision import LossScaler
 from paratrain.train.config import TrainConfig
 from paratrain.train.evaluate import Evaluator, format_validation
 from paratrain.train.held_memory import HeldMemory, per_rank
 from paratrain.train.mfu import model_flops_per_step, utilization
 from paratrain.train.optim import build_optimizer, build_scheduler
+from paratrain.train.api import Prepared
 from paratrain.train.parallel_model import build_parallel_model, full_state
 from paratrain.train.profile import StepProfiler, profiled_steps
-from paratrain.train.recompute import recompute_in_backward
 from paratrain.train.resume import checkpoint_to_resume, layout_of, restore, save_if_due, train_state_for
 from paratrain.train.setup import dataset_for
 
@@ -40,20 +37,11 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
     mesh = Mesh(group, group.size // (par.pp * par.tp), par.pp, par.tp)  # (world, 1, 1): dp is the world
     parallel = build_parallel_model(config, mesh, dataset)  # the model itself when pp x tp = 1
-    parallel.model.to(device)
-    if par.checkpoint_activations:  # every layout, pp = 1 included (the pipeline's chunks share the layers)
-        recompute_in_backward(parallel.model, parallel.plan)
-    dp = build_data_parallel(
-        parallel.module, mesh.dp, mode=par.dp_mode, zero=par.zero, local_sgd=par.local_sgd, algo=par.algo,
-        naive_layout=par.naive_layout, bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,
-        compress=par.compress, model=parallel.model, plan=parallel.plan, roots=list(parallel.chunks.values()),
-        reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch, precision=par.precision,
-    )
-    optimizer = dp.make_optimizer(lambda params: build_optimizer(config.optim, params))
+    job = Prepared(parallel, mesh, par, device)  # the library face's object: one path for both (train/api.py)
+    dp, scaler = job.dp, job.scaler
+    optimizer = job.optimizer(lambda params: build_optimizer(config.optim, params))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     held = HeldMemory(parallel.module, optimizer)  # its peak is sampled during the last step
-    scaler = LossScaler(par.loss_scale) if par.precision == "fp16" else None
-    forward_backward = parallel.step_function(mesh, dp, par, device, scaler)
     tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
     evaluator = Evaluator(config, dataset, parallel.module, parallel.loss_fn, mesh.dp, mesh, parallel, device)
     # No rank trains before every rank holds its weights. Under the threads launcher the ranks
@@ -82,23 +70,17 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
             profiler.before(step)
         started = time.perf_counter()
         with held.watching() if step == config.steps - 1 else nullcontext():
-            loss_sum, bubble = forward_backward(inputs.to(device), targets.to(device))
-            dp.finish_gradients()
-            finite = scaler.unscale(dp, mesh.world) if scaler is not None else True
-            grad_norm = None
-            if config.optim.clip_grad_norm:  # an overflowed step's norm is inf, as torch's clip says
-                grad_norm = clip_grad_norm_(dp, mesh, config.optim.clip_grad_norm) if finite else float("inf")
-            if finite:
-                dp.step(optimizer)
-            if scaler is not None:
-                scaler.update(stepped=finite)
+            loss_sum = job.forward_backward(inputs, targets, global_loss=False)
+            grad_norm = job.clip_grad_norm_(config.optim.clip_grad_norm) if config.optim.clip_grad_norm else None
+            optimizer.step()  # the strategy's after-step with it; skipped after an fp16 overflow
             scheduler.step()
-            dp.zero_grad()
+            optimizer.zero_grad()
+        finite, bubble = job.finite, job.bubble
         step_ms = (time.perf_counter() - started) * 1e3
         comm_ms, exposed_ms = dp.timer.take()
 
         entry = {
-            "step": step, "loss": parallel.global_loss(loss_sum, mesh), "lr": scheduler.get_last_lr()[0],
+            "step": step, "loss": job.global_loss(loss_sum), "lr": scheduler.get_last_lr()[0],
             "step_ms": step_ms, "compute_ms": step_ms - exposed_ms, "comm_ms": comm_ms,
             "exposed_comm_ms": exposed_ms,
         }

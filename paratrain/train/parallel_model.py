@@ -86,23 +86,34 @@ class ParallelModel:
 
 
 def build_parallel_model(config, mesh, dataset) -> ParallelModel:
-    par = config.parallel
+    """The configuration's model, built from its seed (every rank the same), parallelized."""
     model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
-    plan = plan_for(config.model.plan, model)  # None for the MLPs: they have no plan
+    micro = config.data.global_batch // (mesh.dp.size * config.parallel.microbatches)
+    return parallelize_model(model, plan_for(config.model.plan, model), mesh, config.parallel, dataset.loss,
+                             getattr(dataset, "vocab_size", None), lambda: dataset.global_batch(0, micro)[0])
+
+
+def parallelize_model(model: nn.Module, plan, mesh, par, loss_fn, vocab_size: int | None = None,
+                      sample=None) -> ParallelModel:
+    """Tensor parallelism by `plan` (in place), then this rank's pipeline chunks. `loss_fn`
+    (outputs, targets) -> mean loss; under a vocabulary-parallel head it is replaced by the
+    sharded cross-entropy over `vocab_size`. `sample()`: a micro-batch of inputs, for a plan
+    that balances the pipeline by measured time."""
     pp_size, tp_size = mesh.shape["pp"], mesh.shape["tp"]
     schedule = counts = None
     if pp_size > 1:
         schedule = build_schedule(par.schedule, pp_size, par.microbatches, par.virtual_stages)
         # Balance on the unsharded layers: every tensor-parallel rank must cut at the same place.
         balance = plan.pipeline.balance if plan is not None else "cost"
-        counts = par.stage_layers or balanced_partition(_costs(model, plan, balance, dataset, config, mesh),
+        counts = par.stage_layers or balanced_partition(_costs(model, plan, balance, sample, mesh),
                                                         schedule.num_chunks)
-    loss_fn = dataset.loss
     if tp_size > 1:
         # The flag switches sequence parallelism on; left off, the plan's own setting holds.
         parallelize(model, plan, mesh.tp, sequence_parallel=True if par.sequence_parallel else None)
         if any(style.name == "vocab_head" for style in plan.tensor_parallel.values()):
-            tp_group, vocab_size = mesh.tp, dataset.vocab_size
+            if vocab_size is None:
+                raise ValueError("a vocabulary-parallel head needs the vocabulary size (vocab_size)")
+            tp_group = mesh.tp
 
             def loss_fn(logits_shard, targets):
                 return vocab_parallel_cross_entropy(logits_shard, targets, tp_group, vocab_size)
@@ -114,14 +125,12 @@ def build_parallel_model(config, mesh, dataset) -> ParallelModel:
     return ParallelModel(model, mine, nn.ModuleList(mine.values()), loss_fn, schedule, plan)
 
 
-def _costs(model, plan, balance: str, dataset, config, mesh) -> list[int]:
+def _costs(model, plan, balance: str, sample, mesh) -> list[int]:
     """The layers' costs to balance; measured ones are rank 0's, broadcast, so that every rank
     cuts at the same place."""
-    sample = None
-    if balance == "measured":
-        micro = config.data.global_batch // (mesh.dp.size * config.parallel.microbatches)
-        sample, _ = dataset.global_batch(0, micro)
-    costs = layer_costs(pipeline_layers(model, plan), balance, sample)
+    if balance == "measured" and sample is None:
+        raise ValueError("the plan balances the pipeline by measured time: give a sample micro-batch")
+    costs = layer_costs(pipeline_layers(model, plan), balance, sample() if balance == "measured" else None)
     if balance == "measured":
         shared = torch.tensor(costs, dtype=torch.float64)
         mesh.world.broadcast(shared, root=0)

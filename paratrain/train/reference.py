@@ -3,6 +3,7 @@ the whole global batch, with nothing of paratrain's parallel code in it."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from contextlib import nullcontext
 from typing import NamedTuple
@@ -44,7 +45,7 @@ def reference_run(config: TrainConfig) -> Reference:
         scaler.update()
         skipped += scaler.is_enabled() and scaler.get_scale() < scale  # it backs off after a skipped step
         with warnings.catch_warnings():  # after a step GradScaler skipped, the schedule goes on (as ours does)
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
             scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())

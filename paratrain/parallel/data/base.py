@@ -70,6 +70,11 @@ class DataParallel:
 
     def step(self, optimizer) -> None:
         optimizer.step()
+        self.after_step()
+
+    def after_step(self) -> None:
+        """What follows the optimizer's step (ZeRO gathers the updated shards, local SGD
+        averages); a user's own `optimizer.step()` runs it through the library face (train/api.py)."""
 
     def zero_grad(self) -> None:
         for param in self.module.parameters():

@@ -19,8 +19,7 @@ class LocalSGD(DataParallel):
         self.every = every
         self._steps = 0
 
-    def step(self, optimizer) -> None:
-        optimizer.step()
+    def after_step(self) -> None:
         self._steps += 1
         if self._steps % self.every == 0:
             self.average_parameters()

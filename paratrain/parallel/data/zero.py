@@ -121,8 +121,7 @@ class ZeroOneDataParallel(DataParallel):
     def gradients_to_scale(self):
         return [self.shard.grad]
 
-    def step(self, optimizer) -> None:
-        optimizer.step()
+    def after_step(self) -> None:
         with self.timer.blocking():
             handles = [
                 self.group.all_gather(self._flat_part(self.flat_params, k), self._shard_part(self.shard.data, k),
