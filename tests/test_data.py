@@ -20,6 +20,7 @@ SMALL = {
     "digits": {},
     "text": {"block_size": 16},  # the shipped Shakespeare
     "token_file": {"block_size": 16, "vocab_size": 300},  # and a path: small_token_file below
+    "user": {},  # a FILE.py:FUNCTION spec: small_user_data below
 }
 
 
@@ -32,12 +33,22 @@ def small_token_file(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture(autouse=True)
+def small_user_data(tmp_path, monkeypatch):
+    """--data FILE.py:FUNCTION: 100 (features, label) pairs from a user's file."""
+    path = tmp_path / "my_data.py"
+    path.write_text("import torch\n\ndef items():\n    x = torch.randn(100, 8, generator=torch.Generator()"
+                    ".manual_seed(0))\n    return [(row, int(row.sum() > 0)) for row in x]\n")
+    monkeypatch.setitem(SMALL, "user", {"spec": f"{path}:items"})
+    return path
+
+
 def _batches_equal(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_registry_names_every_data_set():
-    assert DATASET_NAMES == ("teacher", "regression", "tokens", "digits", "text", "token_file")
+    assert DATASET_NAMES == ("teacher", "regression", "tokens", "digits", "text", "token_file", "user")
 
 
 @pytest.mark.parametrize("name", DATASET_NAMES)

@@ -29,6 +29,7 @@ from paratrain.data.synthetic import (
 from paratrain.data.text import TextConfig, TextDataset
 from paratrain.data.token_file import TokenFileConfig, TokenFileDataset
 from paratrain.data.tokens import TokenDataset, TokensConfig
+from paratrain.data.user_data import UserDataConfig, UserDataset
 
 
 class Dataset(Protocol):
@@ -49,6 +50,7 @@ _DATASETS = {
     "digits": (DigitsDataset, DigitsConfig),
     "text": (TextDataset, TextConfig),
     "token_file": (TokenFileDataset, TokenFileConfig),
+    "user": (UserDataset, UserDataConfig),  # --data FILE.py:FUNCTION
 }
 DATASET_NAMES = tuple(_DATASETS)
 

@@ -32,13 +32,14 @@ def is_model_file(name) -> bool:
     return isinstance(name, str) and ".py:" in name
 
 
-def load_function(spec: str):
-    """The function FILE.py:FUNCTION names; ModelFileError, one line, if there is none."""
+def load_function(spec: str, kind: str = "model"):
+    """The function FILE.py:FUNCTION names (`kind`: what the file is, for the message: a model,
+    data, a loss); ModelFileError, one line, if there is none."""
     path_text, _, function_name = spec.rpartition(":")
     path = Path(path_text)
     if not path.is_file():
-        raise ModelFileError(f"model file {path} not found")
-    key = f"paratrain_user_model_{abs(hash(str(path.resolve())))}"
+        raise ModelFileError(f"{kind} file {path} not found")
+    key = f"paratrain_user_{kind}_{abs(hash(str(path.resolve())))}"
     module = sys.modules.get(key)
     if module is None or getattr(module, "__paratrain_mtime__", None) != path.stat().st_mtime:
         module_spec = importlib.util.spec_from_file_location(key, path)
@@ -46,12 +47,12 @@ def load_function(spec: str):
         try:
             module_spec.loader.exec_module(module)
         except Exception as error:  # the user's file: any error it raises is theirs, reported in one line
-            raise ModelFileError(f"model file {path}: {type(error).__name__}: {error}") from None
+            raise ModelFileError(f"{kind} file {path}: {type(error).__name__}: {error}") from None
         module.__paratrain_mtime__ = path.stat().st_mtime
         sys.modules[key] = module
     function = getattr(module, function_name, None)
     if not callable(function):
-        raise ModelFileError(f"model file {path} has no function {function_name!r}")
+        raise ModelFileError(f"{kind} file {path} has no function {function_name!r}")
     return function
 
 

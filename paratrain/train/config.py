@@ -34,6 +34,7 @@ class ModelConfig:
 class DataConfig:
     name: str | None = None  # None: the data set the model is made for (see train/setup.py)
     global_batch: int = 64  # samples per optimizer step across all ranks: fixed, whatever the world size
+    loss: str | None = None  # FILE.py:FUNCTION (outputs, targets) -> mean loss; None: the data set's own
 
 
 @dataclass

@@ -34,7 +34,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     """Train on this rank; returns the log and summary (and final parameters if asked)."""
     par = config.parallel
     device = group.transport.device  # cpu here; the rank's GPU under NCCL
-    dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
+    dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed, config.data.loss)
     mesh = Mesh(group, group.size // (par.pp * par.tp), par.pp, par.tp)  # (world, 1, 1): dp is the world
     parallel = build_parallel_model(config, mesh, dataset)  # the model itself when pp x tp = 1
     job = Prepared(parallel, mesh, par, device)  # the library face's object: one path for both (train/api.py)

@@ -70,10 +70,14 @@ TRAINING_FLAGS = [
     Flag("model.name", "--model", help="mlp, mlp16, cnn, gpt-tiny, gpt-small, gpt-seed, llama-tiny, llama-small, "
                                        "tinyllama-1.1b, or your own: FILE.py:FUNCTION (returns ids -> logits)."),
     Flag("model.plan", "--plan", type=click.Path(dir_okay=False), help="Parallelism plan (YAML) for --model FILE.py:FUNCTION."),
-    Flag("data.name", "--data", help="Data set (default: the one the model is made for); language models also take "
-                                     "text (the shipped Shakespeare), text:PATH (any file, one token per byte) or "
+    Flag("data.name", "--data", help="Data set (default: the one the model is made for); your own as FILE.py:FUNCTION "
+                                     "(returns a map-style data set of (inputs, targets) pairs); language models also "
+                                     "take text (the shipped Shakespeare), text:PATH (any file, one token per byte) or "
                                      "tokens:PATH (a flat file of uint16 token ids, nanoGPT's train.bin; "
                                      "tokens:PATH:uint32 for larger vocabularies)."),
+    Flag("data.loss", "--loss", help="Your loss, FILE.py:FUNCTION: (outputs, targets) -> the batch's mean loss "
+                                     "(default: the data set's; your data's is cross-entropy for integer targets, "
+                                     "mean squared error for float ones)."),
     Flag("parallel.nproc", "--nproc", type=int, help="Ranks to start (default 2; torchrun decides under torchrun)."),
     Flag("parallel.launcher", "--launcher", help="threads (in-process fabric) or processes (torch elastic launcher)."),
     Flag("parallel.dp_mode", "--dp-mode", help="Data-parallel strategy (default ddp, or what --zero / --local-sgd "

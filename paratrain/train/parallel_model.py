@@ -27,6 +27,7 @@ from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, p
 from paratrain.parallel.tensor.apply_plan import parallelize
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratrain.parallel.tensor.parallelize import gather_full_state
+from paratrain.models import model_config
 from paratrain.train.setup import build_seeded_model, plan_for
 
 
@@ -89,8 +90,9 @@ def build_parallel_model(config, mesh, dataset) -> ParallelModel:
     """The configuration's model, built from its seed (every rank the same), parallelized."""
     model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
     micro = config.data.global_batch // (mesh.dp.size * config.parallel.microbatches)
+    vocab_size = getattr(model_config(config.model.name, **config.model.overrides), "vocab_size", None)
     return parallelize_model(model, plan_for(config.model.plan, model), mesh, config.parallel, dataset.loss,
-                             getattr(dataset, "vocab_size", None), lambda: dataset.global_batch(0, micro)[0])
+                             getattr(dataset, "vocab_size", vocab_size), lambda: dataset.global_batch(0, micro)[0])
 
 
 def parallelize_model(model: nn.Module, plan, mesh, par, loss_fn, vocab_size: int | None = None,

@@ -25,7 +25,7 @@ class Reference(NamedTuple):
 
 def reference_run(config: TrainConfig) -> Reference:
     model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
-    dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed)
+    dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed, config.data.loss)
     optimizer = build_optimizer(config.optim, model.parameters())
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     dtype = compute_dtype(config.parallel.precision)

@@ -10,8 +10,10 @@ import torch
 from paratrain.data import build_dataset
 from paratrain.data.text import is_text_name, text_path_of
 from paratrain.data.token_file import is_token_file_name, token_file_options
+from paratrain.data.user_data import is_data_file
 from paratrain.models import CAUSAL_LM_CONFIGS, CNNConfig, DeepMLPConfig, MLPConfig, build_model, model_config
 from paratrain.models.plans import default_plan
+from paratrain.models.user_model import load_function
 from paratrain.parallel.plan import Plan, load_plan
 
 # torch's default RNG is one per process, but the threads launcher runs many ranks in one
@@ -40,10 +42,14 @@ def plan_for(plan_path: str | None, model: torch.nn.Module) -> Plan | None:
     return None if own is None else load_plan(own)
 
 
-def dataset_for(model_name: str, overrides: dict, data_name: str | None, seed: int):
-    """The data set a model is made for, shaped to fit it (or the one named, if given)."""
+def dataset_for(model_name: str, overrides: dict, data_name: str | None, seed: int, loss: str | None = None):
+    """The data set a model is made for, shaped to fit it (or the one named, if given), with
+    the loss `loss` names (FILE.py:FUNCTION) instead of its own."""
     name, options = data_choice(model_name, overrides, data_name)
-    return build_dataset(name, seed, **options)
+    dataset = build_dataset(name, seed, **options)
+    if loss is not None:
+        dataset.loss = load_function(loss, "loss")  # (outputs, targets) -> the batch's mean loss
+    return dataset
 
 
 def data_choice(model_name: str, overrides: dict, data_name: str | None) -> tuple[str, dict]:
@@ -62,6 +68,8 @@ def data_choice(model_name: str, overrides: dict, data_name: str | None) -> tupl
         raise ValueError(f"no data set known for model {model_name!r}")
     if data_name is None or data_name == natural:
         return natural, options
+    if is_data_file(data_name):  # the user's own: any model, their items' shapes
+        return "user", {"spec": data_name}
     if not is_text_name(data_name) and not is_token_file_name(data_name):
         also = (" or on text ('text' or 'text:PATH') or a token file ('tokens:PATH')"
                 if isinstance(config, CAUSAL_LM_CONFIGS) else "")

@@ -7,10 +7,12 @@ import functools
 import math
 
 from paratrain.comm.algorithms import algorithms_for
-from paratrain.data import DATASET_NAMES, dataset_config
+from paratrain.data import DATASET_NAMES, build_dataset, dataset_config
+from paratrain.data.user_data import is_data_file
 from paratrain.data.text import is_text_name
 from paratrain.data.token_file import is_token_file_name
 from paratrain.launch import LAUNCHERS
+from paratrain.models.user_model import load_function
 import torch
 
 from paratrain.models import CAUSAL_LM_CONFIGS, MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, build_model, \
@@ -148,6 +150,20 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
 def _data_problems(problems: list[str], config: TrainConfig) -> None:
     """The data set must exist, suit the model and (text) its file be there and long enough."""
     name = config.data.name
+    loss = config.data.loss
+    if loss is not None:  # loaded here, so a missing file or function is one line before any rank starts
+        try:
+            if not is_model_file(loss):
+                raise ValueError(f"a loss is FILE.py:FUNCTION, got {loss!r}")
+            load_function(loss, "loss")
+        except ValueError as error:
+            problems.append(f"data.loss: {error}")
+    if is_data_file(name):  # built once here: its items are checked before any rank starts
+        try:
+            build_dataset("user", config.seed, spec=name)
+        except ValueError as error:
+            problems.append(f"data.name: {error}")
+        return
     if name is not None and not is_text_name(name) and not is_token_file_name(name):
         _choice(problems, "data.name", name, DATASET_NAMES + ("text:PATH", "tokens:PATH[:uint32]"))
         if name not in DATASET_NAMES:
@@ -199,6 +215,10 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
         problems += [f"parallel.tp: {line}" for line in tp_problems(shape, par.tp)]
     elif par.tp > 1 or (par.pp > 1 and isinstance(shape, CAUSAL_LM_CONFIGS)):
         problems += _plan_problems(config, shape, chunks, meta)
+        if par.tp > 1 and config.data.loss is not None and not problems and _splits_the_vocabulary(meta):
+            problems.append(f"data.loss: {config.data.loss} needs whole logits, and the plan's vocabulary-parallel "
+                            "head leaves each tp rank 1/tp of them (its loss is our sharded cross-entropy): use "
+                            "tp 1, or a plan whose head is column-parallel with gathered outputs, or no --loss")
     if par.pp > 1:
         problems += microbatch_problems(par.schedule, par.pp, par.microbatches, par.virtual_stages)
         layers = _pipeline_layer_count(shape, config, meta)
@@ -215,6 +235,11 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
                 f"parallel.stage_layers {par.stage_layers} must be {chunks} positive counts adding up to {layers}"
             )
     return layout_ok, dp_size
+
+
+def _splits_the_vocabulary(meta) -> bool:
+    _, plan = meta()
+    return plan is not None and any(style.name == "vocab_head" for style in plan.tensor_parallel.values())
 
 
 def _meta_model_and_plan(config: TrainConfig):
