@@ -63,7 +63,11 @@ def transport_kind(launcher: str, nproc: int) -> str:
 
 def expected_transport(launcher: str, nproc: int, settings: Settings) -> str:
     """The transport kind a world started by `launcher` will have (the algorithm table's key),
-    known without starting it: "shm" for gloo processes that all share this host."""
+    known without starting it: "shm" for gloo processes that all share this host. Under torchrun
+    the ranks are its processes, with a process group, whatever `launcher` says (the banner once
+    said "fabric" there: --launcher's default)."""
+    if settings.launch.in_torchrun:
+        launcher, nproc = "processes", settings.launch.local_world_size or nproc  # the GPUs a host needs
     kind = transport_kind(launcher, nproc)
     if kind != "gloo" or not shm_setup.enabled(settings):
         return kind

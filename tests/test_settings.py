@@ -167,3 +167,18 @@ def test_every_training_flag_is_one_entry_naming_its_config_key():
     with pytest.raises(Exception, match="--stage-layers takes comma-separated integers, got 1,x"):
         options.build_config(None, {"stage_layers": "1,x"})
     assert isinstance(options.TRAINING_FLAGS[0].option(), type(click.option("--x")))
+
+
+def test_under_torchrun_the_banner_names_the_process_groups_transport_not_the_launchers_default():
+    """`paratrain train` under torchrun once printed `transport fabric`: --launcher's default
+    (threads), though its ranks are torchrun's processes talking through a process group."""
+    import dataclasses
+
+    from paratrain.launch import expected_transport
+    from paratrain.settings import LaunchEnvironment, Settings
+
+    torchrun = LaunchEnvironment(rank=0, world_size=2, local_world_size=2, master_addr="127.0.0.1",
+                                 master_port=29500, run_id="none")
+    settings = dataclasses.replace(Settings(), launch=torchrun)
+    assert expected_transport("threads", 2, settings) in ("shm", "gloo", "nccl")
+    assert expected_transport("threads", 2, Settings()) == "fabric"
