@@ -163,7 +163,7 @@ def test_every_training_flag_is_one_entry_naming_its_config_key():
         assert hasattr(holder, key) or section == "model", flag.key  # model options may be the model's own
     built = options.build_config(None, {"lr": 0.5, "stage_layers": "1,2", "channels": ["8", "16"], "steps": None})
     assert (built.optim.lr, built.parallel.stage_layers, built.model.overrides["channels"], built.steps) == (
-        0.5, [1, 2], (8, 16), TrainConfig().steps)
+        0.5, [1, 2], [8, 16], TrainConfig().steps)
     with pytest.raises(Exception, match="--stage-layers takes comma-separated integers, got 1,x"):
         options.build_config(None, {"stage_layers": "1,x"})
     assert isinstance(options.TRAINING_FLAGS[0].option(), type(click.option("--x")))

@@ -9,7 +9,7 @@ norm over every shard.
     torchrun --nproc-per-node 8 examples/python_api/train.py     # 8 processes
 """
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -18,8 +18,15 @@ import paratrain
 from paratrain.data import build_dataset, rank_batch
 
 OWN_MODEL = Path(__file__).resolve().parent.parent / "own_model"
-sys.path.insert(0, str(OWN_MODEL))
-from model import build  # noqa: E402  (the user's model file, which knows nothing of paratrain)
+
+
+def load_build():
+    """The user's model file, which knows nothing of paratrain (loaded by its path: another
+    `model` module may already be imported)."""
+    spec = importlib.util.spec_from_file_location("own_model", OWN_MODEL / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build
 
 STEPS, GLOBAL_BATCH, LR, CLIP = 10, 16, 3e-3, 1.0
 
@@ -30,7 +37,7 @@ def train(group):
     # is torch.manual_seed(0) for this block alone, one rank at a time: ranks that are threads
     # share torch's random generator.
     with paratrain.seeded(0):
-        model = build()
+        model = load_build()()
     # Random token sequences, the data `paratrain train` uses for this model (so the two can be
     # compared); put yours here: each replica takes its rows of the global batch.
     data = build_dataset("tokens", seed=0, vocab_size=model.vocab_size, block_size=model.block_size)
