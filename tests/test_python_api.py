@@ -24,8 +24,9 @@ def load_example():
     return module
 
 
-def test_the_examples_loop_gives_paratrain_trains_losses():
+def test_the_examples_loop_gives_paratrain_trains_losses(monkeypatch):
     example = load_example()
+    monkeypatch.setattr(example, "STEPS", 4)  # of its 10: the suite's time
     ours = paratrain.run(example.train, 8)[0]
     config = apply_overrides(TrainConfig(), {
         "model.name": str(ROOT / "examples/own_model/model.py") + ":build",
@@ -35,7 +36,7 @@ def test_the_examples_loop_gives_paratrain_trains_losses():
         "optim.schedule": "constant", "optim.clip_grad_norm": example.CLIP, "steps": example.STEPS, "log_every": 100})
     theirs = [entry["loss"] for entry in paratrain.run(train_rank, 8, args=(config,))[0]["log"]]
     assert ours == pytest.approx(theirs, rel=1e-6, abs=0)
-    assert ours[-1] < ours[0] - 0.5  # and it trains
+    assert len(ours) == 4 and ours[-1] < ours[0] - 0.3  # and it trains
 
 
 def _tiny_loop(group, zero):
