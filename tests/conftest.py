@@ -32,7 +32,7 @@ LONGEST_FIRST = (
     "test_frontend_bad_messages.py", "test_frontend_demo.py", "test_bench_collectives.py", "test_matrix.py",
     "test_data_parallel.py", "test_native_kernels.py", "test_frontend_workers.py", "test_shm_p2p.py",
     "test_precision.py", "test_fp16.py", "test_profile.py", "test_python_api.py", "test_grad_clip.py",
-    "test_user_data.py",
+    "test_user_data.py", "test_compile_training.py",
 )
 
 

@@ -14,6 +14,8 @@
             optimizer.step()
             optimizer.zero_grad()
 
+With `compile=True` each layer runs through torch.compile (train/compiled.py).
+
 `prepare` applies what `paratrain train` applies, in the same order and through the same code
 (train/loop.py calls it too): tensor parallelism by the plan, this rank's pipeline chunks, and
 the data-parallel strategy (ddp, zero 1/2/3, ...: `dp_mode` / `zero`, as the flags). Its keyword
@@ -39,6 +41,7 @@ from paratrain.parallel.data import build_data_parallel
 from paratrain.parallel.grad_norm import clip_grad_norm_
 from paratrain.parallel.plan import load_plan
 from paratrain.parallel.precision import LossScaler
+from paratrain.train.compiled import CompiledLayers
 from paratrain.train.config import ParallelConfig
 from paratrain.train.parallel_model import ParallelModel, full_state, parallelize_model
 from paratrain.train.recompute import recompute_in_backward
@@ -57,6 +60,8 @@ class Prepared:
         parallel.model.to(device)
         if par.checkpoint_activations:  # every layout, pp = 1 included (the pipeline's chunks share the layers)
             recompute_in_backward(parallel.model, parallel.plan)
+        # After recompute: the compiled forward is the checkpointed one. None without --compile.
+        self.compiled = CompiledLayers(parallel.model, parallel.plan) if par.compile else None
         self.dp = build_data_parallel(
             parallel.module, mesh.dp, mode=par.dp_mode, zero=par.zero, local_sgd=par.local_sgd, algo=par.algo,
             naive_layout=par.naive_layout, bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,

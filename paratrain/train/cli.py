@@ -52,6 +52,10 @@ def print_summary(summary: dict) -> None:
                                     f"{summary['tflops_per_rank']:.3g} TFLOP/s per rank"
                      + (f", MFU {summary['mfu']:.1%} of {summary['peak_tflops']:g} TFLOP/s" if "mfu" in summary
                         else " (MFU: give --peak-tflops)")))
+    if "compiled_step_ms" in summary:
+        rows.append(("compiled", f"{summary['compiled_step_ms']:.1f} ms a step, eager {summary['eager_step_ms']:.1f} ms "
+                                 f"({summary['compile_speedup']:.2f}x); the first compiled step took "
+                                 f"{summary['first_compiled_step_ms'] / 1e3:.1f} s (compiling)"))
     if "clipped_steps" in summary:
         rows.append(("clipping", f"{summary['clipped_steps']} of {summary['steps']} steps clipped "
                                  f"(largest gradient norm {summary['max_grad_norm']:.4g})"))

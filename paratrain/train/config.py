@@ -72,6 +72,7 @@ class ParallelConfig:
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved-1f1b; zb-v uses 2)
     stage_layers: list[int] | None = None  # explicit layers per chunk; None: balanced by cost
     checkpoint_activations: bool = False  # recompute each layer's activations in backward
+    compile: bool = False  # each layer through torch.compile (after two eager steps, to compare)
     precision: str = "fp32"  # fp32, bf16 or fp16 (autocast; fp16 with dynamic loss scaling)
     loss_scale: float = 65536.0  # fp16: the initial loss scale (halved on overflow, doubled after 2000 good steps)
     sequence_parallel: bool = False  # shard norms/dropout regions on the sequence dim (tp > 1)

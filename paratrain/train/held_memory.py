@@ -45,11 +45,17 @@ def _storage_bytes(tensors, seen: set) -> int:
 
 
 class HeldMemory:
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, opaque=()):
+        """`opaque`: modules whose insides get no hooks, only the modules themselves (the layers
+        --compile compiles: a hook inside would be traced, and its flag flipping for the watched
+        step would recompile them)."""
         self.module, self.optimizer = module, optimizer
         self.peak_bytes = 0
         self._watching = False
+        inside = {id(sub) for layer in opaque for sub in layer.modules() if sub is not layer}
         for submodule in module.modules():
+            if id(submodule) in inside:
+                continue
             submodule.register_forward_pre_hook(lambda *_: self._sample())
             submodule.register_forward_hook(lambda *_: self._sample())
         for param in module.parameters():

@@ -24,6 +24,7 @@ from paratrain.train.held_memory import HeldMemory, per_rank
 from paratrain.train.mfu import model_flops_per_step, utilization
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.api import Prepared
+from paratrain.train.compiled import EAGER_STEPS, compile_summary
 from paratrain.train.parallel_model import build_parallel_model, full_state
 from paratrain.train.profile import StepProfiler, profiled_steps
 from paratrain.train.resume import checkpoint_to_resume, layout_of, restore, save_if_due, train_state_for
@@ -41,7 +42,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     dp, scaler = job.dp, job.scaler
     optimizer = job.optimizer(lambda params: build_optimizer(config.optim, params))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
-    held = HeldMemory(parallel.module, optimizer)  # its peak is sampled during the last step
+    held = HeldMemory(parallel.module, optimizer, job.compiled.layers if job.compiled else ())  # sampled in the last step
     tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
     evaluator = Evaluator(config, dataset, parallel.module, parallel.loss_fn, mesh.dp, mesh, parallel, device)
     # No rank trains before every rank holds its weights. Under the threads launcher the ranks
@@ -63,7 +64,11 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     )
     profiler = StepProfiler(group, config.profile, profiled_steps(first_step, config.steps, config.profile_steps)) \
         if config.profile else None
+    if job.compiled is not None:
+        job.compiled.use(False)  # the first steps eager, to compare (train/compiled.py)
     for step in range(first_step, config.steps):
+        if job.compiled is not None and step == first_step + EAGER_STEPS:
+            job.compiled.use(True)
         # This rank's rows only, drawn before the clock starts: a step's time is training.
         inputs, targets = rank_batch(dataset, step, config.data.global_batch, mesh.dp.rank, mesh.dp.size)
         if profiler is not None:
@@ -88,6 +93,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
             entry["bubble"] = bubble
         if grad_norm is not None:
             entry["grad_norm"] = grad_norm  # before clipping, as torch's clip_grad_norm_ returns it
+        if job.compiled is not None:
+            entry["compiled"] = job.compiled.on
         if scaler is not None:
             entry.update(loss_scale=scaler.scale, skipped=not finite)
         if evaluator.due(step):
@@ -118,7 +125,8 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         dp.average_parameters()  # end with one model, not world-size slightly different ones
 
     params = sum(p.numel() for p in parallel.model.parameters())
-    summary = summarize(log, config, group.size, params, tokens_per_sample) | parallel.pipeline_summary(log)
+    summary = summarize(log, config, group.size, params, tokens_per_sample) | parallel.pipeline_summary(log) \
+        | compile_summary(log)
     summary["memory"] = per_rank({**held.measure(), "peak_bytes": held.peak_bytes}, group)
     if group.rank == 0:  # the rank whose summary is printed; counting runs the model once on meta
         flops = model_flops_per_step(config.model.name, config.model.overrides, dataset, config.data.global_batch)

@@ -118,6 +118,8 @@ TRAINING_FLAGS = [
     Flag("parallel.microbatches", "--microbatches", type=int, help="Microbatches per step through the pipeline."),
     Flag("parallel.virtual_stages", "--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved-1f1b)."),
     Flag("parallel.stage_layers", "--stage-layers", convert=_stage_layers, help="Explicit layers per chunk, e.g. 3,2,2,3 (default: balanced by cost)."),
+    Flag("parallel.compile", "--compile", is_flag=True, default=None,
+         help="Each layer through torch.compile; the first two steps run eager, so the summary gives both."),
     Flag("parallel.checkpoint_activations", "--checkpoint-activations", is_flag=True, default=None, help="Recompute activations in backward."),
     Flag("parallel.precision", "--precision", help="fp32 (default), bf16 or fp16 (autocast; fp16 with dynamic loss "
                                                     "scaling, overflowed steps skipped and counted)."),
