@@ -42,7 +42,7 @@ def global_grad_norm(dp, mesh) -> torch.Tensor:
     pieces = dp.gradient_pieces()
     tp = mesh.tp
     split = split_parameter_ids(dp.module) if tp.size > 1 else set()
-    square_sum = torch.zeros(1, dtype=torch.float32, device=_device_of(pieces, dp.module))
+    square_sum = torch.zeros(1, dtype=torch.float32, device=dp.device)
     for param, grad in pieces:
         if tp.size > 1 and tp.rank != 0 and id(param) not in split:
             continue  # replicated over tp: tp rank 0 counts it
@@ -67,9 +67,3 @@ def clip_grad_norm_(dp, mesh, max_norm: float) -> float:
         grad.mul_(factor)
     return norm.item()
 
-
-def _device_of(pieces, module: nn.Module) -> torch.device:
-    if pieces:
-        return pieces[0][1].device
-    first = next(module.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")

@@ -43,7 +43,7 @@ class LossScaler:
         """Divide the gradients the optimizer is about to read by the scale; False (and nothing
         divided) when any rank's overflowed: the step must be skipped. A collective over `world`."""
         local = any(not torch.isfinite(grad).all() for _, grad in dp.gradient_pieces())
-        overflow = torch.tensor([1.0 if local else 0.0], device=_device_of(dp))
+        overflow = torch.tensor([1.0 if local else 0.0], device=dp.device)
         if world.size > 1:
             world.all_reduce(overflow, "sum")
         if overflow.item() > 0:
@@ -64,7 +64,3 @@ class LossScaler:
             self.scale *= self.growth_factor
             self._good_steps = 0
 
-
-def _device_of(dp) -> torch.device:
-    first = next(dp.module.parameters(), None)
-    return first.device if first is not None else torch.device("cpu")

@@ -25,7 +25,7 @@ from paratrain.train.mfu import model_flops_per_step, utilization
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.api import Prepared
 from paratrain.train.compiled import EAGER_STEPS, compile_summary
-from paratrain.train.parallel_model import build_parallel_model, full_state
+from paratrain.train.parallel_model import build_parallel_model
 from paratrain.train.profile import StepProfiler, profiled_steps
 from paratrain.train.resume import checkpoint_to_resume, layout_of, restore, save_if_due, train_state_for
 from paratrain.train.setup import dataset_for
@@ -39,11 +39,10 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     mesh = Mesh(group, group.size // (par.pp * par.tp), par.pp, par.tp)  # (world, 1, 1): dp is the world
     parallel = build_parallel_model(config, mesh, dataset)  # the model itself when pp x tp = 1
     job = Prepared(parallel, mesh, par, device)  # the library face's object: one path for both (train/api.py)
-    dp, scaler = job.dp, job.scaler
+    dp = job.dp
     optimizer = job.optimizer(lambda params: build_optimizer(config.optim, params))
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
     held = HeldMemory(parallel.module, optimizer, job.compiled.layers if job.compiled else ())  # sampled in the last step
-    tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
     evaluator = Evaluator(config, dataset, parallel.module, parallel.loss_fn, mesh.dp, mesh, parallel, device)
     # No rank trains before every rank holds its weights. Under the threads launcher the ranks
     # share torch's global RNG: initialisation draws from it (under a lock), and activation
@@ -80,23 +79,9 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
             optimizer.step()  # the strategy's after-step with it; skipped after an fp16 overflow
             scheduler.step()
             optimizer.zero_grad()
-        finite, bubble = job.finite, job.bubble
         step_ms = (time.perf_counter() - started) * 1e3
-        comm_ms, exposed_ms = dp.timer.take()
 
-        entry = {
-            "step": step, "loss": job.global_loss(loss_sum), "lr": scheduler.get_last_lr()[0],
-            "step_ms": step_ms, "compute_ms": step_ms - exposed_ms, "comm_ms": comm_ms,
-            "exposed_comm_ms": exposed_ms,
-        }
-        if bubble is not None:
-            entry["bubble"] = bubble
-        if grad_norm is not None:
-            entry["grad_norm"] = grad_norm  # before clipping, as torch's clip_grad_norm_ returns it
-        if job.compiled is not None:
-            entry["compiled"] = job.compiled.on
-        if scaler is not None:
-            entry.update(loss_scale=scaler.scale, skipped=not finite)
+        entry = step_entry(step, job, loss_sum, scheduler.get_last_lr()[0], step_ms, dp.timer.take(), grad_norm)
         if evaluator.due(step):
             entry.update(evaluator.run())
             dp.timer.take()  # FSDP's gathers for evaluation: not the next step's communication
@@ -104,13 +89,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
         progress.update(1)
         progress.set_postfix(loss=f"{entry['loss']:.4f}", ms=f"{step_ms:.0f}")
         if group.rank == 0 and (step % config.log_every == 0 or step == config.steps - 1 or "val_loss" in entry):
-            progress.write(
-                f"step {step:5d}  loss {entry['loss']:.5f}  {step_ms:7.1f} ms  "
-                f"(comm {comm_ms:6.1f} ms, exposed {exposed_ms:6.1f} ms)"
-                + (f"  bubble {bubble:.1%}" if bubble is not None else "")
-                + (f"  grad norm {grad_norm:.4g}" if grad_norm is not None else "")
-                + ("  skipped: fp16 overflow" if scaler is not None and not finite else "") + format_validation(entry)
-            )
+            progress.write(log_line(entry))
         trace = profiler.after(step) if profiler is not None else None
         if trace is not None:
             progress.write(f"profile of steps {profiler.steps.start}-{profiler.steps[-1]}: {trace} "
@@ -124,20 +103,51 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     if par.local_sgd and config.steps % par.local_sgd:
         dp.average_parameters()  # end with one model, not world-size slightly different ones
 
+    result = {"log": log, "summary": run_summary(log, config, group, parallel, held, dataset)}
+    if return_state:
+        result["state"] = job.state_dict()
+    job.close()
+    mesh.close()
+    return result
+
+
+def run_summary(log: list[dict], config: TrainConfig, group, parallel, held, dataset) -> dict:
+    """The run's summary: means over steps, the pipeline's bubble, eager against compiled, memory
+    per rank (a collective) and, on rank 0 (whose summary is printed), model FLOPs and MFU."""
     params = sum(p.numel() for p in parallel.model.parameters())
+    tokens_per_sample = getattr(dataset, "config", None) and getattr(dataset.config, "block_size", None)
     summary = summarize(log, config, group.size, params, tokens_per_sample) | parallel.pipeline_summary(log) \
         | compile_summary(log)
     summary["memory"] = per_rank({**held.measure(), "peak_bytes": held.peak_bytes}, group)
-    if group.rank == 0:  # the rank whose summary is printed; counting runs the model once on meta
+    if group.rank == 0:  # counting runs the model once on the meta device
         flops = model_flops_per_step(config.model.name, config.model.overrides, dataset, config.data.global_batch)
         summary.update(utilization(flops, summary["step_ms"], group.size, config.peak_tflops))
-    result = {"log": log, "summary": summary}
-    if return_state:
-        with dp.gathered():
-            result["state"] = full_state(parallel, mesh)
-    dp.close()
-    mesh.close()
-    return result
+    return summary
+
+
+def step_entry(step: int, job, loss_sum: float, lr: float, step_ms: float, comm: tuple, grad_norm) -> dict:
+    """One step's log entry: the global loss (a collective, outside the step's time), its times,
+    and what the run's options add (bubble, gradient norm, compiled, fp16's scale)."""
+    comm_ms, exposed_ms = comm
+    entry = {"step": step, "loss": job.global_loss(loss_sum), "lr": lr, "step_ms": step_ms,
+             "compute_ms": step_ms - exposed_ms, "comm_ms": comm_ms, "exposed_comm_ms": exposed_ms}
+    if job.bubble is not None:
+        entry["bubble"] = job.bubble
+    if grad_norm is not None:
+        entry["grad_norm"] = grad_norm  # before clipping, as torch's clip_grad_norm_ returns it
+    if job.compiled is not None:
+        entry["compiled"] = job.compiled.on
+    if job.scaler is not None:
+        entry.update(loss_scale=job.scaler.scale, skipped=not job.finite)
+    return entry
+
+
+def log_line(entry: dict) -> str:
+    return (f"step {entry['step']:5d}  loss {entry['loss']:.5f}  {entry['step_ms']:7.1f} ms  "
+            f"(comm {entry['comm_ms']:6.1f} ms, exposed {entry['exposed_comm_ms']:6.1f} ms)"
+            + (f"  bubble {entry['bubble']:.1%}" if "bubble" in entry else "")
+            + (f"  grad norm {entry['grad_norm']:.4g}" if "grad_norm" in entry else "")
+            + ("  skipped: fp16 overflow" if entry.get("skipped") else "") + format_validation(entry))
 
 
 def summarize(log: list[dict], config: TrainConfig, world_size: int, params: int, tokens_per_sample) -> dict:

@@ -59,6 +59,12 @@ class DataParallel:
     # FSDP: the global norm sums over replicas) or the same whole on every replica.
     grads_sharded = False
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live: where a scalar reduced over the mesh must be."""
+        first = next(self.module.parameters(), None)
+        return first.device if first is not None else torch.device("cpu")
+
     def gradient_pieces(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(parameter, the part of its gradient this rank's optimizer reads), after
         finish_gradients: what the global gradient norm is made of (parallel/grad_norm.py)."""
