@@ -8,6 +8,7 @@ import pytest
 
 import paratrain.frontend as gt
 from frontend_helpers import raw_client, raw_sync, reply_to, wait_until
+from paratrain.frontend.client.autostart import LocalServer
 from paratrain.frontend.protocol import Instruction, codec, messages
 
 
@@ -87,21 +88,28 @@ def test_malformed_messages_get_an_error_reply_and_nothing_breaks(client, server
     assert gt.ones(3).sum().item() == 3.0
 
 
+def _once_counted(held, baseline: int) -> int:
+    """The worker's memory once it counts a new 4 MiB tensor (a worker heartbeat after the
+    tensor was made carries the figure)."""
+    def counted():
+        memory = held()
+        return memory if memory - baseline >= 4 * 1024 * 1024 else None
+    return wait_until(counted, 15, "the new 4 MiB counted")
+
+
 def test_a_departed_client_has_its_tensors_freed(client, server):
     from paratrain.frontend.top import Monitor
-
-    import time
 
     monitor = Monitor(server.address)
     try:
         def held():
             return monitor.stats().workers[0].memory
 
+        baseline = held()
         other = gt.Session(server.address)
         big = other.call("zeros", [1024, 1024], {"dtype": None})[0]
         other.sync()
-        time.sleep(1.2)  # the next worker heartbeat carries the new figure
-        before = held()
+        before = _once_counted(held, baseline)
         other.close()
         del big
         wait_until(lambda: before - held() >= 4 * 1024 * 1024, 15, "the departed client's 4 MiB freed")
@@ -109,27 +117,37 @@ def test_a_departed_client_has_its_tensors_freed(client, server):
         monitor.close()
 
 
-def test_a_killed_client_has_its_tensors_freed_after_its_heartbeats_stop(server):
+@pytest.fixture(scope="module")
+def quick_drop_server():
+    """A dispatcher that drops a client after 2 s without a heartbeat (two of its heartbeats): a
+    killed client is dropped soon. Only the killed client's test uses it, so no healthy client of
+    a loaded host risks being dropped."""
+    srv = LocalServer.start(1, extra_args=("--client-timeout", "2"))
+    yield srv
+    srv.stop()
+
+
+def test_a_killed_client_has_its_tensors_freed_after_its_heartbeats_stop(quick_drop_server):
     import os
     import signal
     import subprocess
     import sys
-    import time
 
     from paratrain.frontend.top import Monitor
 
+    server = quick_drop_server
     program = (f"import paratrain.frontend as gt, time\ngt.connect({server.address!r})\n"
                "x = gt.zeros(1024, 1024); x.sum().item(); print('ready', flush=True); time.sleep(60)")
-    child = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
     monitor = Monitor(server.address)
+    baseline = monitor.stats().workers[0].memory
+    child = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        time.sleep(1.2)
         assert any(c.tensors >= 1 for c in monitor.stats().clients)
-        held = monitor.stats().workers[0].memory
+        held = _once_counted(lambda: monitor.stats().workers[0].memory, baseline)
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-        # The server's --client-timeout is 5 s; then a heartbeat reports the memory.
+        # The server's --client-timeout is 2 s; then a heartbeat reports the memory.
         wait_until(lambda: held - monitor.stats().workers[0].memory >= 4 * 1024 * 1024, 30,
                    "the killed client's 4 MiB freed")
     finally:

@@ -18,9 +18,10 @@ from click.testing import CliRunner
 
 import paratrain.frontend as gt
 from frontend_helpers import (
-    free_port, listening_addresses, run_paratrain, standalone_workers, start_serve, stop,
+    free_port, listening_addresses, run_paratrain, standalone_workers, start_serve, stop, wait_until,
 )
 from paratrain.cli import main as paratrain_cli
+from paratrain.frontend.client.autostart import LocalServer
 from paratrain.frontend.top import Monitor
 
 ERROR_WITHIN_S = 10  # what the frontend promises: a client waiting on a killed worker hears of it
@@ -101,11 +102,20 @@ def test_the_workers_store_listens_where_serve_does(server):
     assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
 
 
-def test_a_client_dropped_while_paused_is_told_so_at_its_next_call(server):
-    """conftest's server drops a client after 5 s without a heartbeat."""
+@pytest.fixture(scope="module")
+def quick_drop_server():
+    """A dispatcher that drops a client after 2 s without a heartbeat (two of its heartbeats), so
+    that a paused client is dropped soon; only the paused client's test uses it, so no healthy
+    client of a loaded host risks being dropped."""
+    srv = LocalServer.start(1, extra_args=("--client-timeout", "2"))
+    yield srv
+    srv.stop()
+
+
+def test_a_client_dropped_while_paused_is_told_so_at_its_next_call(quick_drop_server):
     program = textwrap.dedent(f"""
         import sys, paratrain.frontend as gt
-        gt.connect({server.address!r})
+        gt.connect({quick_drop_server.address!r})
         x = gt.ones(4)
         print("ready", x.sum().item(), flush=True)
         sys.stdin.readline()
@@ -120,7 +130,7 @@ def test_a_client_dropped_while_paused_is_told_so_at_its_next_call(server):
     try:
         assert child.stdout.readline().startswith("ready 4.0")
         os.kill(child.pid, signal.SIGSTOP)  # paused: no heartbeats
-        time.sleep(8)
+        time.sleep(5)  # the 2 s timeout, a second's tick and room for a loaded host's delays
         os.kill(child.pid, signal.SIGCONT)
         child.stdin.write("go\n")
         child.stdin.flush()
@@ -179,35 +189,49 @@ def test_an_integer_tensor_cannot_require_grad_and_says_so_at_once(client):
         gt.zeros(3, dtype="int64", requires_grad=True)
 
 
-def _run_program(source: str, env: dict) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "PARATRAIN_SERVER"}, **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
-                          timeout=180, env=env)
+def _run_programs(*sources: str) -> list[subprocess.CompletedProcess]:
+    """Each source as `python -c`, all at once; -> each one's end, in order."""
+    env = {k: v for k, v in os.environ.items() if k != "PARATRAIN_SERVER"}
+    programs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(source)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env) for source in sources]
+    done = []
+    try:
+        for program in programs:
+            out, err = program.communicate(timeout=180)
+            done.append(subprocess.CompletedProcess(program.args, program.returncode, out, err))
+    finally:
+        for program in programs:
+            if program.poll() is None:
+                program.kill()
+                program.wait()
+    return done
 
 
 def test_what_a_program_queued_after_its_last_sync_runs_and_its_errors_fail_the_program(server, four_workers):
-    quiet = _run_program(f"""
+    # The two programs run side by side: each spends seconds importing before it connects.
+    quiet, failing = _run_programs(f"""
         import paratrain.frontend as gt
         gt.connect({server.address!r})
         x = gt.ones(3)
         print(x.sum().item())
         y = x * 5.0          # never read: runs at exit all the same
-    """, {})
-    assert quiet.returncode == 0, quiet.stderr
-    failing = _run_program(f"""
+    """, f"""
         import paratrain.frontend as gt
         gt.connect({four_workers.address!r})
         x = gt.randn(4, 13, requires_grad=True)
         print(x.sum().item() is not None)
         loss = gt.cross_entropy(x, gt.tensor([1, 2, 30, 4], dtype="int64"))   # fails on the worker, after the last sync
         loss.backward()
-    """, {})
+    """)
+    assert quiet.returncode == 0, quiet.stderr
     assert failing.returncode == 1, (failing.stdout, failing.stderr)
     assert "paratrain frontend: at exit: cross_entropy(float32[4, 13], int64[4]) failed on worker" in failing.stderr
     assert "out of bounds" in failing.stderr
-    time.sleep(0.5)  # lines are written when the workers report their timings
-    logged = [line for line in four_workers.log.read_text().splitlines() if "float32[4,13]" in line]
-    assert any("| OP " in line and " op=cross_entropy " in line for line in logged), logged
+
+    def logged_cross_entropy():  # lines are written when the workers report their timings
+        return [line for line in four_workers.log.read_text().splitlines()
+                if "float32[4,13]" in line and "| OP " in line and " op=cross_entropy " in line]
+    wait_until(logged_cross_entropy, 10, "the failed cross_entropy in the instruction log")
 
 
 def test_a_worker_lost_before_every_worker_served_stops_the_server_with_one_line(tmp_path):
@@ -228,7 +252,8 @@ def test_a_client_of_a_lost_dispatcher_learns_of_it_within_ten_seconds(how):
         session = gt.Session(address, timeout=120)  # the old way out: no answer within the timeout
         try:
             assert session.upload(np.ones(3, dtype=np.float32)).numpy().sum() == 3.0
-            time.sleep(3)  # a quiet client keeps its dispatcher: not taken for lost
+            if how == signal.SIGSTOP:  # one case checks it: both keep the same heartbeat connection
+                time.sleep(3)  # a quiet client keeps its dispatcher: not taken for lost
             assert session.connection.lost is None
             serve.send_signal(how)
             lost_at = time.monotonic()
