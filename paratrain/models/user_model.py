@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import UserError
+from paratrain.models.meta import on_meta
 
 CONTEXT_ATTRS = ("block_size", "max_seq_len", "context_length", "seq_len")
 
@@ -112,7 +113,7 @@ class CausalLMFile:
         try:
             if device is None:
                 return function(**kwargs)
-            with torch.device(device):
+            with on_meta() if torch.device(device).type == "meta" else torch.device(device):
                 return function(**kwargs)
         except Exception as error:  # the user's code
             raise ModelFileError(f"model {self.spec}: {type(error).__name__}: {error}") from None

@@ -10,6 +10,7 @@ import click
 from paratrain.launch import expected_transport, run
 from paratrain.models import CAUSAL_LM_CONFIGS, GPTConfig, LlamaConfig, build_model, count_parameters, format_count, \
     model_config, parameter_count
+from paratrain.models.meta import on_meta
 from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers
 from paratrain.parallel.data.strategy import strategy_of
 from paratrain.parallel.plan import matching_modules
@@ -116,10 +117,8 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
 def describe_split(config: TrainConfig) -> list[str]:
     """How the plan splits the model: each tensor-parallel pattern with its style and the modules
     it matched, and the pipeline chunks' layers (built on the meta device: nothing allocated)."""
-    import torch
-
     par = config.parallel
-    with torch.device("meta"):
+    with on_meta():
         model = build_model(config.model.name, **config.model.overrides)
     plan = plan_for(config.model.plan, model)
     lines = [f"plan: {plan.source}" if config.model.plan else "plan: the model's own"]

@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from paratrain.models.meta import on_meta
 from paratrain.train.setup import build_seeded_model
 
 
 def model_flops_per_step(model_name: str, overrides: dict, dataset, global_batch: int) -> float:
     """FLOPs of one optimizer step on `global_batch` samples of `dataset` (forward and backward)."""
-    with torch.device("meta"):
+    with on_meta():
         model = build_seeded_model(model_name, overrides, seed=0)
     inputs, targets = dataset.global_batch(0, global_batch)
     counter = FlopCounterMode(display=False)

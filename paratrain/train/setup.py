@@ -12,6 +12,7 @@ from paratrain.data.text import is_text_name, text_path_of
 from paratrain.data.token_file import is_token_file_name, token_file_options
 from paratrain.data.user_data import is_data_file
 from paratrain.models import CAUSAL_LM_CONFIGS, CNNConfig, DeepMLPConfig, MLPConfig, build_model, model_config
+from paratrain.models.meta import on_meta
 from paratrain.models.plans import default_plan
 from paratrain.models.user_model import load_function
 from paratrain.parallel.plan import Plan, load_plan
@@ -89,7 +90,7 @@ def fsdp_units_note(config) -> list[str]:
     unit); nothing when it does. Reads the model built on the meta device."""
     from paratrain.parallel.data.fsdp_units import unit_layout
 
-    with torch.device("meta"):
+    with on_meta():
         model = build_model(config.model.name, **config.model.overrides)
     note = unit_layout(model, plan_for(config.model.plan, model)).note
     return [note] if note else []

@@ -12,6 +12,7 @@ from paratrain.data.user_data import is_data_file
 from paratrain.data.text import is_text_name
 from paratrain.data.token_file import is_token_file_name
 from paratrain.launch import LAUNCHERS
+from paratrain.models.meta import on_meta
 from paratrain.models.user_model import load_function
 import torch
 
@@ -244,7 +245,7 @@ def _splits_the_vocabulary(meta) -> bool:
 
 def _meta_model_and_plan(config: TrainConfig):
     """The model built on the meta device (shapes only: no memory, no time) and its plan."""
-    with torch.device("meta"):
+    with on_meta():
         model = build_model(config.model.name, **config.model.overrides)
     return model, plan_for(config.model.plan, model)
 
