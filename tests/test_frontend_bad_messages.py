@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 import paratrain.frontend as gt
-from frontend_helpers import client_hello, raw_client, reply_to, rss_bytes, start_serve, stop, wait_until
+from frontend_helpers import client_hello, raw_client, reply_to, rss_bytes, start_serve, wait_until
 from paratrain.frontend.client.autostart import LocalServer
 from paratrain.frontend.client.connection import Connection
 from paratrain.frontend.protocol import Instruction, codec, messages
@@ -195,18 +195,33 @@ def well_behaved_check(address: str, round_number: int) -> None:
         session.close()
 
 
+def _serve_saying(said, *args: str) -> LocalServer:
+    """`paratrain serve --local-workers ARGS`, its stderr (what it says) in the file `said`."""
+    with open(said, "w") as stderr:
+        process, address = start_serve("--local-workers", *args, stderr=stderr)
+    return LocalServer(process, address)
+
+
 @pytest.fixture(scope="module")
-def token_server():
-    env_timeout = os.environ.get("PARATRAIN_TIMEOUT")
-    os.environ["PARATRAIN_TIMEOUT"] = "20"  # a worker left waiting on a broken partner gives up soon
-    try:
-        srv = LocalServer.start(2, token=TOKEN, extra_args=("--max-tensor-mb", "16",
-                                               "--client-timeout", "20", "--threads", "1"))
-    finally:
-        if env_timeout is None:
-            os.environ.pop("PARATRAIN_TIMEOUT")
-        else:
-            os.environ["PARATRAIN_TIMEOUT"] = env_timeout
+def token_server(tmp_path_factory):
+    """Two workers behind a token; `.said`: the file of what the dispatcher says."""
+    said = tmp_path_factory.mktemp("token-server") / "serve.err"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PARATRAIN_TIMEOUT", "20")  # a worker left waiting on a broken partner gives up soon
+        srv = _serve_saying(said, "--workers", "2", "--token", TOKEN, "--max-tensor-mb", "16",
+                            "--client-timeout", "20", "--threads", "1")
+    srv.said = said
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def saying_server(tmp_path_factory):
+    """One worker, no token, messages of at most 1 MiB; `.said`: the file of what the dispatcher
+    says. Shared by the tests that read what it says of one peer (each looks for its own line)."""
+    said = tmp_path_factory.mktemp("saying-server") / "serve.err"
+    srv = _serve_saying(said, "--workers", "1", "--max-message-mb", "1")
+    srv.said = said
     yield srv
     srv.stop()
 
@@ -414,43 +429,21 @@ def test_unauthenticated_peers_expire_and_are_few():
     assert len(expired) == MAX_PENDING and list(peers.pending) == [b"waits"]
 
 
-def test_a_strangers_message_over_64_kib_is_refused_before_it_is_decoded(tmp_path):
-    """Under the server's --max-message-mb (4 here) libzmq delivers it; the dispatcher's own
+def test_a_strangers_message_over_64_kib_is_refused_before_it_is_decoded(saying_server):
+    """Under the server's --max-message-mb (1 here) libzmq delivers it; the dispatcher's own
     bound for peers that have not joined refuses it unread, and says so."""
-    said = tmp_path / "serve.err"
-    with open(said, "w") as stderr:
-        serve, address = start_serve("--workers", "1", "--local-workers", "--max-message-mb", "4", stderr=stderr)
+    said = saying_server.said
+    packed = msgpack.packb({"t": "hello", "role": "client", "name": "x" * 500_000})
+    context, sock = _stranger(saying_server.address)
     try:
-        packed = msgpack.packb({"t": "hello", "role": "client", "name": "x" * 3_000_000})
-        context, sock = _stranger(address)
-        try:
-            sock.send(packed)
-            wait_until(lambda: "an unjoined peer" in said.read_text(), 30, "the dispatcher complains")
-        finally:
-            sock.close(linger=0)
-            context.term()
-        assert f"a header of {len(packed)} bytes (at most 65536 here)" in said.read_text()
-        assert serve.poll() is None
+        sock.send(packed)
+        wait_until(lambda: f"a header of {len(packed)} bytes" in said.read_text(), 30, "the dispatcher complains")
     finally:
-        stop(serve)
-
-
-def test_connections_that_never_finish_the_handshake_are_closed_within_seconds(token_server):
-    """Plain TCP connections that say nothing: each holds a descriptor of the dispatcher's until
-    ZeroMQ's handshake deadline closes it (5 s; libzmq's default is 30 s)."""
-    import socket
-
-    pid = token_server.process.pid
-    host, port = token_server.address.rsplit(":", 1)
-    before = len(os.listdir(f"/proc/{pid}/fd"))
-    silent = [socket.create_connection((host, int(port))) for _ in range(100)]
-    try:
-        wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) >= before + 100, 10, "the dispatcher accepts them")
-        wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= before + 5, 10, "the silent connections are closed")
-        well_behaved_check(token_server.address, 0)
-    finally:
-        for connection in silent:
-            connection.close()
+        sock.close(linger=0)
+        context.term()
+    assert "an unjoined peer" in said.read_text()
+    assert f"a header of {len(packed)} bytes (at most 65536 here)" in said.read_text()
+    assert saying_server.process.poll() is None
 
 
 def test_a_stranger_flooding_the_dispatcher_gets_a_few_refusals_not_one_each(token_server):
@@ -473,36 +466,30 @@ def test_a_stranger_flooding_the_dispatcher_gets_a_few_refusals_not_one_each(tok
     well_behaved_check(token_server.address, 0)
 
 
-def test_a_dispatcher_near_its_descriptor_limit_says_so(tmp_path):
+def test_a_dispatcher_near_its_descriptor_limit_says_so(saying_server):
     """Silent connections each hold one of the dispatcher's descriptors: near its limit it prints
-    a line (before, 1,100 of them locked every real client out with nothing logged)."""
+    a line (before, 1,100 of them locked every real client out with nothing logged). The limit is
+    lowered on the running dispatcher, which reads it on each tick, and put back after."""
     import resource
     import socket
-    import subprocess
 
-    from frontend_helpers import PYTHON_M_PARATRAIN
-    from paratrain.frontend.client.autostart import wait_until_ready
-
-    def low_limit():
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-    said = tmp_path / "serve.err"
-    with open(said, "w") as stderr:
-        serve = subprocess.Popen([*PYTHON_M_PARATRAIN, "serve", "--port", "0", "--workers", "1", "--local-workers"],
-                                 stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=low_limit)
+    pid, said = saying_server.process.pid, saying_server.said
+    limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
     silent = []
     try:
-        host, port = wait_until_ready(serve, 120).rsplit(":", 1)
-        used = len(os.listdir(f"/proc/{serve.pid}/fd"))
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (256, limits[1]))
+        host, port = saying_server.address.rsplit(":", 1)
+        used = len(os.listdir(f"/proc/{pid}/fd"))
         silent = [socket.create_connection((host, int(port))) for _ in range(int(0.8 * 256) - used + 10)]
         wait_until(lambda: "file descriptors in use" in said.read_text(), 10, "the dispatcher warns")
         assert " of 256 file descriptors in use (one per connection)" in said.read_text()
     finally:
         for connection in silent:
             connection.close()
-        stop(serve)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
 
 
-def test_a_client_that_does_not_read_its_replies_is_dropped_and_its_queue_bounded(tmp_path):
+def test_a_client_that_does_not_read_its_replies_is_dropped_and_its_queue_bounded(saying_server):
     """Issue 37 item 4: replies to a client that never reads used to queue without limit (64 MiB
     fetches 38 times: 2.5 GB). This one reads nothing after joining, its ZeroMQ takes one message
     into a 64 KiB socket buffer, and it asks for 100 reads of 800 KB (80 MB): the dispatcher
@@ -510,9 +497,7 @@ def test_a_client_that_does_not_read_its_replies_is_dropped_and_its_queue_bounde
     to the worker, which reads, waits its turn and loses no worker."""
     from paratrain.frontend.protocol.handshake import handshake
 
-    said = tmp_path / "serve.err"
-    with open(said, "w") as stderr:
-        serve, address = start_serve("--workers", "1", "--local-workers", "--max-message-mb", "1", stderr=stderr)
+    serve, address, said = saying_server.process, saying_server.address, saying_server.said
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     try:
@@ -520,7 +505,7 @@ def test_a_client_that_does_not_read_its_replies_is_dropped_and_its_queue_bounde
         sock.setsockopt(zmq.RCVHWM, 1)
         sock.setsockopt(zmq.RCVBUF, 64 << 10)
         sock.connect(f"tcp://{address}")
-        handshake(sock, client_hello(), None, 30.0, address)
+        welcome = handshake(sock, client_hello(), None, 30.0, address)
         count = 200_000  # float32: 800 KB, under the 1 MiB a message may carry
         sock.send_multipart(codec.encode(messages.Run([Instruction(1, "ones", [0], [count], [], {})], 1, [])))
         assert isinstance(reply_to(sock), messages.Synced)
@@ -533,7 +518,7 @@ def test_a_client_that_does_not_read_its_replies_is_dropped_and_its_queue_bounde
         wait_until(lambda: "does not read what is sent to it" in said.read_text(), 60, "the dispatcher drops it")
         grown = rss_bytes(serve.pid) - before
         text = said.read_text()
-        assert "client 1 left (it does not read what is sent to it" in text and "(the bound: 16 MiB" in text, text
+        assert f"client {welcome.client} left (it does not read what is sent to it" in text and "(the bound: 16 MiB" in text, text
         assert "tensors are freed" in text and "worker 0 is lost" not in text, text
         assert grown < 48 << 20, f"the dispatcher grew by {grown >> 20} MiB"  # 16 queued by ZeroMQ, 16 MiB here
         three = session.call("ones", [3], {"dtype": None})[0]
@@ -543,24 +528,29 @@ def test_a_client_that_does_not_read_its_replies_is_dropped_and_its_queue_bounde
     finally:
         sock.close(linger=0)
         context.term()
-        stop(serve)
 
 
-def test_connections_that_say_nothing_or_only_hello_are_closed(tmp_path):
-    """Issue 37 item 5: 10,000 connections that said nothing, or only hello, cost 290 MB and a
+def test_connections_that_never_finish_the_handshake_or_never_join_are_closed(token_server):
+    """Two ways a connection holds a descriptor of the dispatcher's without joining, checked
+    together so that their deadlines run at once.
+
+    Plain TCP connections that say nothing: each is closed by ZeroMQ's handshake deadline (5 s;
+    libzmq's default is 30 s).
+
+    Issue 37 item 5: 10,000 connections that said nothing, or only hello, cost 290 MB and a
     descriptor each, forever. Now each is closed once JOIN_S passes without its peer joining
     (on a server with a token, hello is not joining: the challenge must be answered), with a
     line; a client that joined, and its heartbeat connection, are kept."""
+    import socket
+
     from zmq.utils.monitor import recv_monitor_message
 
     from paratrain.frontend.dispatcher.connections import JOIN_S
 
-    said = tmp_path / "serve.err"
-    with open(said, "w") as stderr:
-        serve, address = start_serve("--workers", "1", "--local-workers", "--token", TOKEN, stderr=stderr)
+    pid, address = token_server.process.pid, token_server.address
     context = zmq.Context()
     silent, hello_only = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
-    watches = []
+    watches, plain = [], []
     try:
         session = gt.Session(address, token=TOKEN, timeout=60)
         for sock in (silent, hello_only):
@@ -571,19 +561,29 @@ def test_connections_that_say_nothing_or_only_hello_are_closed(tmp_path):
             sock.connect(f"tcp://{address}")
         hello_only.send_multipart(codec.encode(client_hello()))  # and never answers the challenge
         started = time.monotonic()
+
+        # (these two may still be on their way in: they add at most 2 to the counts below)
+        before = len(os.listdir(f"/proc/{pid}/fd"))
+        host, port = address.rsplit(":", 1)
+        plain = [socket.create_connection((host, int(port))) for _ in range(100)]
+        wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) >= before + 100, 10, "the dispatcher accepts them")
+        wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= before + 5, 10, "the silent connections are closed")
+        well_behaved_check(address, 0)
+
         for watch in watches:
             assert watch.poll(int((JOIN_S + 10) * 1000)), "the dispatcher kept a connection that never joined"
             assert recv_monitor_message(watch)["event"] == zmq.EVENT_DISCONNECTED
         assert time.monotonic() - started > JOIN_S - 1
-        wait_until(lambda: "did not join within" in said.read_text(), 10, "the dispatcher says so")
+        wait_until(lambda: "did not join within" in token_server.said.read_text(), 10, "the dispatcher says so")
         two = session.call("full", [2], {"dtype": None, "value": 1.0})[0]
         (value,) = session.sync([two._handle])
         assert float(value.sum()) == 2.0  # the client that joined was kept
         session.close()
     finally:
+        for connection in plain:
+            connection.close()
         for watch in watches:
             watch.close(linger=0)
         silent.close(linger=0)
         hello_only.close(linger=0)
         context.term()
-        stop(serve)
