@@ -197,28 +197,15 @@ def test_every_worker_and_replicated_and_backward_arguments(four):
     np.testing.assert_allclose(x.grad.numpy(), 2 * a, rtol=RTOL)
 
 
-def _program(source: str, env: dict, tmp_path) -> subprocess.CompletedProcess:
-    script = tmp_path / "program.py"
-    script.write_text(textwrap.dedent(source))
-    env = {**{k: v for k, v in os.environ.items() if k != "PARATRAIN_SERVER"}, **env}
-    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
-
-
-def test_an_auto_started_program_gets_the_workers_its_configuration_names(tmp_path):
-    (tmp_path / "four.yaml").write_text("last_pair:\n  shard:\n    axis: 0\n    workers: [2, 3]\n")
-    done = _program("""
-        import paratrain.frontend as gt
-        with gt.signal.context("last_pair"):
-            x = gt.ones(4, 2)
-        print("workers", gt.session().n_workers, "sum", x.sum().item())
-    """, {"GT_CONFIG": str(tmp_path / "four.yaml")}, tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "workers 4 sum 8.0" in done.stdout
-
-
-def test_the_gt_alias_resolves_gts_import_paths(tmp_path):
-    done = _program("""
+@pytest.fixture(scope="module")
+def auto_started_gt_program(tmp_path_factory):
+    """One program, run once for the two tests below (a new interpreter and an auto-started
+    server cost seconds each): GT's import paths through the `gt` alias, then a signal of its
+    GT_CONFIG file, on the server it auto-started at its first operation."""
+    folder = tmp_path_factory.mktemp("gt-program")
+    (folder / "four.yaml").write_text("last_pair:\n  shard:\n    axis: 0\n    workers: [2, 3]\n")
+    script = folder / "program.py"
+    script.write_text(textwrap.dedent("""
         import numpy as np
         import gt
         from gt.client import nn
@@ -244,7 +231,26 @@ def test_the_gt_alias_resolves_gts_import_paths(tmp_path):
             loss.backward()
             optimizer.step()
         print("fell", loss.item() < first, isinstance(get_config(), gt.config.Config), nn.Linear is Linear)
-    """, {"PYTHONPATH": str(ALIAS)}, tmp_path)
+
+        import paratrain.frontend as frontend
+        with frontend.signal.context("last_pair"):
+            x = frontend.ones(4, 2)
+        print("workers", frontend.session().n_workers, "sum", x.sum().item())
+    """))
+    env = {**{k: v for k, v in os.environ.items() if k != "PARATRAIN_SERVER"},
+           "PYTHONPATH": str(ALIAS), "GT_CONFIG": str(folder / "four.yaml")}
+    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=folder)
+
+
+def test_an_auto_started_program_gets_the_workers_its_configuration_names(auto_started_gt_program):
+    done = auto_started_gt_program
+    assert done.returncode == 0, done.stderr
+    assert "workers 4 sum 8.0" in done.stdout
+
+
+def test_the_gt_alias_resolves_gts_import_paths(auto_started_gt_program):
+    done = auto_started_gt_program
     assert done.returncode == 0, done.stderr
     assert "fell True True True" in done.stdout
 
