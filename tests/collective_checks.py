@@ -1,6 +1,6 @@
-"""The collective checkers: each rank builds every rank's input, runs one collective and
-writes down every difference from the reference, so a failing sweep lists all the cases that
-differed. Shared by the fabric matrix (test_collectives_fabric.py), gloo
+"""The collective checkers: each rank knows every rank's input (a function of the case, made
+once per process), runs one collective and writes down every difference from the reference,
+so a failing sweep lists all the cases that differed. Shared by the fabric matrix (test_collectives_fabric.py), gloo
 (test_collectives_gloo.py), debug mode (test_comm_errors.py) and CUDA (test_cuda.py).
 """
 
@@ -58,7 +58,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_input(rank: int, count: int, dtype: torch.dtype, salt: str) -> torch.Tensor:
+def rank_input(rank: int, count: int, dtype: torch.dtype, salt: str) -> torch.Tensor:
+    """Rank `rank`'s input for a case, shared and read-only: each check copies its own rank's
+    into the tensor it hands the collective (stored_as, copy_), so none is ever written to,
+    and the rank threads of one process share them instead of each cloning every rank's."""
     seed = zlib.crc32(f"{rank}/{count}/{dtype}/{salt}".encode())  # same in every process
     generator = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
@@ -66,9 +69,9 @@ def _cached_input(rank: int, count: int, dtype: torch.dtype, salt: str) -> torch
     return torch.randint(-10**6, 10**6, (count,), generator=generator, dtype=dtype)
 
 
-def rank_input(rank: int, count: int, dtype: torch.dtype, salt: str) -> torch.Tensor:
-    """Rank `rank`'s input for a case; a fresh copy, since collectives write into it."""
-    return _cached_input(rank, count, dtype, salt).clone()
+def case_inputs(size: int, count: int, dtype: torch.dtype, salt: str) -> list[torch.Tensor]:
+    """Every rank's input for a case of `count` elements a rank (read-only, as rank_input's)."""
+    return [rank_input(rank, count, dtype, salt) for rank in range(size)]
 
 
 def reduced(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
@@ -83,6 +86,14 @@ def reduced(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
     if op == "avg":
         total = total / n if dtype.is_floating_point else torch.div(total, n, rounding_mode="trunc")
     return total.to(dtype)
+
+
+# The ranks of a threads world check the same case at about the same time (the collective keeps
+# them in step), so a small cache lets one of them compute the reference for all; read-only too.
+@functools.lru_cache(maxsize=64)
+def reference(size: int, count: int, dtype: torch.dtype, salt: str, op: str) -> torch.Tensor:
+    """`reduced` of a case's inputs."""
+    return reduced(case_inputs(size, count, dtype, salt), op)
 
 
 def parts(tensor: torch.Tensor, world_size: int) -> tuple[torch.Tensor, ...]:
@@ -180,11 +191,11 @@ def checking(label: str):
 
 def check_all_reduce(group, report, algo, dtype, count, op, layout="contiguous"):
     label = f"all_reduce(algo={algo}, {dtype_name(dtype)}, count={count}, op={op}, {layout})"
-    inputs = [rank_input(k, count, dtype, "all_reduce") for k in range(group.size)]
+    inputs = case_inputs(group.size, count, dtype, "all_reduce")
     tensor, gaps = stored_as(inputs[group.rank], layout, device_of(group))
     with checking(label):
         returned = group.all_reduce(tensor, op=op, algo=algo)
-    report.compare(label, tensor, reduced(inputs, op))
+    report.compare(label, tensor, reference(group.size, count, dtype, "all_reduce", op))
     report.same_object(label, returned, tensor)
     report.gaps_untouched(label, gaps)
 
@@ -193,8 +204,8 @@ def check_reduce_scatter(group, report, algo, dtype, count, op, in_layout="conti
                          out_layout="contiguous"):
     label = (f"reduce_scatter(algo={algo}, {dtype_name(dtype)}, count={count}, op={op}, "
              f"input {in_layout}, output {out_layout})")
-    inputs = [rank_input(k, count, dtype, "reduce_scatter") for k in range(group.size)]
-    expected = parts(reduced(inputs, op), group.size)[group.rank]
+    inputs = case_inputs(group.size, count, dtype, "reduce_scatter")
+    expected = parts(reference(group.size, count, dtype, "reduce_scatter", op), group.size)[group.rank]
     input, _ = stored_as(inputs[group.rank], in_layout, device_of(group))
     output, gaps = output_buffer(expected.numel(), dtype, out_layout, device_of(group))
     with checking(label):
@@ -208,12 +219,13 @@ def check_reduce_scatter(group, report, algo, dtype, count, op, in_layout="conti
 def check_reduce_scatter_in_place(group, report, algo, dtype, count, op):
     """NCCL's in-place form: the output is this rank's own part of the input."""
     label = f"reduce_scatter in place(algo={algo}, {dtype_name(dtype)}, count={count}, op={op})"
-    inputs = [rank_input(k, count, dtype, "reduce_scatter in place") for k in range(group.size)]
+    inputs = case_inputs(group.size, count, dtype, "reduce_scatter in place")
     input = inputs[group.rank].to(device_of(group), copy=True)
     output = parts(input, group.size)[group.rank]
     with checking(label):
         group.reduce_scatter(output, input, op=op, algo=algo)
-    report.compare(label, output, parts(reduced(inputs, op), group.size)[group.rank])
+    expected = reference(group.size, count, dtype, "reduce_scatter in place", op)
+    report.compare(label, output, parts(expected, group.size)[group.rank])
 
 
 def check_all_gather(group, report, algo, dtype, count, in_layout="contiguous",
@@ -248,7 +260,7 @@ def check_all_gather_in_place(group, report, algo, dtype, count):
 
 def check_broadcast(group, report, algo, dtype, count, root, layout="contiguous"):
     label = f"broadcast(algo={algo}, {dtype_name(dtype)}, count={count}, root={root}, {layout})"
-    inputs = [rank_input(k, count, dtype, "broadcast") for k in range(group.size)]
+    inputs = case_inputs(group.size, count, dtype, "broadcast")
     tensor, gaps = stored_as(inputs[group.rank], layout, device_of(group))
     with checking(label):
         returned = group.broadcast(tensor, root=root, algo=algo)
@@ -260,12 +272,12 @@ def check_broadcast(group, report, algo, dtype, count, root, layout="contiguous"
 def check_reduce(group, report, algo, dtype, count, root, op, layout="contiguous"):
     label = (f"reduce(algo={algo}, {dtype_name(dtype)}, count={count}, root={root}, op={op}, "
              f"{layout})")
-    inputs = [rank_input(k, count, dtype, "reduce") for k in range(group.size)]
+    inputs = case_inputs(group.size, count, dtype, "reduce")
     tensor, gaps = stored_as(inputs[group.rank], layout, device_of(group))
     with checking(label):
         returned = group.reduce(tensor, root=root, op=op, algo=algo)
     if group.rank == root:
-        report.compare(label, tensor, reduced(inputs, op))
+        report.compare(label, tensor, reference(group.size, count, dtype, "reduce", op))
     else:
         report.compare(label, tensor, inputs[group.rank], what="non-root tensor changed")
     report.same_object(label, returned, tensor)
@@ -277,7 +289,7 @@ def check_all_to_all(group, report, algo, dtype, count, in_layout="contiguous",
     """`count` is every rank's input size; part j of each input goes to rank j."""
     label = (f"all_to_all(algo={algo}, {dtype_name(dtype)}, count={count}, "
              f"input {in_layout}, output {out_layout})")
-    inputs = [rank_input(k, count, dtype, "all_to_all") for k in range(group.size)]
+    inputs = case_inputs(group.size, count, dtype, "all_to_all")
     expected = torch.cat([parts(x, group.size)[group.rank] for x in inputs])
     input, _ = stored_as(inputs[group.rank], in_layout, device_of(group))
     output, gaps = output_buffer(expected.numel(), dtype, out_layout, device_of(group))
@@ -292,20 +304,32 @@ def check_all_to_all(group, report, algo, dtype, count, in_layout="contiguous",
 # ---- sweeps: one op over the whole matrix, on one rank --------------------------------------
 
 
+def reduce_cases(dtype: torch.dtype, counts, roots=(None,)) -> list[tuple[int, int | None, str]]:
+    """(count, root, reduce op) cases for one algorithm: every count (x every root) once, the
+    reduce ops taken in turn, so every reduce op and every count (and root) runs, not every
+    pairing of them (a pairwise covering, 4x fewer calls). That is enough because the two do
+    not interact: the count (and root) picks an algorithm's parts, steps and segments, the reduce
+    op only the kernel that combines two buffers (ops.combine; avg is a sum divided once at the
+    end, by the Group). The turn starts at the dtype's place in DTYPES, so the matrix's four
+    dtypes at one world size together still run every count with every reduce op."""
+    pairs = [(count, root) for count in counts for root in roots]
+    shift = DTYPES.index(dtype) if dtype in DTYPES else 0
+    return [(*pairs[k % len(pairs)], REDUCE_OPS[(k + shift) % len(REDUCE_OPS)])
+            for k in range(max(len(pairs), len(REDUCE_OPS)))]
+
+
 def _sweep_all_reduce(group, report, algos, dtype, counts, roots):
     for algo in algos:
-        for count in counts:
-            for op in REDUCE_OPS:
-                check_all_reduce(group, report, algo, dtype, count, op)
+        for count, _, op in reduce_cases(dtype, counts):
+            check_all_reduce(group, report, algo, dtype, count, op)
         for layout in ("transposed", "strided"):
             check_all_reduce(group, report, algo, dtype, NONCONTIGUOUS_COUNT, "sum", layout)
 
 
 def _sweep_reduce_scatter(group, report, algos, dtype, counts, roots):
     for algo in algos:
-        for count in counts:
-            for op in REDUCE_OPS:
-                check_reduce_scatter(group, report, algo, dtype, count, op)
+        for count, _, op in reduce_cases(dtype, counts):
+            check_reduce_scatter(group, report, algo, dtype, count, op)
         check_reduce_scatter(group, report, algo, dtype, NONCONTIGUOUS_COUNT, "max",
                              in_layout="transposed", out_layout="strided")
         for op in ("sum", "min"):
@@ -332,10 +356,8 @@ def _sweep_broadcast(group, report, algos, dtype, counts, roots):
 
 def _sweep_reduce(group, report, algos, dtype, counts, roots):
     for algo in algos:
-        for count in counts:
-            for root in roots:
-                for op in REDUCE_OPS:
-                    check_reduce(group, report, algo, dtype, count, root, op)
+        for count, root, op in reduce_cases(dtype, counts, roots):
+            check_reduce(group, report, algo, dtype, count, root, op)
         for layout in ("transposed", "strided"):
             check_reduce(group, report, algo, dtype, NONCONTIGUOUS_COUNT, roots[-1], "sum", layout)
 
@@ -359,8 +381,9 @@ SWEEPS = {
 
 
 def sweep(group: Group, op_name: str, dtypes, counts=None, algos=None) -> list[str]:
-    """Run `op_name` over every algorithm (or `algos`), dtype, count, reduce op, root,
-    non-contiguous layout and in-place form on this rank; return the differences found."""
+    """Run `op_name` over every algorithm (or `algos`), dtype, count, reduce op (in turn:
+    reduce_cases), root, non-contiguous layout and in-place form on this rank; return the
+    differences found."""
     report = Report(group)
     algos = algos or algorithms_for(op_name, group.kind)
     counts = counts or counts_for(group.size)

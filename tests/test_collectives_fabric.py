@@ -1,11 +1,11 @@
 """Every collective x every algorithm on the in-process fabric, against a reference computed
 in the test from all ranks' inputs.
 
-A rank's input is a deterministic function of (rank, count, dtype, op), so each rank builds
-every other rank's input locally and knows the expected result without communicating. One
-`paratrain.run` per (op, world size, dtype) sweeps algorithms x counts x reduce ops x roots x
-layouts; each rank writes down every difference it sees, so a failure lists all the cases that
-differed, not just the first. The checkers are in collective_checks.py.
+A rank's input is a deterministic function of (rank, count, dtype, op), so each rank knows
+every other rank's input and the expected result without communicating. One `paratrain.run` per
+(op, world size, dtype) sweeps algorithms x counts x roots, each with the reduce ops in turn
+(collective_checks.reduce_cases), and x layouts; each rank writes down every difference it sees,
+so a failure lists all the cases that differed, not just the first. The checkers are in collective_checks.py.
 """
 
 from __future__ import annotations
