@@ -194,8 +194,12 @@ def test_a_token_server_refuses_clients_without_the_token_and_says_so(capfd):
         session = gt.Session(server.address, token="s3cret")
         assert session.call("ones", [2], {"dtype": None})[0].numpy().sum() == 2
         session.close()
-        time.sleep(1.5)  # the dispatcher says what it refused on its next tick
-        assert "in the encrypted handshake: a peer without this server's token, or with another" in capfd.readouterr().err
+        said = []  # the dispatcher says what it refused on its next tick
+
+        def refusal_said():
+            said.append(capfd.readouterr().err)
+            return "in the encrypted handshake: a peer without this server's token, or with another" in "".join(said)
+        wait_until(refusal_said, 10, "the dispatcher says what it refused")
     finally:
         server.stop()
 
