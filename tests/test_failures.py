@@ -16,6 +16,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 import paratrain
+from paratrain import forking
 from paratrain.comm import FabricAborted, Group, PeerLostError, TorchTransport, over_process_group
 from paratrain.comm.flight import FlightRecords
 from paratrain.failure_report import RanksFailed, describe_failed_run, failed_run_error
@@ -103,13 +104,24 @@ def rank_1_leaves(rank: int, store_file: str, result_file: str, together, waitin
     os._exit(0)  # skip destroy_process_group: its peer is gone
 
 
+def _in_this_environment(environ: dict[str, str], target, *args) -> None:
+    """In a child forked from the server: the test's environment as it is now (PARATRAIN_SHM,
+    the trace folder), not the server's, then target(*args)."""
+    forking.adopt_environment(environ)
+    target(*args)
+
+
 def run_two_gloo_ranks(target, tmp_path) -> tuple[list[int | None], Path]:
-    """Run target(rank, store file, result file) in 2 spawned processes, outside any launcher
-    (which would stop the survivor as soon as the other exits); returns their exit codes and
-    the result file. A process still running after 50 s is killed."""
-    spawn = multiprocessing.get_context("spawn")
+    """Run target(rank, store file, result file) in 2 processes, outside any launcher (which
+    would stop the survivor as soon as the other exits); returns their exit codes and the
+    result file. A process still running after 50 s is killed. They are forked from the
+    launcher's server, which has imported torch (a spawned process spends seconds of CPU on
+    that import), where the platform has one; else spawned."""
+    context = forking.forkserver_context() or multiprocessing.get_context("spawn")
     result_file = tmp_path / "rank0.json"
-    ranks = [spawn.Process(target=target, args=(r, str(tmp_path / "store"), str(result_file))) for r in range(2)]
+    ranks = [context.Process(target=_in_this_environment,
+                             args=(dict(os.environ), target, r, str(tmp_path / "store"), str(result_file)))
+             for r in range(2)]
     for process in ranks:
         process.start()
     try:
