@@ -191,7 +191,7 @@ def test_live_trace_captures_a_running_dispatcher_that_writes_no_log(tmp_path):
     capture = None
     try:
         saved, chrome = tmp_path / "live.log", tmp_path / "live.json"
-        capture = paratrain_command("frontend", "trace", "--live", "4", "--server", server.address,
+        capture = paratrain_command("frontend", "trace", "--live", "2", "--server", server.address,
                                     "--save", str(saved), "-o", str(chrome), stdout=True, stderr=subprocess.STDOUT)
         gt.connect(server.address)
         try:
