@@ -130,10 +130,6 @@ def _everyone_sends_to_everyone_at_once(group) -> list[str]:
     return failures + sendrecv_around_the_ring(group)
 
 
-def test_three_processes_send_each_other_more_than_a_ring_holds_at_once(monkeypatch):
-    monkeypatch.setenv("PARATRAIN_SHM_BYTES", "4096")
-    _assert_no_failures(paratrain.run(_everyone_sends_to_everyone_at_once, 3, launcher="processes",
-                                      timeout=RUN_TIMEOUT_S))
 
 
 def _collectives_through_small_rings(group) -> list[str]:
@@ -168,9 +164,17 @@ def _collectives_through_small_rings(group) -> list[str]:
     return failures
 
 
-def test_collectives_pass_through_shared_memory_even_from_the_communication_thread(monkeypatch):
+def _three_ranks_through_small_rings(group) -> list[str]:
+    """Both checks of three ranks through 4 KiB rings, in one launch (a launch costs more than
+    either): every rank to every other at once, then the collectives."""
+    return _everyone_sends_to_everyone_at_once(group) + _collectives_through_small_rings(group)
+
+
+def test_three_processes_pass_p2p_and_collectives_through_rings_smaller_than_a_message(monkeypatch):
+    """Each rank sends every other more than a ring holds, all at once; then every all-reduce
+    algorithm and an all-gather, and an all-reduce from the communication thread."""
     monkeypatch.setenv("PARATRAIN_SHM_BYTES", "4096")
-    _assert_no_failures(paratrain.run(_collectives_through_small_rings, 3, launcher="processes",
+    _assert_no_failures(paratrain.run(_three_ranks_through_small_rings, 3, launcher="processes",
                                       timeout=RUN_TIMEOUT_S))
 
 
@@ -203,8 +207,12 @@ def test_a_group_whose_ranks_differ_in_shared_memory_mixes_both_routes():
 
 def _sleeps_then_times_out(group) -> list[str]:
     """Rank 1 waits longer than it polls (PARATRAIN_SHM_SPIN_US=0: it sleeps at once) for a
-    message rank 0 sends late; then waits on a group with a short timeout for one never sent."""
+    message rank 0 sends late; then waits on a group with a short timeout for one never sent.
+    The run has the default settings but for the spinning: its transport is also the check that
+    processes of one host get shared memory."""
     failures = []
+    if (type(group.transport).__name__, group.kind) != ("SharedMemoryTransport", "shm"):
+        failures.append(f"rank {group.rank}: transport {group.describe()}, not shared memory")
     if group.rank == 0:
         time.sleep(0.3)
         group.send(torch.full((3,), 7.0), 1, tag=1)
@@ -231,9 +239,8 @@ def _which_transport(group) -> str:
     return type(group.transport).__name__, group.kind
 
 
-def test_processes_of_one_host_get_the_shm_transport_and_paratrain_shm_0_leaves_them_to_gloo(monkeypatch):
-    assert paratrain.run(_which_transport, 2, launcher="processes", timeout=RUN_TIMEOUT_S) == {
-        0: ("SharedMemoryTransport", "shm"), 1: ("SharedMemoryTransport", "shm")}
+def test_paratrain_shm_0_leaves_processes_of_one_host_to_gloo(monkeypatch):
+    """(Without it they get shared memory: test_a_sleeping_receiver_is_woken_... checks that.)"""
     monkeypatch.setenv("PARATRAIN_SHM", "0")
     assert paratrain.run(_which_transport, 2, launcher="processes", timeout=RUN_TIMEOUT_S) == {
         0: ("TorchTransport", "gloo"), 1: ("TorchTransport", "gloo")}
