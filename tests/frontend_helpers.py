@@ -36,6 +36,24 @@ def run_paratrain(*argv: str, env: dict | None = None, timeout: float = 60) -> s
     return subprocess.CompletedProcess(["paratrain", *argv], process.returncode, out, err)
 
 
+def forked_program(target, *args):
+    """target(*args) in a child process forked from paratrain's fork server, which has imported
+    torch (`python -c` would spend seconds of CPU importing it first), under this process's
+    environment as it is now: a client program for the tests that pause or kill one. -> the
+    started multiprocessing Process (pid, kill(), join(), exitcode)."""
+    import multiprocessing
+
+    context = forking.forkserver_context() or multiprocessing.get_context("spawn")
+    process = context.Process(target=_in_environment, args=(dict(os.environ), target, *args), daemon=True)
+    process.start()
+    return process
+
+
+def _in_environment(environ: dict, target, *args) -> None:
+    forking.adopt_environment(environ)
+    target(*args)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

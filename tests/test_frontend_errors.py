@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import paratrain.frontend as gt
-from frontend_helpers import raw_client, raw_sync, reply_to, wait_until
+from frontend_helpers import forked_program, raw_client, raw_sync, reply_to, wait_until
 from paratrain.frontend.client.autostart import LocalServer
 from paratrain.frontend.protocol import Instruction, codec, messages
 
@@ -127,34 +127,40 @@ def quick_drop_server():
     srv.stop()
 
 
+def _client_holding_4_mib(address: str, channel) -> None:
+    """A client program: makes a 4 MiB tensor, says so, and waits to be killed."""
+    import time
+
+    session = gt.Session(address)
+    x = session.call("zeros", [1024, 1024], {"dtype": None})[0]
+    x.sum().item()
+    channel.send("ready")
+    time.sleep(60)
+
+
 def test_a_killed_client_has_its_tensors_freed_after_its_heartbeats_stop(quick_drop_server):
-    import os
-    import signal
-    import subprocess
-    import sys
+    import multiprocessing
 
     from paratrain.frontend.top import Monitor
 
     server = quick_drop_server
-    program = (f"import paratrain.frontend as gt, time\ngt.connect({server.address!r})\n"
-               "x = gt.zeros(1024, 1024); x.sum().item(); print('ready', flush=True); time.sleep(60)")
     monitor = Monitor(server.address)
     baseline = monitor.stats().workers[0].memory
-    child = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    ours, theirs = multiprocessing.Pipe()
+    child = forked_program(_client_holding_4_mib, server.address, theirs)
     try:
-        assert child.stdout.readline().strip() == "ready"
+        assert ours.poll(60) and ours.recv() == "ready"
         assert any(c.tensors >= 1 for c in monitor.stats().clients)
         held = _once_counted(lambda: monitor.stats().workers[0].memory, baseline)
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
+        child.kill()  # SIGKILL
+        child.join(10)
         # The server's --client-timeout is 2 s; then a heartbeat reports the memory.
         wait_until(lambda: held - monitor.stats().workers[0].memory >= 4 * 1024 * 1024, 30,
                    "the killed client's 4 MiB freed")
     finally:
         monitor.close()
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        child.kill()
+        child.join(10)
 
 
 def test_uploads_over_the_message_limit_fail_at_the_client_and_oversized_messages_are_dropped(client, server):

@@ -3,6 +3,7 @@
 store, bad ports and unreachable dispatchers, and what a program queued when it exits.
 (What an auto-started program leaves behind: test_frontend_workers.py.)"""
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ from click.testing import CliRunner
 
 import paratrain.frontend as gt
 from frontend_helpers import (
-    free_port, listening_addresses, run_paratrain, standalone_workers, start_serve, stop, wait_until,
+    forked_program, free_port, listening_addresses, run_paratrain, standalone_workers, start_serve, stop, wait_until,
 )
 from paratrain.cli import main as paratrain_cli
 from paratrain.frontend.client.autostart import LocalServer
@@ -112,34 +113,34 @@ def quick_drop_server():
     srv.stop()
 
 
-def test_a_client_dropped_while_paused_is_told_so_at_its_next_call(quick_drop_server):
-    program = textwrap.dedent(f"""
-        import sys, paratrain.frontend as gt
-        gt.connect({quick_drop_server.address!r})
-        x = gt.ones(4)
-        print("ready", x.sum().item(), flush=True)
-        sys.stdin.readline()
-        try:
-            x.sum().item()
-        except gt.ConnectionLost as error:
-            print("lost:", error, flush=True)
-    """)
-    env = {**os.environ, "PARATRAIN_TIMEOUT": "120"}
-    child = subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=env)
+def _client_to_pause(address: str, channel) -> None:
+    """A client program: makes a tensor, says so, waits for `channel` to say go, then reads it."""
+    session = gt.Session(address, timeout=120)
+    x = session.call("ones", [4], {"dtype": None})[0]
+    channel.send(f"ready {x.sum().item()}")
+    channel.recv()
     try:
-        assert child.stdout.readline().startswith("ready 4.0")
+        x.sum().item()
+        channel.send("read it")
+    except gt.ConnectionLost as error:
+        channel.send(f"lost: {error}")
+
+
+def test_a_client_dropped_while_paused_is_told_so_at_its_next_call(quick_drop_server):
+    ours, theirs = multiprocessing.Pipe()
+    child = forked_program(_client_to_pause, quick_drop_server.address, theirs)
+    try:
+        assert ours.poll(60) and ours.recv() == "ready 4.0"
         os.kill(child.pid, signal.SIGSTOP)  # paused: no heartbeats
         time.sleep(5)  # the 2 s timeout, a second's tick and room for a loaded host's delays
         os.kill(child.pid, signal.SIGCONT)
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        out, _ = child.communicate(timeout=60)  # not the 120 s of waiting for an answer
-        assert "lost:" in out and "dropped: no heartbeat" in out, out
+        ours.send("go")
+        assert ours.poll(60), "no answer"  # not the 120 s of waiting for an answer
+        said = ours.recv()
+        assert said.startswith("lost:") and "dropped: no heartbeat" in said, said
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        child.kill()
+        child.join(10)
 
 
 # ---- errors at the command line -------------------------------------------------------------------
