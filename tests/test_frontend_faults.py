@@ -190,41 +190,18 @@ def test_an_integer_tensor_cannot_require_grad_and_says_so_at_once(client):
         gt.zeros(3, dtype="int64", requires_grad=True)
 
 
-def _run_programs(*sources: str) -> list[subprocess.CompletedProcess]:
-    """Each source as `python -c`, all at once; -> each one's end, in order."""
+def test_what_a_program_queued_after_its_last_sync_runs_and_its_errors_fail_the_program(four_workers):
+    """(A program whose queued work succeeds exits 0: the auto-started program of
+    test_frontend_workers.py ends with such work.)"""
     env = {k: v for k, v in os.environ.items() if k != "PARATRAIN_SERVER"}
-    programs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(source)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env) for source in sources]
-    done = []
-    try:
-        for program in programs:
-            out, err = program.communicate(timeout=180)
-            done.append(subprocess.CompletedProcess(program.args, program.returncode, out, err))
-    finally:
-        for program in programs:
-            if program.poll() is None:
-                program.kill()
-                program.wait()
-    return done
-
-
-def test_what_a_program_queued_after_its_last_sync_runs_and_its_errors_fail_the_program(server, four_workers):
-    # The two programs run side by side: each spends seconds importing before it connects.
-    quiet, failing = _run_programs(f"""
-        import paratrain.frontend as gt
-        gt.connect({server.address!r})
-        x = gt.ones(3)
-        print(x.sum().item())
-        y = x * 5.0          # never read: runs at exit all the same
-    """, f"""
+    failing = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import paratrain.frontend as gt
         gt.connect({four_workers.address!r})
         x = gt.randn(4, 13, requires_grad=True)
         print(x.sum().item() is not None)
         loss = gt.cross_entropy(x, gt.tensor([1, 2, 30, 4], dtype="int64"))   # fails on the worker, after the last sync
         loss.backward()
-    """)
-    assert quiet.returncode == 0, quiet.stderr
+    """)], capture_output=True, text=True, timeout=180, env=env)
     assert failing.returncode == 1, (failing.stdout, failing.stderr)
     assert "paratrain frontend: at exit: cross_entropy(float32[4, 13], int64[4]) failed on worker" in failing.stderr
     assert "out of bounds" in failing.stderr
