@@ -9,6 +9,7 @@ PARATRAIN_NATIVE=0 no group loads them.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -27,25 +28,26 @@ CALLS = 6  # the first two take the whole path, the rest run the plan; both halv
 
 @pytest.fixture(scope="module")
 def buildable(tmp_path_factory):
-    """The tests of the kernels themselves need a C compiler and Python's headers; a machine
+    """The kernels as `native.load` built them into an empty cache: (kernels, why, the cache).
+    The tests of the kernels themselves need a C compiler and Python's headers; a machine
     without them skips those tests, saying which is missing (their fallback is tested below
-    on every machine, by making the compiler go missing)."""
-    try:
-        native.build(str(tmp_path_factory.mktemp("native-cache")))
-    except OSError as error:
-        if str(error).startswith(("no C compiler", "no Python.h")):
-            pytest.skip(f"native kernels cannot be built here: {error}")
-        raise
+    on every machine, by making the compiler go missing). One compile serves every test."""
+    cache = tmp_path_factory.mktemp("native-cache")
+    kernels, why = native.load(str(cache))
+    missing = why.removeprefix("native kernels not built: ")
+    if kernels is None and missing.startswith(("no C compiler", "no Python.h")):
+        pytest.skip(f"native kernels cannot be built here: {missing}")
+    return kernels, why, cache
 
 
-def test_the_library_is_built_once_into_the_cache_and_loaded_from_there(buildable, tmp_path):
-    kernels, why = native.load(str(tmp_path))
+def test_the_library_is_built_once_into_the_cache_and_loaded_from_there(buildable):
+    kernels, why, cache = buildable
     assert kernels is not None, why
-    assert kernels.path.parent == tmp_path / "paratrain" / "native" and str(kernels.path) in why
+    assert kernels.path.parent == cache / "paratrain" / "native" and str(kernels.path) in why
     built = kernels.path.stat().st_mtime_ns
-    again, _ = native.load(str(tmp_path))
+    again, _ = native.load(str(cache))
     assert again.path == kernels.path and again.path.stat().st_mtime_ns == built
-    assert native.build(str(tmp_path)) == kernels.path and kernels.path.stat().st_mtime_ns == built  # another process
+    assert native.build(str(cache)) == kernels.path and kernels.path.stat().st_mtime_ns == built  # another process
     assert [p.name for p in kernels.path.parent.iterdir()] == [kernels.path.name]  # no partial files left
 
 
@@ -55,22 +57,24 @@ def test_a_compiler_that_fails_leaves_torchs_path_and_says_why(tmp_path):
     assert list((tmp_path / "paratrain" / "native").iterdir()) == []
 
 
+@functools.lru_cache(maxsize=None)  # the native and the torch path take the same inputs: made once (read-only)
 def _inputs(rank: int, dtype: torch.dtype, count: int, call: int) -> torch.Tensor:
     """Values whose float sums round differently in different orders, so a kernel that folded
-    in another order than the torch path would show."""
+    in another order than the torch path would show. Drawn in the dtype's own precision
+    (float32's draw costs a fifth of float64's)."""
     generator = torch.Generator().manual_seed(1000 * call + rank)
     if dtype.is_floating_point:
-        return (torch.randn(count, generator=generator, dtype=torch.float64) * 10 ** (rank % 3)).to(dtype)
+        return torch.randn(count, generator=generator, dtype=dtype) * 10 ** (rank % 3)
     return torch.randint(-1000, 1000, (count,), generator=generator, dtype=dtype)
 
 
-def _calls(group: Group, late: float) -> dict:
+def _calls(group: Group, late: float, dtypes: tuple) -> dict:
     """CALLS all-reduces and reduce-scatters of each dtype on the same tensors (so they are planned),
     and an all-reduce of 2.5 slots (three pieces, never planned), with rank 0 arriving `late`
     seconds after its peers at every call."""
     results = {}
     big_count = slot_bytes_for(group.size) * 5 // 16  # 2.5 slots of 8-byte elements, 5 of 4-byte ones
-    for dtype in DTYPES:
+    for dtype in dtypes:
         count = 1000 * group.size + 3
         buf, rs_in = torch.empty(count, dtype=dtype), torch.empty(count, dtype=dtype)
         big = torch.empty(big_count, dtype=dtype)
@@ -104,22 +108,22 @@ class _Counting:
         return status
 
 
-def _native_against_torch(group: Group, late: float = 0.0, expected: tuple = ()) -> list[str]:
-    """Native and torch's results compared; `expected`: (rank, status) pairs that some oneshot
-    call of that rank must have returned."""
+def _native_against_torch(group: Group, late: float = 0.0, expected: tuple = (), dtypes: tuple = DTYPES) -> list[str]:
+    """Native and torch's results compared, for each of `dtypes`; `expected`: (rank, status)
+    pairs that some oneshot call of that rank must have returned."""
     arena = group.transport.arena
     if arena is None or arena.native is None:
         return [f"rank {group.rank}: no native kernels in the segment"]
     kernels, failures = arena.native, []
     arena.native = counting = _Counting(kernels)
     through_native = Group(group.transport, timeout=group.timeout)
-    natively = _calls(through_native, late)
+    natively = _calls(through_native, late, dtypes)
     # Every call through the kernels: each round's pieces of the big all-reduce (ceil of 2.5 or 1.25
     # slots), the small all-reduce's every call (unplanned ones go through the piece loop), and the
     # reduce-scatter's planned ones.
     pieces = sum(-(-slot_bytes_for(group.size) * 5 // 16 * torch.empty(0, dtype=d).element_size()
-                   // slot_bytes_for(group.size)) for d in DTYPES)
-    expected_calls = CALLS * pieces + len(DTYPES) * (CALLS + CALLS - 2)
+                   // slot_bytes_for(group.size)) for d in dtypes)
+    expected_calls = CALLS * pieces + len(dtypes) * (CALLS + CALLS - 2)
     if len(counting.returned) != expected_calls:
         failures.append(f"rank {group.rank}: {len(counting.returned)} native calls, expected {expected_calls}")
     for rank, status in expected:
@@ -127,7 +131,7 @@ def _native_against_torch(group: Group, late: float = 0.0, expected: tuple = ())
             failures.append(f"rank {rank}: no oneshot call returned {status}: {sorted(set(counting.returned))}")
     arena.native = None  # a new group plans anew, through torch's ops
     through_torch = Group(group.transport, timeout=group.timeout)
-    plain = _calls(through_torch, late)
+    plain = _calls(through_torch, late, dtypes)
     arena.native = kernels
     for key, result in natively.items():
         if key[1] == "native":
@@ -148,11 +152,15 @@ def test_native_calls_give_the_bits_of_torchs_ops(buildable, world_size):
 def test_a_late_peer_is_waited_for_and_a_sleeping_one_is_rung(buildable, monkeypatch):
     # Rank 0 comes 5 ms late: past rank 1's poll in the kernel, so its wait goes on in Python
     # (WAIT); with no spinning there, rank 1 sleeps on its doorbell, and rank 0's kernel finds its
-    # flag up and returns to ring it (WAIT_AND_RING).
+    # flag up and returns to ring it (WAIT_AND_RING). One dtype: after a wait the kernel's
+    # `finish` folds through the same per-dtype loop as an undelayed call (sum_rows), whose every
+    # dtype the test above runs; the lateness is at every call, so each status has many chances.
     late = dict(launcher="processes", timeout=RUN_TIMEOUT_S)
-    assert_no_failures(paratrain.run(_native_against_torch, 2, args=(0.005, ((1, native.WAIT),)), **late))
+    float32 = (torch.float32,)
+    assert_no_failures(paratrain.run(_native_against_torch, 2, args=(0.005, ((1, native.WAIT),), float32), **late))
     monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "0")
-    assert_no_failures(paratrain.run(_native_against_torch, 2, args=(0.005, ((0, native.WAIT_AND_RING),)), **late))
+    assert_no_failures(paratrain.run(_native_against_torch, 2, args=(0.005, ((0, native.WAIT_AND_RING),), float32),
+                                     **late))
 
 
 def _has_native(group: Group) -> bool:
