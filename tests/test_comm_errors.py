@@ -68,17 +68,17 @@ def test_native_collective_timeout_says_it_waited_for_the_other_ranks():
 
 def _time_out_on_gloo(group):
     # The world keeps its long timeout (a slow process start on a busy host must not fail the
-    # rendezvous); rank 0 talks through a group that gives up after 1 s. Rank 1 stays out of
-    # gloo, where rank 0's exit would fail it too, until the launcher stops it.
+    # rendezvous); rank 0 talks through a group that gives up after SHORT_TIMEOUT_S. Rank 1 stays
+    # out of gloo, where rank 0's exit would fail it too, until the launcher stops it.
     if group.rank == 0:
-        Group(group.transport, timeout=1.0).all_reduce(torch.ones(4), algo="ring")
+        Group(group.transport, timeout=SHORT_TIMEOUT_S).all_reduce(torch.ones(4), algo="ring")
     else:
         time.sleep(60)
 
 
 def test_gloo_timeout_names_rank_op_call_number_and_peer():
     with pytest.raises(RuntimeError, match=re.escape(
-        "rank 0: all_reduce (call #1) timed out after 1s waiting for rank 1"
+        "rank 0: all_reduce (call #1) timed out after 0.5s waiting for rank 1"
     )):
         paratrain.run(_time_out_on_gloo, 2, launcher="processes", timeout=60)
 

@@ -5,7 +5,6 @@ processes launcher reports how each failed rank died, root cause first, with its
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 from datetime import timedelta
@@ -16,11 +15,12 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 import paratrain
-from paratrain import forking
 from paratrain.comm import FabricAborted, Group, PeerLostError, TorchTransport, over_process_group
 from paratrain.comm.flight import FlightRecords
 from paratrain.failure_report import RanksFailed, describe_failed_run, failed_run_error
 from paratrain.settings import Settings
+
+from frontend_helpers import forked_program
 
 # ---- the fabric: one rank's exception fails the calls the others are waiting in -------------
 
@@ -104,26 +104,14 @@ def rank_1_leaves(rank: int, store_file: str, result_file: str, together, waitin
     os._exit(0)  # skip destroy_process_group: its peer is gone
 
 
-def _in_this_environment(environ: dict[str, str], target, *args) -> None:
-    """In a child forked from the server: the test's environment as it is now (PARATRAIN_SHM,
-    the trace folder), not the server's, then target(*args)."""
-    forking.adopt_environment(environ)
-    target(*args)
-
-
 def run_two_gloo_ranks(target, tmp_path) -> tuple[list[int | None], Path]:
     """Run target(rank, store file, result file) in 2 processes, outside any launcher (which
     would stop the survivor as soon as the other exits); returns their exit codes and the
-    result file. A process still running after 50 s is killed. They are forked from the
-    launcher's server, which has imported torch (a spawned process spends seconds of CPU on
-    that import), where the platform has one; else spawned."""
-    context = forking.forkserver_context() or multiprocessing.get_context("spawn")
+    result file. A process still running after 50 s is killed. They are forked from the fork
+    server, which has imported torch (a spawned process spends seconds of CPU on that import),
+    under the test's environment as it is now (PARATRAIN_SHM, the trace folder)."""
     result_file = tmp_path / "rank0.json"
-    ranks = [context.Process(target=_in_this_environment,
-                             args=(dict(os.environ), target, r, str(tmp_path / "store"), str(result_file)))
-             for r in range(2)]
-    for process in ranks:
-        process.start()
+    ranks = [forked_program(target, r, str(tmp_path / "store"), str(result_file)) for r in range(2)]
     try:
         for process in ranks:
             process.join(50)
