@@ -230,7 +230,7 @@ def straight_calls(group: Group) -> dict[str, object]:
 
 @pytest.mark.parametrize("launcher", ["threads", "processes"])  # replayed through Link; compiled for gloo
 def test_a_call_on_a_planned_tensor_goes_straight_to_its_plan(launcher):
-    results = paratrain.run(straight_calls, 2, launcher=launcher, timeout=RUN_TIMEOUT_S)
+    results = run_on_two_ranks(straight_calls, launcher)
     for rank in range(2):
         assert results[rank] == {
             "recording calls": (2, True), "planned calls": (0, True),
@@ -290,7 +290,7 @@ def test_a_group_given_another_table_resolves_auto_by_it():
 
 @pytest.mark.parametrize("launcher", ["threads", "processes"])
 def test_auto_calls_go_straight_to_the_plan_of_the_algorithm_auto_picks_and_debug_calls_never_do(launcher):
-    results = paratrain.run(auto_and_debug_calls, 2, launcher=launcher, timeout=RUN_TIMEOUT_S)
+    results = run_on_two_ranks(auto_and_debug_calls, launcher)
     assert results[0] == [(2, True), (4, True), ("native", True)]
     assert results[1] == results[0]
 
@@ -322,7 +322,7 @@ def shared_segment_plans(group: Group) -> list:
 
 
 def test_shared_segment_calls_go_straight_to_their_plan_and_async_calls_run_it_too():
-    results = paratrain.run(shared_segment_plans, 2, launcher="processes", timeout=RUN_TIMEOUT_S)
+    results = run_on_two_ranks(shared_segment_plans, "processes")
     assert results[0] == results[1] == [("oneshot", 4, True), ("twoshot", 4, True)]  # 2 recording + 2 async
 
 
@@ -357,7 +357,7 @@ def repeated_scatters_and_gathers(group: Group) -> dict:
 
 @pytest.mark.parametrize("launcher", ["threads", "processes"])
 def test_repeated_reduce_scatters_and_all_gathers_go_straight(launcher):
-    results = paratrain.run(repeated_scatters_and_gathers, 2, launcher=launcher, timeout=RUN_TIMEOUT_S)
+    results = run_on_two_ranks(repeated_scatters_and_gathers, launcher)
     for rank in range(2):
         assert results[rank] == {
             "whole path": ["reduce_scatter", "all_gather"] * 2, "exact": True, "entries": 2,
@@ -389,3 +389,27 @@ def uneven_repeats(group: Group) -> bool:
 
 def test_repeated_calls_on_uneven_parts_and_in_place_match_the_reference():
     assert paratrain.run(uneven_repeats, 3, launcher="processes", timeout=RUN_TIMEOUT_S) == {0: True, 1: True, 2: True}
+
+
+# ---- one launch of two processes for the checks above that run on them -------------------------
+
+ON_TWO_PROCESSES = (straight_calls, auto_and_debug_calls, shared_segment_plans, repeated_scatters_and_gathers)
+_two_processes_saw: dict[int, dict] = {}  # that launch's results, kept for the tests that read them
+
+
+def every_check_on_two_processes(group: Group) -> dict[str, object]:
+    """Each check of ON_TWO_PROCESSES, each on a group of its own (they replace its _run and
+    fill its plans), in one launch: a launch costs more than all four checks."""
+    return {check.__name__: check(Group(group.transport, timeout=group.timeout, table=group.table))
+            for check in ON_TWO_PROCESSES}
+
+
+def run_on_two_ranks(check, launcher: str) -> dict[int, object]:
+    """check(group) on 2 ranks: on threads, a run of its own; on processes, its part of the one
+    launch that runs every check of ON_TWO_PROCESSES (made by the first test that asks)."""
+    if launcher == "threads":
+        return paratrain.run(check, 2, timeout=RUN_TIMEOUT_S)
+    if not _two_processes_saw:
+        _two_processes_saw.update(paratrain.run(every_check_on_two_processes, 2, launcher="processes",
+                                                timeout=RUN_TIMEOUT_S))
+    return {rank: seen[check.__name__] for rank, seen in _two_processes_saw.items()}
