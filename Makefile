@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-dp demo-frontend test bench-collectives results matrix picture install clean
+.PHONY: demo demo-dp demo-frontend test bench-collectives results matrix picture docs-check install clean
 
 # torch through pip, which takes the CPU build from this machine's disk (TORCH_SPEC); the rest
 # through uv, which installs and byte-compiles on every core (40 s with pip, 17 s with uv here).
@@ -77,6 +77,12 @@ TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS)
+
+# Every shell command and Python snippet in README.md, docs/*.md (but the generated results.md and
+# configuration.md) and examples/**/README.md, run one block at a time, and the output each page
+# shows compared (paratrain/docs_check.py). DOCS_CHECK_ARGS narrows it, e.g. --only training.md.
+docs-check: $(STAMP)
+	$(BIN)/python -m paratrain.docs_check $(DOCS_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from paratrain.docs_check.cli import main
+
+sys.exit(main())
