@@ -117,6 +117,9 @@ SPECS = (
          "one line per region compiled, run or given up on"),
     Spec("save_compiled_code", ("PARATRAIN_SAVE_COMPILED_CODE", "GT_SAVE_COMPILED_CODE"), _text,
          "a folder for the generated sources (1: one in the temporary directory; 0: none)"),
+    Spec("compile_backend", ("PARATRAIN_COMPILE_BACKEND",), _text,
+         "torch.compile's backend for `train --compile` and the frontend's compiled regions (default inductor; "
+         "aot_eager needs no C++ compiler)"),
 )
 
 
@@ -147,6 +150,15 @@ class LaunchEnvironment:
     def run_name(self) -> str | None:
         """The run's id, where it has one worth naming a folder after."""
         return self.run_id if self.run_id and self.run_id != "none" else None
+
+
+def compile_backend_problem(backend: str) -> str | None:
+    """Why PARATRAIN_COMPILE_BACKEND's value is not one torch.compile takes (None: it is)."""
+    import torch._dynamo  # a process that compiles has imported it, or will
+
+    valid = torch._dynamo.list_backends(exclude_tags=())
+    return None if backend in valid else \
+        f"PARATRAIN_COMPILE_BACKEND {backend!r} is not a torch.compile backend; valid: {', '.join(valid)}"
 
 
 def child_environment(**changes: str) -> dict[str, str]:
@@ -241,6 +253,7 @@ class Settings:
     hotpath_max_expand: int = 4  # GT's default: four iterations per function cut calls by four
     debug_compile: bool = False
     save_compiled_code: str | None = None
+    compile_backend: str = "inductor"  # torch.compile's own default
     launch: LaunchEnvironment = field(default_factory=LaunchEnvironment)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 

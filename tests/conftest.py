@@ -69,8 +69,8 @@ def fresh_signal_configuration():
 @pytest.fixture(scope="session")
 def server():
     """One frontend dispatcher with one worker for the API and error tests (a client that stops
-    sending heartbeats is dropped after 5 s, two and a half of its heartbeats: a loaded CI host may
-    hold a test's heartbeat thread back a second; one message may carry at most 1 MiB)."""
+    sending heartbeats is dropped after 5 s, five of its heartbeats: a loaded CI host may hold a
+    test's heartbeat thread back a second; one message may carry at most 1 MiB)."""
     srv = LocalServer.start(1, extra_args=("--client-timeout", "5", "--max-message-mb", "1"))
     yield srv
     srv.stop()

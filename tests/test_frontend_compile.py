@@ -29,7 +29,12 @@ from paratrain.settings import Settings
 
 RTOL, ATOL = 1e-5, 1e-6
 COMPILE_ENV = ("AUTO_COMPILE", "HOTPATH_THRESHOLD", "HOTPATH_MIN_SEQ", "HOTPATH_WINDOW", "HOTPATH_MAX_EXPAND",
-               "DEBUG_COMPILE", "SAVE_COMPILED_CODE")
+               "DEBUG_COMPILE", "SAVE_COMPILED_CODE", "COMPILE_BACKEND")
+# The region mechanics (eager once, then compiled, then cached; gradients; sharding) take any
+# torch.compile backend: aot_eager traces and differentiates each region as inductor does, with no
+# C++ compile (seconds per region on a machine whose inductor cache is cold, as a CI machine's
+# is). Inductor's generated code runs in the hot-path test, and fails to build in the failed-compile one.
+MECHANICS_BACKEND = "aot_eager"
 
 
 @contextlib.contextmanager
@@ -55,7 +60,7 @@ def serving(tmp_path: pathlib.Path, workers: int, **env: str):
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
-    with serving(tmp_path_factory.mktemp("compile"), 2) as served:
+    with serving(tmp_path_factory.mktemp("compile"), 2, PARATRAIN_COMPILE_BACKEND=MECHANICS_BACKEND) as served:
         yield served
 
 
@@ -280,6 +285,10 @@ def test_compile_settings_come_from_gt_or_paratrain_variables():
     assert settings.auto and settings.threshold == 9 and settings.save_dir is None
     assert compile_settings({"GT_SAVE_COMPILED_CODE": "1"}).save_dir.endswith("paratrain_compiled")
     assert not compile_settings({}).auto
+    assert compile_settings({}).backend == "inductor"
+    assert compile_settings({"PARATRAIN_COMPILE_BACKEND": "aot_eager"}).backend == "aot_eager"
+    with pytest.raises(SettingsError, match="PARATRAIN_COMPILE_BACKEND 'nope' is not a torch.compile backend; valid: "):
+        compile_settings({"PARATRAIN_COMPILE_BACKEND": "nope"})
     with pytest.raises(SettingsError, match="GT_HOTPATH_MIN_SEQ must be a whole number, got 'three'"):
         compile_settings({"GT_HOTPATH_MIN_SEQ": "three"})
     with pytest.raises(SettingsError, match="GT_HOTPATH_MIN_SEQ .5. is longer than GT_HOTPATH_WINDOW .4."):
@@ -312,7 +321,8 @@ def test_a_runs_signature_is_its_computation_not_its_handles():
     assert torch.equal(result, torch.relu(x * 2.0 + x))
 
 
-def test_bench_frontend_compile_reports_the_compiled_step_beside_torchs_eager_and_compiled(two_workers, tmp_path):
+def test_bench_frontend_compile_reports_the_compiled_step_beside_torchs_eager_and_compiled(two_workers, tmp_path,
+                                                                                          monkeypatch):
     import json
 
     from click.testing import CliRunner
@@ -320,6 +330,7 @@ def test_bench_frontend_compile_reports_the_compiled_step_beside_torchs_eager_an
     from paratrain.cli import main as paratrain_cli
 
     out = tmp_path / "compiled.json"
+    monkeypatch.setenv("PARATRAIN_COMPILE_BACKEND", MECHANICS_BACKEND)  # torch's compiled step: the workers' backend
     result = CliRunner().invoke(paratrain_cli, ["bench", "frontend", "--compile", "--server", two_workers[0],
                                                 "--sizes", "4x8", "--repeats", "1", "--steps", "2", "--json", str(out)])
     assert result.exit_code == 0, result.output

@@ -18,6 +18,7 @@ import click
 
 from paratrain.bench import frontend_steps
 from paratrain.bench.frontend_steps import ROUND_SECONDS, frontend_step, seconds_per_step
+from paratrain.settings import Settings
 
 SIZES = ((256, 1024), (1024, 2048))
 REGION = "bench_compiled_forward"
@@ -27,7 +28,8 @@ WARM_UP_STEPS = 4  # seen once, compiled (forward, then backward at its first us
 def measure_compiled(gt, session, batch: int, hidden: int, repeats: int, steps: int | None) -> dict:
     gt.register_config(REGION, gt.SignalConfig(compile=True))
     eager, torch_step = frontend_step(gt, batch, hidden), frontend_steps.torch_step(batch, hidden)
-    torch_compiled = frontend_steps.torch_step(batch, hidden, compiled=True)
+    # the workers' backend (PARATRAIN_COMPILE_BACKEND, as this process reads it too)
+    torch_compiled = frontend_steps.torch_step(batch, hidden, compiled=True, backend=Settings.resolve().compile_backend)
     compiled = frontend_step(gt, batch, hidden, region=gt.signal.context, name=REGION)
     before = _counts(gt, session)
     for _ in range(WARM_UP_STEPS):

@@ -28,9 +28,9 @@ def frontend_step(gt, batch, hidden, region=None, name: str = ""):
     return step
 
 
-def torch_step(batch, hidden, compiled: bool = False):
-    """The step in plain PyTorch; with `compiled`, its forward pass torch.compile'd, as the
-    frontend's compiled region is (what compiling gains without the frontend)."""
+def torch_step(batch, hidden, compiled: bool = False, backend: str = "inductor"):
+    """The step in plain PyTorch; with `compiled`, its forward pass torch.compile'd by `backend`,
+    as the frontend's compiled region is (what compiling gains without the frontend)."""
     x, y = torch.randn(batch, hidden), torch.randint(0, 10, (batch,))
     model = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -39,7 +39,7 @@ def torch_step(batch, hidden, compiled: bool = False):
         return torch.nn.functional.cross_entropy(model(x), y)
 
     if compiled:
-        forward = torch.compile(forward, fullgraph=True, dynamic=False)
+        forward = torch.compile(forward, fullgraph=True, dynamic=False, backend=backend)
 
     def step():
         loss = forward()

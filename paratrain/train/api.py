@@ -41,6 +41,7 @@ from paratrain.parallel.data import build_data_parallel
 from paratrain.parallel.grad_norm import clip_grad_norm_
 from paratrain.parallel.plan import load_plan
 from paratrain.parallel.precision import LossScaler
+from paratrain.settings import Settings
 from paratrain.train.compiled import CompiledLayers
 from paratrain.train.config import ParallelConfig
 from paratrain.train.parallel_model import ParallelModel, full_state, parallelize_model
@@ -61,7 +62,8 @@ class Prepared:
         if par.checkpoint_activations:  # every layout, pp = 1 included (the pipeline's chunks share the layers)
             recompute_in_backward(parallel.model, parallel.plan)
         # After recompute: the compiled forward is the checkpointed one. None without --compile.
-        self.compiled = CompiledLayers(parallel.model, parallel.plan) if par.compile else None
+        self.compiled = CompiledLayers(parallel.model, parallel.plan, Settings.resolve().compile_backend) \
+            if par.compile else None
         self.dp = build_data_parallel(
             parallel.module, mesh.dp, mode=par.dp_mode, zero=par.zero, local_sgd=par.local_sgd, algo=par.algo,
             naive_layout=par.naive_layout, bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,

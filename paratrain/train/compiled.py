@@ -23,10 +23,10 @@ EAGER_STEPS = 2  # before the switch: a warm-up step, then one timed eager step
 
 
 class CompiledLayers:
-    def __init__(self, model: nn.Module, plan=None):
+    def __init__(self, model: nn.Module, plan=None, backend: str = "inductor"):
         self.layers = layers_to_recompute(model, plan)
         self.eager = [layer.forward for layer in self.layers]
-        self.compiled = [torch.compile(forward) for forward in self.eager]  # compiled at first call
+        self.compiled = [torch.compile(forward, backend=backend) for forward in self.eager]  # compiled at first call
         self.on = False
         self.use(True)
 

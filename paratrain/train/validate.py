@@ -27,6 +27,7 @@ from paratrain.parallel.pipeline.split import pipeline_layers
 from paratrain.parallel.plan import PlanError, pipeline_problems, tp_problems_of
 from paratrain.parallel.tensor.parallelize import tp_problems
 from paratrain.paths import cannot_write
+from paratrain.settings import Settings, compile_backend_problem
 from paratrain.train.config import ConfigError, TrainConfig
 from paratrain.train.setup import data_choice, plan_for
 
@@ -69,6 +70,9 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
             problems.append(f"model: {error}")
     _data_problems(problems, config)
 
+    if config.parallel.compile:
+        problem = compile_backend_problem(Settings.resolve().compile_backend)
+        problems += [problem] if problem else []
     _at_least(problems, "steps", config.steps, 1)
     _at_least(problems, "log_every", config.log_every, 1)
     _at_least(problems, "eval_every", config.eval_every, 0)

@@ -227,7 +227,8 @@ class Regions:
         text = codegen.source(run, plan, name)
         self._save(name, text, stream, len(run), plan)
         try:
-            return torch.compile(codegen.function(text, name, run), dynamic=False, fullgraph=True)
+            return torch.compile(codegen.function(text, name, run), dynamic=False, fullgraph=True,
+                                 backend=self.settings.backend)
         except Exception as error:  # noqa: BLE001 - e.g. no compiler backend: eager execution instead
             self.functions[plan.key] = FAILED
             self.failures += 1

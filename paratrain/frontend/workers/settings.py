@@ -11,6 +11,11 @@ GT's variables, each also under a PARATRAIN_ name (which wins when both are set)
     GT_DEBUG_COMPILE=1         print one line per region compiled, run or given up on
     GT_SAVE_COMPILED_CODE=DIR  write each generated function's source to DIR (1: a folder in the
                                system's temporary directory, printed when the first file is written)
+
+and one of paratrain's own:
+
+    PARATRAIN_COMPILE_BACKEND=inductor  torch.compile's backend (aot_eager: traced and differentiated
+                               as with inductor, run by torch's own kernels, with no C++ compiler)
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from paratrain.settings import Settings, SettingsError
+from paratrain.settings import Settings, SettingsError, compile_backend_problem
 
 _FLAG_ON, _FLAG_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -33,11 +38,14 @@ class CompileSettings:
     expand: int = Settings.hotpath_max_expand
     debug: bool = False
     save_dir: str | None = None  # where generated sources go (None: nowhere)
+    backend: str = "inductor"  # torch.compile's: aot_eager traces and differentiates, generating no code
 
     def __post_init__(self):
         for name in ("threshold", "min_ops", "window", "expand"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"compile setting {name} must be at least 1, got {getattr(self, name)}")
+        if compile_backend_problem(self.backend):
+            raise SettingsError(compile_backend_problem(self.backend))
         if self.min_ops > self.window:
             raise SettingsError(f"GT_HOTPATH_MIN_SEQ ({self.min_ops}) is longer than GT_HOTPATH_WINDOW ({self.window})")
 
@@ -51,5 +59,5 @@ class CompileSettings:
         return cls(
             auto=settings.auto_compile, threshold=settings.hotpath_threshold, min_ops=settings.hotpath_min_seq,
             window=settings.hotpath_window, expand=settings.hotpath_max_expand, debug=settings.debug_compile,
-            save_dir=save,
+            save_dir=save, backend=settings.compile_backend,
         )
