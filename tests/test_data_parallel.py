@@ -14,7 +14,7 @@ import torch
 from paratrain import run
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
-from paratrain.train.reference import reference_run
+from paratrain.train.reference import Reference, reference_run
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
@@ -29,12 +29,26 @@ def make_config(**overrides) -> TrainConfig:
     return apply_overrides(TrainConfig(), {**base, **overrides})
 
 
+_REFERENCES: dict[str, Reference] = {}
+
+
+def reference_for(config: TrainConfig) -> Reference:
+    """reference_run(config), trained once per test process for each model, data, optimizer, number
+    of steps, seed and precision: what it depends on (layouts and data-parallel modes are no part of
+    it). The parity tests that share a reference only read it."""
+    key = repr((config.model, config.data, config.optim, config.steps, config.seed, config.parallel.precision,
+                config.parallel.loss_scale))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(config)
+    return _REFERENCES[key]
+
+
 def assert_matches_reference(config: TrainConfig, world_size: int) -> None:
     assert_results_match_reference(config, run(train_and_return_state, world_size, args=(config,)))
 
 
 def assert_results_match_reference(config: TrainConfig, results: dict) -> None:
-    reference = reference_run(config)
+    reference = reference_for(config)
     reference_losses, reference_state = reference.losses, reference.state
     losses = [entry["loss"] for entry in results[0]["log"]]
     assert len(losses) == len(reference_losses)
@@ -133,7 +147,7 @@ APPROXIMATE = [
 @pytest.mark.parametrize("overrides, margin", APPROXIMATE)
 def test_approximate_methods_train_close_to_exact(overrides, margin):
     config = make_config(steps=60, **overrides)
-    exact = reference_run(make_config(steps=60))[0]
+    exact = reference_for(make_config(steps=60)).losses
     results = run(train_and_return_state, 4, args=(config,))
     losses = [entry["loss"] for entry in results[0]["log"]]
     assert losses[-1] < 0.7 * losses[0], f"loss did not fall: {losses[0]} -> {losses[-1]}"

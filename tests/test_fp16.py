@@ -17,7 +17,7 @@ from paratrain.parallel.precision import LossScaler
 from paratrain.train.check import compare, passes, tolerances
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
-from paratrain.train.reference import reference_run
+from tests.test_data_parallel import reference_for
 
 
 def fp16_config(**overrides) -> TrainConfig:
@@ -31,7 +31,7 @@ def train_and_return_state(group, config):
 
 
 def checked(config, world):
-    return compare(config, paratrain.run(train_and_return_state, world, args=(config,)), reference_run(config))
+    return compare(config, paratrain.run(train_and_return_state, world, args=(config,)), reference_for(config))
 
 
 @pytest.mark.parametrize("world, overrides", [
@@ -51,7 +51,7 @@ def test_overflowed_steps_are_skipped_as_gradscaler_skips_them():
     """2^24: the first five steps overflow (the scale halves each time), the sixth trains."""
     config = fp16_config(**{"steps": 6, "parallel.loss_scale": 2.0**24, "parallel.zero": 2})
     results = paratrain.run(train_and_return_state, 2, args=(config,))
-    report = compare(config, results, reference_run(config))
+    report = compare(config, results, reference_for(config))
     assert report["skipped_steps"] == report["reference_skipped_steps"] == 5
     assert passes(report, tolerances(config))
     summary = results[0]["summary"]

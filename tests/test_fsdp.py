@@ -18,18 +18,19 @@ from paratrain.train.check import BF16_LOSS_RTOL, BF16_PARAM_ATOL, BF16_PROGRESS
 from paratrain.train.config import ConfigError
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate
-from paratrain.train.reference import reference_run
 from paratrain.train.validate import validate
-from tests.test_checkpoint import RESHARD_ATOL, RESHARD_RTOL, interrupted_and_resumed, losses_of, merged_state
+from tests.test_checkpoint import (RESHARD_ATOL, RESHARD_RTOL, RESUMED_FROM, SHORT_RUN, interrupted_and_resumed,
+                                   losses_of, merged_state)
 from tests.test_data_parallel import (assert_matches_reference, assert_results_match_reference, make_config,
-                                      train_and_return_state, train_each_and_return_state)
+                                      reference_for, train_and_return_state, train_each_and_return_state)
 from tests.test_parallel_3d import assert_same_as_one_process
 
 ADAMW = {"optim.name": "adamw", "optim.lr": 0.01, "optim.weight_decay": 0.1}
+# 2 steps: the second step's loss is a forward through the weights the first update wrote.
 MODELS = {
-    "mlp": {"model.name": "mlp", "data.global_batch": 48, "steps": 5, **ADAMW},
-    "cnn": {"model.name": "cnn", "model.channels": (8, 16), "model.hidden": 32, "data.global_batch": 48, "steps": 4},
-    "gpt-tiny": {"model.name": "gpt-tiny", "data.global_batch": 12, "steps": 3},
+    "mlp": {"model.name": "mlp", "data.global_batch": 48, "steps": 2, **ADAMW},
+    "cnn": {"model.name": "cnn", "model.channels": (8, 16), "model.hidden": 32, "data.global_batch": 48, "steps": 2},
+    "gpt-tiny": {"model.name": "gpt-tiny", "data.global_batch": 12, "steps": 2},
 }
 SMALL_BUCKETS = {"parallel.bucket_mb": 0.01, "parallel.first_bucket_mb": 0.001}  # several buckets in flight
 
@@ -40,19 +41,27 @@ def test_zero_two_matches_single_process(model, world_size):
     assert_matches_reference(make_config(**{"parallel.zero": 2, **SMALL_BUCKETS, **MODELS[model]}), world_size)
 
 
+ZERO3_OPTIONS = {
+    "default": {},
+    "no-reshard": {"parallel.reshard_after_forward": False},
+    "no-prefetch": {"parallel.prefetch": 0},
+    "prefetch-2-no-reshard": {"parallel.prefetch": 2, "parallel.reshard_after_forward": False},
+}
+ZERO3_WORLDS = (2, 3, 4)  # 3 ranks: no unit of these models divides evenly by 3
+# Each model under each option set once, on a world turned by both (the i-th model under the j-th
+# options runs on world (i + j) mod 3): every model and every option set meets every world, uneven
+# parts included, each pair at least once, in 12 runs instead of the whole product's 36.
 ZERO3 = [
-    pytest.param({}, [2, 3, 4], id="default"),  # 3 ranks: no unit of these models divides evenly by 3
-    pytest.param({"parallel.reshard_after_forward": False}, [4], id="no-reshard"),
-    pytest.param({"parallel.prefetch": 0}, [4], id="no-prefetch"),
-    pytest.param({"parallel.prefetch": 2, "parallel.reshard_after_forward": False}, [2], id="prefetch-2-no-reshard"),
+    pytest.param(model, options, world, id=f"{name}-{model}-{world}")
+    for j, (name, options) in enumerate(ZERO3_OPTIONS.items())
+    for i, model in enumerate(MODELS)
+    for world in [ZERO3_WORLDS[(i + j) % len(ZERO3_WORLDS)]]
 ]
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("overrides, worlds", ZERO3)
-def test_zero_three_matches_single_process(model, overrides, worlds):
-    for world_size in worlds:
-        assert_matches_reference(make_config(**{"parallel.zero": 3, **MODELS[model], **overrides}), world_size)
+@pytest.mark.parametrize("model, overrides, world_size", ZERO3)
+def test_zero_three_matches_single_process(model, overrides, world_size):
+    assert_matches_reference(make_config(**{"parallel.zero": 3, **MODELS[model], **overrides}), world_size)
 
 
 def test_zero_two_with_gradient_accumulation_matches_single_process():
@@ -233,7 +242,7 @@ def test_ours_and_pytorch_fsdp2_match_single_process_on_processes():
     for name, config in ON_PROCESSES.items():
         results = {rank: result[name] for rank, result in by_rank.items()}
         if config.parallel.precision == "bf16":
-            report = compare(config, results, reference_run(config))
+            report = compare(config, results, reference_for(config))
             assert report["max_loss_diff"] <= BF16_LOSS_RTOL and report["max_param_diff"] <= BF16_PARAM_ATOL, report
         else:
             assert_results_match_reference(config, results)
@@ -277,7 +286,7 @@ def test_held_memory_per_rank_shrinks_with_each_zero_stage():
 
 # Checkpoints hold whole tensors under the single-device names, whatever the sharding: FSDP
 # gathers each unit's parameters and optimizer state to save, and keeps its own part on load.
-GPT_ADAMW = {"model.name": "gpt-tiny", "optim.name": "adamw", "optim.lr": 1e-3, "data.global_batch": 8}
+GPT_ADAMW = {"model.name": "gpt-tiny", "optim.name": "adamw", "optim.lr": 1e-3, "data.global_batch": 8, **SHORT_RUN}
 
 
 @pytest.mark.parametrize("world, overrides", [
@@ -287,7 +296,7 @@ GPT_ADAMW = {"model.name": "gpt-tiny", "optim.name": "adamw", "optim.lr": 1e-3, 
 ])
 def test_a_sharded_run_resumes_bit_for_bit(tmp_path, world, overrides):
     whole, resumed = interrupted_and_resumed(tmp_path, world, **overrides)
-    assert losses_of(resumed) == losses_of(whole)[3:]
+    assert losses_of(resumed) == losses_of(whole)[RESUMED_FROM:]
     for name, value in merged_state(whole).items():
         assert torch.equal(merged_state(resumed)[name], value), name
 
@@ -301,7 +310,7 @@ def test_a_sharded_run_resumes_bit_for_bit(tmp_path, world, overrides):
 def test_a_sharded_checkpoint_loads_into_another_layout(tmp_path, saved, world, resumed_as, resumed_world):
     whole, resumed = interrupted_and_resumed(
         tmp_path, world, resume_overrides=resumed_as, resume_world=resumed_world, **{**GPT_ADAMW, **saved})
-    assert losses_of(resumed) == pytest.approx(losses_of(whole)[3:], rel=RESHARD_RTOL)
+    assert losses_of(resumed) == pytest.approx(losses_of(whole)[RESUMED_FROM:], rel=RESHARD_RTOL)
     for name, value in merged_state(whole).items():
         assert torch.allclose(merged_state(resumed)[name], value, rtol=0, atol=RESHARD_ATOL), name
 
@@ -310,7 +319,7 @@ def test_bf16_fsdp_stays_close_to_the_bf16_reference():
     """bf16 gathers and reduce-scatters, fp32 master shards: `paratrain check`'s bf16 rule (losses
     1e-3 relative, parameters 1e-3 absolute, the loss decrease 5e-2 relative)."""
     config = make_config(**{"parallel.zero": 3, "parallel.precision": "bf16", **MODELS["gpt-tiny"], "steps": 4})
-    report = compare(config, run(train_and_return_state, 2, args=(config,)), reference_run(config))
+    report = compare(config, run(train_and_return_state, 2, args=(config,)), reference_for(config))
     assert report["max_loss_diff"] <= BF16_LOSS_RTOL and report["max_param_diff"] <= BF16_PARAM_ATOL, report
     assert report["progress_diff"] <= BF16_PROGRESS_RTOL, report
 
@@ -328,11 +337,12 @@ def test_bf16_fsdp_gathers_bf16_and_keeps_fp32_master_shards():
     assert run(_bf16_unit, 2)[0] == (torch.bfloat16, torch.float32, torch.float32, torch.float32)
 
 
-def test_zero_three_on_llama_small_gathers_a_block_at_a_time():
-    """llama-small (8 blocks), 4 ranks, AdamW: a quarter of DDP's memory at rest, and during the
-    step the shards plus a few gathered units, far from the whole model's parameters and gradients."""
+def test_zero_three_on_an_8_block_llama_gathers_a_block_at_a_time():
+    """llama-tiny with 8 blocks (each about 1/9 of the model, as in llama-small), 4 ranks, AdamW:
+    a quarter of DDP's memory at rest, and during the step the shards plus a few gathered units,
+    far from the whole model's parameters and gradients."""
     def held(zero):
-        config = make_config(**{"model.name": "llama-small", **ADAMW, "optim.lr": 1e-3, "steps": 2,
+        config = make_config(**{"model.name": "llama-tiny", "model.n_layer": 8, **ADAMW, "optim.lr": 1e-3, "steps": 2,
                                 "data.global_batch": 8, "parallel.zero": zero})
         return run(train_rank, 4, args=(config,))[0]["summary"]["memory"]
 

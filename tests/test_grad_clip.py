@@ -18,8 +18,8 @@ from paratrain.parallel.data.base import pieces_of_shard
 from paratrain.train.check import FP32_LOSS_RTOL, FP32_PARAM_ATOL, compare, passes, tolerances
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
-from paratrain.train.reference import reference_run
 from paratrain.train.validate import problems_with
+from tests.test_data_parallel import reference_for
 
 LIMIT = 0.1  # llama-tiny's gradient norm is ~0.44 in these steps: every step is clipped
 
@@ -45,7 +45,7 @@ def train_and_return_state(group, config):
 @pytest.mark.parametrize("world, overrides", LAYOUTS)
 def test_the_clipped_run_matches_torchs_clip_grad_norm_on_one_process(world, overrides):
     config = clip_config(**overrides)
-    report = compare(config, run(train_and_return_state, world, args=(config,)), reference_run(config))
+    report = compare(config, run(train_and_return_state, world, args=(config,)), reference_for(config))
     assert len(report["grad_norms"]) == config.steps
     assert min(report["grad_norms"]) > 2 * LIMIT  # the clip binds
     assert report["max_grad_norm_diff"] <= FP32_LOSS_RTOL, (report["grad_norms"], report["reference_grad_norms"])
@@ -57,7 +57,7 @@ def test_a_norm_counted_wrong_fails_the_check():
     """The check's own sensitivity: a run whose norms are off by 1e-4 fails, however close its
     parameters."""
     config = clip_config()
-    reference = reference_run(config)
+    reference = reference_for(config)
     off = {0: {"log": [{"loss": loss, "grad_norm": norm * (1 + 1e-4)}
                        for loss, norm in zip(reference.losses, reference.grad_norms)], "state": reference.state}}
     report = compare(config, off, reference)

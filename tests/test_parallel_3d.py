@@ -20,7 +20,7 @@ from paratrain import run
 from paratrain.train.check import compare
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
-from paratrain.train.reference import reference_run
+from tests.test_data_parallel import reference_for
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6
 
@@ -67,7 +67,7 @@ def config_for(dp, pp, tp, schedule, microbatches, extra) -> TrainConfig:
 
 def assert_same_as_one_process(config: TrainConfig, world: int) -> None:
     results = run(functools.partial(train_rank, return_state=True), world, args=(config,))
-    report = compare(config, results, reference_run(config))
+    report = compare(config, results, reference_for(config))
     assert not report["missing"], f"parameters no rank reported: {report['missing']}"
     assert report["max_loss_diff"] <= LOSS_RTOL, report["loss_diffs"]
     assert report["max_param_diff"] <= PARAM_ATOL, (report["worst_param"], report["max_param_diff"])
@@ -97,7 +97,7 @@ def test_pipeline_reports_its_measured_and_theoretical_bubble():
 def test_pipeline_with_processes_matches_one_process():
     config = config_for(1, 2, 1, "1f1b", 4, {})
     results = run(functools.partial(train_rank, return_state=True), 2, launcher="processes", args=(config,))
-    report = compare(config, results, reference_run(config))
+    report = compare(config, results, reference_for(config))
     assert report["max_loss_diff"] <= LOSS_RTOL and report["max_param_diff"] <= PARAM_ATOL
 
 
@@ -105,7 +105,7 @@ def test_bf16_autocast_pipeline_stays_close_to_the_bf16_reference():
     """bf16 keeps ~3 significant digits, so the tolerance is check's bf16 one (2e-2), not fp32's."""
     config = config_for(1, 2, 2, "zb-h1", 4, {"precision": "bf16"})
     results = run(functools.partial(train_rank, return_state=True), 4, args=(config,))
-    report = compare(config, results, reference_run(config))
+    report = compare(config, results, reference_for(config))
     assert report["max_loss_diff"] <= 2e-2 and report["max_param_diff"] <= 2e-2, report
 
 
