@@ -105,16 +105,16 @@ def annotate(block: Block, directive: str) -> None:
     word, _, rest = directive.partition(" ")
     if directive.startswith("skip:"):
         block.skip = directive[len("skip:"):].strip() or "no reason given"
-    elif word == "timeout":
+    elif word == "timeout" and re.fullmatch(r"\d+(\.\d*)?", rest.strip()):
         block.timeout_s = float(rest)
-    elif word == "file":
+    elif word == "file" and rest.strip():
         block.save_as = rest.strip()
-    elif word == "in":
+    elif word == "in" and (ROOT / rest.strip()).is_dir():
         block.folder = rest.strip()
     elif word in ("output", "console") and not rest:
         block.lang = word
     else:
-        raise ValueError(f"{block.where}: unknown docs-check annotation {directive!r}")
+        raise ValueError(f"{block.where}: not a docs-check annotation: {directive!r}")
 
 
 def read_page(page: Path) -> list[Block]:

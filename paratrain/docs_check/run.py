@@ -114,8 +114,7 @@ def run_block(block: Block, cache: Path | None = None) -> Result:
 
 
 def _tail(output: str, lines: int = 15) -> str:
-    kept = [line for line in output.splitlines() if not line.startswith(MARKER)]
-    return "\n".join("  | " + line for line in kept[-lines:])
+    return "\n".join("  | " + line for line in output.splitlines()[-lines:])
 
 
 def _judge_python(block: Block, status: int | None, output: str) -> str | None:
@@ -128,7 +127,7 @@ def _judge_python(block: Block, status: int | None, output: str) -> str | None:
 
 
 def _judge_shell(block: Block, status: int | None, output: str) -> str | None:
-    pieces, statuses, current = [], {}, []
+    pieces, statuses, current = [], {}, []  # each command's output, split at the markers
     for line in output.splitlines():
         if line.startswith(MARKER):
             k, code = line.split()[1:3]
@@ -137,19 +136,22 @@ def _judge_shell(block: Block, status: int | None, output: str) -> str | None:
             current = []
         else:
             current.append(line)
+    unmarked = "\n".join([*pieces, *current])
+    first_line = [command.text.splitlines()[0] for command in block.commands]
     if status is None:
-        return f"timed out after {block.timeout_s:g} s; killed\n{_tail(output)}"
+        running = first_line[min(len(pieces), len(first_line) - 1)]
+        return f"timed out after {block.timeout_s:g} s in `{running}`; killed\n{_tail(unmarked)}"
     for k, command in enumerate(block.commands):
         if k >= len(pieces):  # the shell ended in this command (`exit`, a signal)
-            return f"exit status {status} from `{command.text.splitlines()[0]}`\n{_tail(output)}"
+            return f"exit status {status} from `{first_line[k]}`\n{_tail(unmarked)}"
         if command.shown:
             mismatch = compare(command.shown, pieces[k])
             if mismatch:
-                return f"$ {command.text.splitlines()[0]}\n  {mismatch}\n{_tail(pieces[k])}"
+                return f"$ {first_line[k]}\n  {mismatch}\n{_tail(pieces[k])}"
         elif not block.shown and statuses.get(k):
-            return f"exit status {statuses[k]} from `{command.text.splitlines()[0]}`\n{_tail(pieces[k])}"
+            return f"exit status {statuses[k]} from `{first_line[k]}`\n{_tail(pieces[k])}"
     if block.shown:
-        mismatch = compare(block.shown, output)
-        return mismatch and f"{mismatch}\n{_tail(output)}"
+        mismatch = compare(block.shown, unmarked)
+        return mismatch and f"{mismatch}\n{_tail(unmarked)}"
     return None
 
