@@ -33,7 +33,8 @@ LAYERS = (
     ("train", "frontend"),
     ("plan",),
     ("bench",),
-    ("cli", "env_cli", "__main__", ""),  # "": the package's own __init__, which re-exports
+    ("cli", "env_cli", "__main__", "", "docs_check"),  # "": the package's own __init__, which re-exports;
+    # docs_check runs the docs' commands as a user would, from outside the library
 )
 APART = {("train", "frontend"), ("frontend", "train")}
 
