@@ -43,6 +43,7 @@ $ paratrain env
 setting value
 ```
 
+<!-- docs-check: in examples -->
 ```python
 print("hello")
 ```
@@ -84,7 +85,7 @@ def test_blocks_are_read_with_their_commands_annotations_and_shown_output(tmp_pa
     assert [c.shown for c in console.commands] == [["layout tp8 pp8"], ["setting value"]]
     assert console.files == {"run.yaml": "steps: 3\n"}  # the yaml block: written, not run
 
-    assert python.lang == "python" and python.shown == ["hello"]
+    assert python.lang == "python" and python.shown == ["hello"] and python.folder == "examples"
     assert plain.lang == "console" and plain.commands[0].shown == ["shown"]  # json: not a block
 
 

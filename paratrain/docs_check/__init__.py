@@ -14,8 +14,10 @@ this virtual environment's python). Other fences (yaml, text, none) are prose: t
 Where it runs: each block in a fresh temporary folder that holds a link to every entry of the
 repository root (so `.venv/bin/paratrain`, `examples/...` resolve, and what the block writes
 beside them stays out of the checkout), this environment's bin/ first on PATH; a command that
-starts `make ` runs in the repository root. A block has a bounded time; a block that outlives it
-is killed with its whole process group, and so is whatever a block leaves running.
+starts `make ` runs in the repository root. The run has a cache folder of its own
+(XDG_CACHE_HOME), so a table `bench collectives --tune` measures does not steer the user's `auto`.
+A block has a bounded time; a block that outlives it is killed with its whole process group, and
+so is whatever a block leaves running.
 
 What passes: each line the page shows must appear in the output, in order, other lines allowed
 between them (so a `...` line in the shown output is only a reminder); numbers match any number
