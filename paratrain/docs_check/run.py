@@ -15,6 +15,7 @@ from pathlib import Path
 
 from paratrain.docs_check.compare import compare
 from paratrain.docs_check.pages import ROOT, Block
+from paratrain.settings import child_environment
 
 BIN = Path(sys.executable).parent  # the virtual environment this runs in
 MARKER = "@@docs-check-status"
@@ -61,8 +62,8 @@ def shell_script(block: Block) -> str:
 def execute(argv: list[str], cwd: Path, timeout_s: float, cache: Path | None = None) -> tuple[int | None, str]:
     """Run argv in its own process group; (exit status or None when it timed out, output). The
     group is killed at the end either way: nothing the block started outlives it."""
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "VIRTUAL_ENV": str(BIN.parent), "PYTHONUNBUFFERED": "1", "DOCS_CHECK_ROOT": str(ROOT)}
+    env = child_environment(VIRTUAL_ENV=str(BIN.parent), PYTHONUNBUFFERED="1", DOCS_CHECK_ROOT=str(ROOT))
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"  # the venv's paratrain, python and torchrun first
     if cache:
         env["XDG_CACHE_HOME"] = str(cache)
     process = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
