@@ -36,12 +36,13 @@ def pytest_addoption(parser):
 # the run, instead of one long file running alone on a core while the others sit idle. A file
 # not named keeps its place after them; a stale list costs only that balance.
 LONGEST_FIRST = (
-    "test_checkpoint.py", "test_parallel_3d.py", "test_fsdp.py", "test_frontend_faults.py", "test_bench_collectives.py",
-    "test_docs.py", "test_shm_arena.py", "test_call_plans.py", "test_frontend_workers.py", "test_data_parallel.py",
-    "test_frontend_debug_tools.py", "test_frontend_bad_messages.py", "test_frontend_gt.py", "test_frontend_compile.py",
-    "test_shm_p2p.py", "test_train_config.py", "test_bench_training.py", "test_precision.py", "test_matrix.py",
-    "test_frontend_demo.py", "test_native_kernels.py", "test_collectives_fabric.py", "test_frontend_api.py",
-    "test_comm_errors.py", "test_collectives_gloo.py", "test_launcher_exposure.py", "test_compile_training.py",
+    "test_frontend_faults.py", "test_fsdp.py", "test_docs.py", "test_frontend_bad_messages.py",
+    "test_checkpoint.py", "test_frontend_compile.py", "test_frontend_debug_tools.py", "test_frontend_workers.py",
+    "test_parallel_3d.py", "test_bench_collectives.py", "test_shm_p2p.py", "test_data_parallel.py",
+    "test_shm_arena.py", "test_collectives_fabric.py", "test_matrix.py", "test_native_kernels.py",
+    "test_train_config.py", "test_collectives_gloo.py", "test_frontend_demo.py", "test_call_plans.py",
+    "test_precision.py", "test_text_data.py", "test_frontend_gt.py", "test_launcher_exposure.py",
+    "test_frontend_api.py",
 )
 
 
