@@ -72,8 +72,10 @@ def _reduce_rows(rows: Rows, out: torch.Tensor, op: str) -> None:
             torch.sum(rows.every, dim=0, dtype=out.dtype, out=out)
     elif op == "max":
         torch.amax(rows.every, dim=0, out=out)
-    else:
-        torch.amin(rows.every, dim=0, out=out)
+    else:  # an elementwise fold: torch.amin over dimension 0 of int64 rows took 90x amax's time
+        out.copy_(rows.each[0])
+        for row in rows.each[1:]:
+            torch.minimum(out, row, out=out)
 
 
 def _pieces(count: int, per_piece: int) -> range:
