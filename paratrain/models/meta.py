@@ -42,3 +42,4 @@ def on_meta():
     """Build modules inside this block on the meta device, skipping their weights' initialisation."""
     with torch.device("meta"), _SkipInitialisingMeta():
         yield
+

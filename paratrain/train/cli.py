@@ -8,9 +8,8 @@ from pathlib import Path
 import click
 
 from paratrain.launch import expected_transport, run
-from paratrain.models import CAUSAL_LM_CONFIGS, GPTConfig, LlamaConfig, build_model, count_parameters, format_count, \
+from paratrain.models import CAUSAL_LM_CONFIGS, GPTConfig, LlamaConfig, count_parameters, format_count, \
     model_config, parameter_count
-from paratrain.models.meta import on_meta
 from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers
 from paratrain.parallel.data.strategy import strategy_of
 from paratrain.parallel.plan import matching_modules
@@ -23,7 +22,7 @@ from paratrain.train.config_reference import config_yaml
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate, format_estimate
 from paratrain.train.options import checkpoint_options, training_options, validated_config
-from paratrain.train.setup import fsdp_units_note, plan_for
+from paratrain.train.setup import fsdp_units_note, meta_model, plan_for
 
 
 def describe_model(config: TrainConfig) -> str:
@@ -118,8 +117,7 @@ def describe_split(config: TrainConfig) -> list[str]:
     """How the plan splits the model: each tensor-parallel pattern with its style and the modules
     it matched, and the pipeline chunks' layers (built on the meta device: nothing allocated)."""
     par = config.parallel
-    with on_meta():
-        model = build_model(config.model.name, **config.model.overrides)
+    model = meta_model(config.model.name, config.model.overrides)
     plan = plan_for(config.model.plan, model)
     lines = [f"plan: {plan.source}" if config.model.plan else "plan: the model's own"]
     if par.tp > 1:

@@ -30,6 +30,12 @@ def seeded(seed: int):
         yield
 
 
+def meta_model(name: str, overrides: dict) -> torch.nn.Module:
+    """Model `name` with `overrides`, built on the meta device without initialising it."""
+    with on_meta():
+        return build_model(name, **overrides)
+
+
 def build_seeded_model(name: str, overrides: dict, seed: int) -> torch.nn.Module:
     with seeded(seed):
         return build_model(name, **overrides)
@@ -90,7 +96,6 @@ def fsdp_units_note(config) -> list[str]:
     unit); nothing when it does. Reads the model built on the meta device."""
     from paratrain.parallel.data.fsdp_units import unit_layout
 
-    with on_meta():
-        model = build_model(config.model.name, **config.model.overrides)
+    model = meta_model(config.model.name, config.model.overrides)
     note = unit_layout(model, plan_for(config.model.plan, model)).note
     return [note] if note else []

@@ -12,11 +12,10 @@ from paratrain.data.user_data import is_data_file
 from paratrain.data.text import is_text_name
 from paratrain.data.token_file import is_token_file_name
 from paratrain.launch import LAUNCHERS
-from paratrain.models.meta import on_meta
 from paratrain.models.user_model import load_function
 import torch
 
-from paratrain.models import CAUSAL_LM_CONFIGS, MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, build_model, \
+from paratrain.models import CAUSAL_LM_CONFIGS, MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, \
     is_model_file, model_config
 from paratrain.parallel.precision import PRECISIONS
 from paratrain.parallel.data.strategy import StrategyError, strategy_of, strategy_problems
@@ -29,7 +28,7 @@ from paratrain.parallel.tensor.parallelize import tp_problems
 from paratrain.paths import cannot_write
 from paratrain.settings import Settings, compile_backend_problem
 from paratrain.train.config import ConfigError, TrainConfig
-from paratrain.train.setup import data_choice, plan_for
+from paratrain.train.setup import data_choice, meta_model, plan_for
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
@@ -249,8 +248,7 @@ def _splits_the_vocabulary(meta) -> bool:
 
 def _meta_model_and_plan(config: TrainConfig):
     """The model built on the meta device (shapes only: no memory, no time) and its plan."""
-    with on_meta():
-        model = build_model(config.model.name, **config.model.overrides)
+    model = meta_model(config.model.name, config.model.overrides)
     return model, plan_for(config.model.plan, model)
 
 

@@ -44,8 +44,9 @@ class CompileSettings:
         for name in ("threshold", "min_ops", "window", "expand"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"compile setting {name} must be at least 1, got {getattr(self, name)}")
-        if compile_backend_problem(self.backend):
-            raise SettingsError(compile_backend_problem(self.backend))
+        problem = compile_backend_problem(self.backend)
+        if problem:
+            raise SettingsError(problem)
         if self.min_ops > self.window:
             raise SettingsError(f"GT_HOTPATH_MIN_SEQ ({self.min_ops}) is longer than GT_HOTPATH_WINDOW ({self.window})")
 
