@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import paratrain.frontend as gt
+from frontend_helpers import TOKEN, serve_saying
 from paratrain.frontend.client.autostart import LocalServer
 
 
@@ -36,11 +37,11 @@ def pytest_addoption(parser):
 # the run, instead of one long file running alone on a core while the others sit idle. A file
 # not named keeps its place after them; a stale list costs only that balance.
 LONGEST_FIRST = (
-    "test_frontend_faults.py", "test_fsdp.py", "test_docs.py", "test_frontend_bad_messages.py",
+    "test_frontend_faults.py", "test_fsdp.py", "test_docs.py", "test_frontend_peer_limits.py",
     "test_checkpoint.py", "test_frontend_compile.py", "test_frontend_debug_tools.py", "test_frontend_workers.py",
     "test_parallel_3d.py", "test_bench_collectives.py", "test_shm_p2p.py", "test_data_parallel.py",
     "test_shm_arena.py", "test_collectives_fabric.py", "test_matrix.py", "test_native_kernels.py",
-    "test_train_config.py", "test_collectives_gloo.py", "test_frontend_demo.py", "test_call_plans.py",
+    "test_train_config.py", "test_collectives_gloo.py", "test_frontend_demo.py", "test_replays.py",
     "test_precision.py", "test_text_data.py", "test_frontend_gt.py", "test_launcher_exposure.py",
     "test_frontend_api.py",
 )
@@ -94,6 +95,29 @@ def four_workers(tmp_path_factory):
     log = tmp_path_factory.mktemp("four-workers") / "instructions.log"
     srv = LocalServer.start(4, extra_args=("--instruction-log", str(log)))
     srv.log = log
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory):
+    """Two workers behind a token, for the tests of what peers send (each module that uses it
+    starts its own); `.said`: the file of what the dispatcher says."""
+    said = tmp_path_factory.mktemp("token-server") / "serve.err"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PARATRAIN_TIMEOUT", "20")  # a worker left waiting on a broken partner gives up soon
+        srv = serve_saying(said, "--workers", "2", "--token", TOKEN, "--max-tensor-mb", "16",
+                           "--client-timeout", "20", "--threads", "1")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def saying_server(tmp_path_factory):
+    """One worker, no token, messages of at most 1 MiB; `.said`: the file of what the dispatcher
+    says. Shared by the tests that read what it says of one peer (each looks for its own line)."""
+    srv = serve_saying(tmp_path_factory.mktemp("saying-server") / "serve.err", "--workers", "1",
+                       "--max-message-mb", "1")
     yield srv
     srv.stop()
 

@@ -12,8 +12,11 @@ import time
 
 import zmq
 
+import paratrain.frontend as gt
 from paratrain import forking
+from paratrain.frontend.client.autostart import LocalServer
 from paratrain.frontend.protocol import VERSION, codec, messages
+from paratrain.frontend.protocol.auth import secure_connector
 from paratrain.frontend.protocol.handshake import ACCEPTS, join
 
 PYTHON_M_PARATRAIN = [sys.executable, "-m", "paratrain"]
@@ -115,6 +118,43 @@ def raw_sync(sock, instructions: list, fetch=(), token: int = 10_000, frames=())
         if isinstance(reply, messages.Synced) and reply.token == token:
             return reply
         assert not isinstance(reply, messages.Error), reply.message
+
+
+TOKEN = "fuzz-token"  # token_server's (conftest.py): "before authentication" then includes the challenge
+
+
+def well_behaved_check(address: str, round_number: int, token: str | None = TOKEN) -> None:
+    """A client that plays by the rules gets correct values (on both workers)."""
+    session = gt.Session(address, token=token, timeout=30)
+    try:
+        a = session.call("full", [4], {"dtype": None, "value": float(round_number)})[0]
+        b = session.call("ones", [4], {"dtype": None}, worker=1)[0]
+        total = ((a + b) * 2.0).sum()
+        (value,) = session.sync([total._handle])
+        assert float(value) == 8.0 * (round_number + 1)
+    finally:
+        session.close()
+
+
+def stranger(address: str, token: str | None = None):
+    """A peer that has not joined (with the token: past ZeroMQ's handshake, before the challenge);
+    -> (its context, its socket)."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    secure_connector(sock, token)
+    sock.connect(f"tcp://{address}")
+    return context, sock
+
+
+def serve_saying(said, *args: str):
+    """`paratrain serve --local-workers ARGS`, its stderr (what it says) in the file `said`;
+    -> its LocalServer, with `.said`."""
+    with open(said, "w") as stderr:
+        process, address = start_serve("--local-workers", *args, stderr=stderr)
+    server = LocalServer(process, address)
+    server.said = said
+    return server
 
 
 def start_serve(*args: str, stderr=None, timeout: float = 120, fresh: bool = False) -> tuple[subprocess.Popen, str]:

@@ -35,6 +35,9 @@ PORT = click.IntRange(0, 65535)
               help="Seconds without a heartbeat before a client is dropped and its tensors freed.")
 @click.option("--worker-timeout", default=5.0, show_default=True, type=FiniteFloat(min=0, min_open=True),
               help="Seconds without a heartbeat before a worker is declared lost.")
+@click.option("--join-timeout", default=10.0, show_default=True, type=FiniteFloat(min=0, min_open=True),
+              help="Seconds a connection may stay open without its peer joining (its hello admitted; with a "
+                   "token, the challenge answered) before it is closed.")
 @click.option("--max-message-mb", default=1024, show_default=True, type=click.IntRange(1, 2047),
               help="Largest message (one uploaded tensor) accepted, in MiB.")
 @click.option("--max-tensor-mb", default=None, type=click.IntRange(1),
@@ -49,7 +52,8 @@ PORT = click.IntRange(0, 65535)
 @click.option("--exit-with-pid", type=int, default=None, hidden=True)
 @click.pass_context
 def serve(ctx, host, port, workers, local_workers, spawn, token, instruction_log, threads, client_timeout,
-          worker_timeout, max_message_mb, max_tensor_mb, auto_shard, auto_shard_min_bytes, quiet, exit_with_pid):
+          worker_timeout, join_timeout, max_message_mb, max_tensor_mb, auto_shard, auto_shard_min_bytes, quiet,
+          exit_with_pid):
     """Run a frontend dispatcher: clients connect with `gt.connect("HOST:PORT")` (or
     PARATRAIN_SERVER=HOST:PORT), workers with `paratrain worker --host HOST --port PORT`.
     GT's `python -m gt.server -p PORT --spawn_gpu_workers N` is `python -m paratrain.frontend.server`
@@ -65,7 +69,7 @@ def serve(ctx, host, port, workers, local_workers, spawn, token, instruction_log
 
     try:
         settings = DispatcherSettings(host, port, workers, token, instruction_log, client_timeout, worker_timeout,
-                                      max_message_mb, max_tensor_mb, quiet, auto_shard,
+                                      join_timeout, max_message_mb, max_tensor_mb, quiet, auto_shard,
                                       **({} if auto_shard_min_bytes is None else {"auto_shard_min_bytes": auto_shard_min_bytes}))
     except ValueError as error:
         raise click.UsageError(str(error)) from None

@@ -10,8 +10,9 @@ it ends (both events carry its descriptor), every message says which descriptor 
 
 So each accepted connection is "unjoined" until a message on it comes from a client, a worker or
 a monitor (or a client's heartbeat connection with a live client's secret). An unjoined
-connection is shut after JOIN_S of the dispatcher's own running time, and beyond MAX_UNJOINED the
-oldest are shut at once; both say so (through the dispatcher's rate-limited complaints).
+connection is shut after `join_s` (JOIN_S unless `serve --join-timeout` says) of the dispatcher's
+own running time, and beyond MAX_UNJOINED the oldest are shut at once; both say so (through the
+dispatcher's rate-limited complaints).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections import OrderedDict
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-JOIN_S = 10.0  # for a connection's peer to join (a real one takes milliseconds)
+JOIN_S = 10.0  # the default time for a connection's peer to join (a real one takes milliseconds)
 MAX_UNJOINED = 256  # connections that have not joined, at most; beyond, the oldest are shut
 # A handshake refused for its content (a wrong key, no CURVE at all). Not NO_DETAIL: that is a
 # connection closed mid-handshake, by its peer or by shut_unjoined below.
@@ -31,8 +32,8 @@ _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | _HAND
 
 
 class Connections:
-    def __init__(self, sock: zmq.Socket):
-        self.sock = sock
+    def __init__(self, sock: zmq.Socket, join_s: float = JOIN_S):
+        self.sock, self.join_s = sock, join_s
         self.monitor = sock.get_monitor_socket(_EVENTS)
         # descriptor -> (when accepted, in the dispatcher's time; the peer's address then)
         self.unjoined: OrderedDict[int, tuple[float, object]] = OrderedDict()
@@ -67,10 +68,10 @@ class Connections:
             self.unjoined[fd] = (since + seconds, peer)
 
     def shut_unjoined(self, now: float) -> list[tuple[str, str]]:
-        """Shut connections unjoined past JOIN_S, and the oldest beyond MAX_UNJOINED;
+        """Shut connections unjoined past join_s, and the oldest beyond MAX_UNJOINED;
         -> (kind, line) to say for each of those and for handshakes refused since the last call."""
         self.read_events(now)
-        late = [fd for fd, (since, _) in self.unjoined.items() if now - since > JOIN_S]
+        late = [fd for fd, (since, _) in self.unjoined.items() if now - since > self.join_s]
         over = max(0, len(self.unjoined) - len(late) - MAX_UNJOINED)
         oldest = [fd for fd in self.unjoined if fd not in late][:over]
         for fd in (*late, *oldest):
@@ -82,7 +83,8 @@ class Connections:
                                       "a peer without this server's token, or with another"))
             self.failed_handshakes = 0
         if late:
-            said.append(("unjoined", f"closed {len(late)} connection(s) whose peer did not join within {JOIN_S:g}s"))
+            said.append(("unjoined", f"closed {len(late)} connection(s) whose peer did not join within "
+                                     f"{self.join_s:g}s"))
         if oldest:
             said.append(("unjoined cap", f"closed the {len(oldest)} oldest of the connections that have not joined: "
                                          f"at most {MAX_UNJOINED} are kept"))

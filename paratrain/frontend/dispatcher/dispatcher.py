@@ -66,8 +66,9 @@ class Dispatcher:
         self.sock.setsockopt(zmq.MAXMSGSIZE, codec.PIECE_BYTES + 1024 if codec.cuts(settings.token)
                              else settings.max_message_mb << 20)
         # A connection that has not finished ZeroMQ's handshake in this time is closed (libzmq's
-        # default, 30 s, let a stranger hold thousands of silent sockets, one descriptor each).
-        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        # default, 30 s, let a stranger hold thousands of silent sockets, one descriptor each); the
+        # handshake is the first step of joining, so it never gets longer than joining does.
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(min(HANDSHAKE_S, settings.join_timeout) * 1000))
         secure_listener(self.sock, settings.token)  # with a token, strangers end in the handshake
         self.port = self._bind(settings.host, settings.port)
         self.started = time.time()
@@ -84,7 +85,7 @@ class Dispatcher:
         self.admission = Admission(settings, self.peers, self.send, self.say, self.complain, on_ready=self._all_serving)
         self.reports = WorkerReports(self.peers, self.send)
         self.descriptors = Descriptors()
-        self.connections = Connections(self.sock)  # those that never join are shut (connections.py)
+        self.connections = Connections(self.sock, settings.join_timeout)  # those that never join are shut
         self.stopping = False
         self.failure: str | None = None  # why it stopped serving, if it had to
         self.on_ready = None  # called once, when every worker serves

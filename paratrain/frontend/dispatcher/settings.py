@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.frontend.dispatcher.auto_shard import DEFAULT_MIN_BYTES
+from paratrain.frontend.dispatcher.connections import JOIN_S
 from paratrain.frontend.protocol.addresses import AddressError, check_port, is_loopback
 
 
@@ -20,6 +21,7 @@ class DispatcherSettings:
     log_path: str | None = None  # the instruction log: one line per instruction
     client_timeout: float = 30.0  # seconds without a heartbeat before a client is dropped
     worker_timeout: float = 5.0  # seconds without a heartbeat before a worker is lost
+    join_timeout: float = JOIN_S  # seconds a connection may stay open without its peer joining
     max_message_mb: int = 1024  # the largest message (one uploaded tensor)
     max_tensor_mb: int | None = None  # the largest tensor a client may make (None: any)
     quiet: bool = False  # print only warnings
@@ -42,6 +44,6 @@ class DispatcherSettings:
                              f"'import secrets; print(secrets.token_hex(16))')")
         if self.auto_shard_min_bytes < 0:
             raise ValueError(f"auto-shard-min-bytes must be at least 0, got {self.auto_shard_min_bytes}")
-        for name in ("client_timeout", "worker_timeout"):
+        for name in ("client_timeout", "worker_timeout", "join_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
