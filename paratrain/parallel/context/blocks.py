@@ -1,0 +1,123 @@
+"""Attention of a rank's query chunks against one block of key/value chunks, forward and backward,
+with the partial results merged by their log-sum-exp: the arithmetic shared by ring and all-gather
+context parallelism (ring.py, allgather.py), which differ only in how key/value blocks arrive.
+
+Shapes (a legend, as in torchtitan): B batch, K key/value heads, G query heads per key/value head
+(grouped-query attention; G = 1 without it), S a rank's local sequence, C one chunk of it, D the
+head dimension. Queries are viewed as (B, K, G, S, D) so that one key/value head serves its G
+query heads by broadcasting: K/V are never expanded to the query heads, and only K of them travel.
+
+A chunk pair is scored whole (`FULL`: every key precedes every query), with a causal mask
+(`DIAGONAL`: the same chunk), or not at all (its keys all follow its queries). The arithmetic is
+done in `accumulation_dtype` (fp32 for bf16/fp16 inputs, fp64 stays fp64): the merge of partial
+softmaxes subtracts nearly equal numbers, which 8 bits of mantissa cannot do.
+
+Forward of one pair:   s = q kᵀ·scale (masked),  lse_b = logsumexp(s),  out_b = exp(s − lse_b) v
+Merge:                 lse' = logaddexp(lse, lse_b),  out' = out·e^(lse−lse') + out_b·e^(lse_b−lse')
+Backward of one pair, with the final lse and δ = rowsum(dout ∘ out):
+                       p = exp(s − lse),  dv += pᵀ dout,  ds = p ∘ (dout vᵀ − δ),
+                       dq += ds k·scale,  dk += dsᵀ q·scale
+"""
+
+from __future__ import annotations
+
+import torch
+
+FULL, DIAGONAL = "full", "diagonal"
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def pair_kind(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
+    """How query chunk `q_chunk` attends to key chunk `k_chunk` (global ids); None: not at all."""
+    if not causal or k_chunk < q_chunk:
+        return FULL
+    return DIAGONAL if k_chunk == q_chunk else None
+
+
+def grouped(q_BHSD: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, S, D) -> (B, K, G, S, D): query head h uses key/value head h // G (Llama's order)."""
+    B, H, S, D = q_BHSD.shape
+    if H % kv_heads:
+        raise ValueError(f"context attention: {H} query heads do not divide into {kv_heads} key/value heads")
+    return q_BHSD.view(B, kv_heads, H // kv_heads, S, D)
+
+
+class Chunks:
+    """A local sequence seen as its chunks: slices along S with their global chunk ids."""
+
+    def __init__(self, ids: tuple[int, ...], seq_len: int):
+        self.ids, self.length = ids, seq_len // len(ids)
+
+    def __iter__(self):
+        for index, chunk_id in enumerate(self.ids):
+            yield chunk_id, slice(index * self.length, (index + 1) * self.length)
+
+
+def _scores(q_BKGCD, k_BKCD, kind: str, scale: float) -> torch.Tensor:
+    s_BKGCC = torch.matmul(q_BKGCD, k_BKCD.unsqueeze(2).transpose(-1, -2)) * scale
+    if kind == DIAGONAL:
+        C = s_BKGCC.shape[-1]
+        above = torch.ones(C, C, dtype=torch.bool, device=s_BKGCC.device).triu(1)
+        s_BKGCC = s_BKGCC.masked_fill(above, float("-inf"))
+    return s_BKGCC
+
+
+class Accumulator:
+    """A rank's running output and log-sum-exp, merged block by block (forward)."""
+
+    def __init__(self, q_BKGSD: torch.Tensor, scale: float):
+        dtype = accumulation_dtype(q_BKGSD.dtype)
+        self.q = q_BKGSD.to(dtype)
+        self.scale = scale
+        self.out = torch.zeros_like(self.q)
+        self.lse = torch.full(self.q.shape[:-1], float("-inf"), dtype=dtype, device=self.q.device)
+
+    def add_block(self, q_chunks: Chunks, k_BKSD, v_BKSD, k_chunks: Chunks, causal: bool) -> None:
+        k, v = k_BKSD.to(self.q.dtype), v_BKSD.to(self.q.dtype)
+        for q_id, q_part in q_chunks:
+            for k_id, k_part in k_chunks:
+                kind = pair_kind(q_id, k_id, causal)
+                if kind is None:
+                    continue
+                s = _scores(self.q[..., q_part, :], k[..., k_part, :], kind, self.scale)
+                lse_b = torch.logsumexp(s, dim=-1)
+                out_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), v[..., k_part, :].unsqueeze(2))
+                self._merge(q_part, out_b, lse_b)
+
+    def _merge(self, part: slice, out_b, lse_b) -> None:
+        lse = self.lse[..., part]
+        merged = torch.logaddexp(lse, lse_b)
+        self.out[..., part, :] = (self.out[..., part, :] * torch.exp(lse - merged).unsqueeze(-1)
+                                  + out_b * torch.exp(lse_b - merged).unsqueeze(-1))
+        self.lse[..., part] = merged
+
+
+class GradientAccumulator:
+    """A rank's dQ over every block, and one block's dK/dV at a time (backward)."""
+
+    def __init__(self, q_BKGSD, out_BKGSD, dout_BKGSD, lse_BKGS, scale: float):
+        dtype = lse_BKGS.dtype
+        self.q, self.dout, self.lse, self.scale = q_BKGSD.to(dtype), dout_BKGSD.to(dtype), lse_BKGS, scale
+        self.delta = (self.dout * out_BKGSD.to(dtype)).sum(-1)  # δ: rowsum(dout ∘ out)
+        self.dq = torch.zeros_like(self.q)
+
+    def block(self, q_chunks: Chunks, k_BKSD, v_BKSD, k_chunks: Chunks, causal: bool) -> torch.Tensor:
+        """dQ += this block's share; -> the block's (dK, dV) stacked as (2, B, K, S, D)."""
+        k, v = k_BKSD.to(self.q.dtype), v_BKSD.to(self.q.dtype)
+        dkv = torch.zeros((2, *k.shape), dtype=self.q.dtype, device=k.device)
+        for q_id, q_part in q_chunks:
+            for k_id, k_part in k_chunks:
+                kind = pair_kind(q_id, k_id, causal)
+                if kind is None:
+                    continue
+                q, dout = self.q[..., q_part, :], self.dout[..., q_part, :]
+                k_c, v_c = k[..., k_part, :].unsqueeze(2), v[..., k_part, :].unsqueeze(2)
+                p = torch.exp(_scores(q, k[..., k_part, :], kind, self.scale) - self.lse[..., q_part].unsqueeze(-1))
+                dkv[1][..., k_part, :] += torch.matmul(p.transpose(-1, -2), dout).sum(2)
+                ds = p * (torch.matmul(dout, v_c.transpose(-1, -2)) - self.delta[..., q_part].unsqueeze(-1))
+                self.dq[..., q_part, :] += torch.matmul(ds, k_c) * self.scale
+                dkv[0][..., k_part, :] += torch.matmul(ds.transpose(-1, -2), q).sum(2) * self.scale
+        return dkv
