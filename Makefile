@@ -81,7 +81,7 @@ test: $(STAMP)
 
 # Every shell command and Python snippet in README.md, docs/*.md (but the generated results.md and
 # configuration.md) and examples/**/README.md, run one block at a time, and the output each page
-# shows compared (paratrain/docs_check.py). DOCS_CHECK_ARGS narrows it, e.g. --only training.md.
+# shows compared (paratrain/docs_check/). DOCS_CHECK_ARGS narrows it, e.g. --only training.md.
 docs-check: $(STAMP)
 	$(BIN)/python -m paratrain.docs_check $(DOCS_CHECK_ARGS)
 
