@@ -19,6 +19,9 @@ of step. So the overflow is all-reduced over the whole world before anyone decid
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Callable, ContextManager
+
 import torch
 
 # precision -> autocast's dtype (None: fp32, no autocast)
@@ -28,6 +31,15 @@ PRECISIONS = tuple(COMPUTE_DTYPES)
 
 def compute_dtype(precision: str):
     return COMPUTE_DTYPES[precision]
+
+
+def autocast(precision: str, device: torch.device) -> Callable[[], ContextManager]:
+    """A factory of the context forward and loss run in: autocast in bf16 or fp16, nothing for
+    fp32. Training, the pipeline, evaluation and the reference all enter this one."""
+    dtype = compute_dtype(precision)
+    if dtype is None:
+        return nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
 
 
 class LossScaler:

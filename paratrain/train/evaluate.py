@@ -18,13 +18,13 @@ Shape legend: B batch (this rank's share), T sequence position.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
 from paratrain.data import validation_batches
 from paratrain.parallel.pipeline.pp_comms import PipelineLink
-from paratrain.parallel.precision import compute_dtype
+from paratrain.parallel.precision import autocast
 
 # Held-out global batches per evaluation: enough for a steady number (gpt-tiny on text at batch
 # 64: 32K held-out bytes), few enough that evaluating costs about as much as 3 training steps.
@@ -42,7 +42,7 @@ class Evaluator:
         self.batches = validation_batches(dataset, config.data.global_batch, EVAL_BATCHES) if self.every else []
         # Accuracy is argmax over the whole output: only classifiers, whose output is never sharded.
         self.classifier = dataset.task == "classification"
-        self.autocast_dtype = compute_dtype(config.parallel.precision)
+        self.autocast = autocast(config.parallel.precision, self.device)
         self.pipelined = mesh is not None and mesh.shape["pp"] > 1
 
     def due(self, step: int) -> bool:
@@ -76,9 +76,7 @@ class Evaluator:
         return (inputs.tensor_split(size)[rank].to(self.device), targets.tensor_split(size)[rank].to(self.device))
 
     def _forward(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
-                    if self.autocast_dtype is not None else nullcontext())
-        with autocast:
+        with self.autocast():
             return module(x)
 
     def _totals(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

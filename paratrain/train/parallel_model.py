@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
-from paratrain.parallel.precision import compute_dtype
+from paratrain.parallel.precision import autocast
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers, split_layers
@@ -53,13 +53,13 @@ class ParallelModel:
             def loss_fn(outputs, targets):
                 return self.loss_fn(outputs, targets) * scaler.scale
 
+        forward_context = autocast(par.precision, device)
         if self.schedule is not None:
             runtime = PipelineRuntime(self.schedule, mesh.coords.pp, self.chunks, mesh.pp, loss_fn, dp,
-                                      par.checkpoint_activations, compute_dtype(par.precision), device)
+                                      par.checkpoint_activations, forward_context, device)
             step = lambda x, y: _pipeline_step(runtime, self.schedule, x, y)  # noqa: E731
         else:
-            autocast = _autocast(par.precision, device)
-            step = lambda x, y: _accumulation_step(dp, loss_fn, x, y, par, autocast)  # noqa: E731
+            step = lambda x, y: _accumulation_step(dp, loss_fn, x, y, par, forward_context)  # noqa: E731
         if scaler is None:
             return step
 
@@ -178,10 +178,3 @@ def _pipeline_step(runtime, schedule, inputs, targets):
     stats = runtime.run(list(inputs.chunk(schedule.microbatches)), list(targets.chunk(schedule.microbatches)))
     return stats["loss_sum"], 1 - stats["busy_s"] / stats["total_s"]
 
-
-def _autocast(precision: str, device):
-    """A factory of the forward's precision context: bf16 or fp16 autocast, or nothing for fp32."""
-    dtype = compute_dtype(precision)
-    if dtype is not None:
-        return lambda: torch.autocast(device.type, dtype=dtype)
-    return nullcontext

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import re
 import warnings
-from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
 
-from paratrain.parallel.precision import compute_dtype
+from paratrain.parallel.precision import autocast
 from paratrain.train.config import TrainConfig
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.setup import build_seeded_model, dataset_for
@@ -28,13 +27,13 @@ def reference_run(config: TrainConfig) -> Reference:
     dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed, config.data.loss)
     optimizer = build_optimizer(config.optim, model.parameters())
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
-    dtype = compute_dtype(config.parallel.precision)
+    forward_context = autocast(config.parallel.precision, torch.device("cpu"))
     # fp16: PyTorch's own loss scaling, with its defaults, which ours follows (parallel/precision.py)
     scaler = torch.amp.GradScaler("cpu", init_scale=config.parallel.loss_scale, enabled=config.parallel.precision == "fp16")
     losses, norms, skipped = [], [], 0
     for step in range(config.steps):
         inputs, targets = dataset.global_batch(step, config.data.global_batch)
-        with torch.autocast("cpu", dtype=dtype) if dtype is not None else nullcontext():
+        with forward_context():
             loss = dataset.loss(model(inputs), targets)
         scaler.scale(loss).backward()
         if config.optim.clip_grad_norm:
