@@ -1,14 +1,21 @@
-"""Mesh(dp, pp, tp): the world's ranks laid out as a (dp, pp, tp) grid, one Group per axis.
+"""Mesh(dp, pp, cp, tp): the world's ranks laid out as a (dp, pp, cp, tp) grid, one Group per axis.
 
-The grid is `arange(world).view(dp, pp, tp)`: tensor-parallel ranks are adjacent (they talk
-most, on every layer, so they belong on the fastest links, as in Megatron), then pipeline
-stages, and data-parallel replicas are farthest apart (they talk once per step).
+The grid is `arange(world).view(dp, pp, cp, tp)`, picotron's order. Tensor-parallel ranks are
+adjacent: they talk most (collectives inside every layer, on the critical path), so they belong on
+the fastest links, as in Megatron. Context-parallel ranks come next: their ring also talks every
+layer, but point to point and behind attention's compute, and it moves K/V blocks, less than tp's
+activations. Then pipeline stages (one activation per microbatch), and data-parallel replicas
+farthest apart (they talk once per step).
 
-    rank = (dp_index * pp + pp_index) * tp + tp_index
+    rank = ((dp_index * pp + pp_index) * cp + cp_index) * tp + tp_index
 
-Each rank gets three Groups: `tp` (same dp, pp), `pp` (same dp, tp), `dp` (same pp, tp). An
-axis that spans the whole world (dp when pp = tp = 1) is the world's group itself, so the trivial
-mesh (world, 1, 1) costs nothing: training always builds one.
+Each rank gets a Group per axis: `tp` (same dp, pp, cp), `cp` (same dp, pp, tp), `pp` (same dp,
+cp, tp), `dp` (same pp, cp, tp), and `dp_cp`, the ranks that hold the same parameters (same pp
+and tp): under context parallelism every cp rank of a replica computes gradients for its part of
+the sequences, so gradients are reduced, and ZeRO/FSDP shard, over dp x cp (torchtitan's rule).
+A group whose ranks another axis already made (dp_cp when cp = 1; any axis of size 1 beside
+another) is that group, not a new one; an axis spanning the whole world is the world's group, so
+the trivial mesh (world, 1, 1, 1) costs nothing: training always builds one.
 """
 
 from __future__ import annotations
@@ -17,48 +24,58 @@ from dataclasses import dataclass
 
 import torch
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
+# The groups a mesh makes: each axis, then the flattened data-parallel one (dims of the grid).
+GROUPS = {"dp": ("dp",), "pp": ("pp",), "cp": ("cp",), "tp": ("tp",), "dp_cp": ("dp", "cp")}
 
 
 @dataclass(frozen=True)
 class Coordinates:
     dp: int
     pp: int
+    cp: int
     tp: int
 
 
-def mesh_grid(dp: int, pp: int, tp: int) -> torch.Tensor:
-    return torch.arange(dp * pp * tp).view(dp, pp, tp)
+def mesh_grid(dp: int, pp: int, tp: int, cp: int = 1) -> torch.Tensor:
+    return torch.arange(dp * pp * cp * tp).view(dp, pp, cp, tp)
 
 
-def axis_partition(grid: torch.Tensor, axis: str) -> list[list[int]]:
-    """The groups along `axis`: lists of ranks that differ only in that coordinate."""
-    dim = AXES.index(axis)
-    moved = grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
+def axis_partition(grid: torch.Tensor, axis: str | tuple[str, ...]) -> list[list[int]]:
+    """The groups along `axis` (or several axes, flattened): lists of ranks that differ only in
+    those coordinates, numbered in the grid's order."""
+    axes = (axis,) if isinstance(axis, str) else axis
+    dims = [AXES.index(a) for a in axes]
+    size = 1
+    for dim in dims:
+        size *= grid.shape[dim]
+    moved = grid.movedim(dims, list(range(grid.dim() - len(dims), grid.dim()))).reshape(-1, size)
     return [row.tolist() for row in moved]
 
 
 class Mesh:
-    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1):
-        for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1):
+        for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"mesh: {name} must be a positive integer, got {value!r}")
-        if dp * pp * tp != world.size:
-            raise ValueError(
-                f"mesh: world size {world.size} != dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}"
-            )
-        self.world, self.shape = world, {"dp": dp, "pp": pp, "tp": tp}
-        self.grid = mesh_grid(dp, pp, tp)
+        if dp * pp * cp * tp != world.size:
+            raise ValueError(f"mesh: world size {world.size} != dp x pp x cp x tp = "
+                             f"{dp} x {pp} x {cp} x {tp} = {dp * pp * cp * tp}")
+        self.world, self.shape = world, {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+        self.grid = mesh_grid(dp, pp, tp, cp)
         index = (self.grid == world.rank).nonzero()[0].tolist()
         self.coords = Coordinates(*index)
-        # Every rank splits along every axis in the same order: process groups need that.
-        self.groups = {axis: self._group_along(axis) for axis in AXES}
+        # Every rank makes the groups in the same order: process groups need that.
+        made: dict[tuple, object] = {}
+        self.groups = {name: self._group_along(axes, made) for name, axes in GROUPS.items()}
 
-    def _group_along(self, axis: str):
-        partition = axis_partition(self.grid, axis)
-        if partition == [list(range(self.world.size))]:
-            return self.world  # the same ranks in the same order: no new group to make
-        return self.world.split(partition)
+    def _group_along(self, axes: tuple[str, ...], made: dict):
+        partition = axis_partition(self.grid, axes)
+        key = tuple(map(tuple, partition))
+        if key not in made:
+            whole = partition == [list(range(self.world.size))]
+            made[key] = self.world if whole else self.world.split(partition)  # the world: no new group
+        return made[key]
 
     @property
     def dp(self):
@@ -69,18 +86,30 @@ class Mesh:
         return self.groups["pp"]
 
     @property
+    def cp(self):
+        return self.groups["cp"]
+
+    @property
     def tp(self):
         return self.groups["tp"]
 
-    def rank_at(self, dp: int, pp: int, tp: int) -> int:
-        return int(self.grid[dp, pp, tp])
+    @property
+    def dp_cp(self):
+        """The ranks holding the same parameters: gradients are reduced over them."""
+        return self.groups["dp_cp"]
+
+    def rank_at(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        return int(self.grid[dp, pp, cp, tp])
 
     def describe(self) -> str:
         s = self.shape
-        return f"mesh dp={s['dp']} x pp={s['pp']} x tp={s['tp']} (rank {self.world.rank} at {self.coords})"
+        cp = f" x cp={s['cp']}" if s["cp"] > 1 else ""
+        return f"mesh dp={s['dp']} x pp={s['pp']}{cp} x tp={s['tp']} (rank {self.world.rank} at {self.coords})"
 
     def close(self) -> None:
         """Close the groups this mesh made (the world's is its owner's to close)."""
+        closed = set()
         for group in self.groups.values():
-            if group is not self.world:
+            if group is not self.world and id(group) not in closed:
+                closed.add(id(group))
                 group.close()

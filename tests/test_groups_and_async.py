@@ -85,5 +85,36 @@ def test_mesh_axis_groups_work_on_process_groups():
 
 
 def test_mesh_rejects_a_world_that_is_not_dp_pp_tp():
-    with pytest.raises(ValueError, match=r"world size 4 != dp x pp x tp = 1 x 2 x 3 = 6"):
+    with pytest.raises(ValueError, match=r"world size 4 != dp x pp x cp x tp = 1 x 2 x 1 x 3 = 6"):
         run(lambda g: Mesh(g, 1, 2, 3), 4)
+
+
+def test_mesh_puts_context_ranks_between_tensor_and_pipeline_and_reduces_gradients_over_dp_and_cp():
+    grid = mesh_grid(2, 1, 2, cp=2)  # dp 2, pp 1, cp 2, tp 2
+    assert axis_partition(grid, "tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert axis_partition(grid, "cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert axis_partition(grid, "dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert axis_partition(grid, ("dp", "cp")) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+    def sums(group):
+        mesh = Mesh(group, 2, 1, 2, cp=2)
+        out = {}
+        for axis in ("cp", "dp_cp"):
+            t = torch.tensor([float(group.rank)])
+            mesh.groups[axis].all_reduce(t, algo="native")
+            out[axis] = t.item()
+        mesh.close()
+        return mesh.coords, out
+
+    for rank, (coords, out) in run(sums, 8).items():
+        assert rank == ((coords.dp * 1 + coords.pp) * 2 + coords.cp) * 2 + coords.tp
+        assert out == {"cp": rank + (rank ^ 2), "dp_cp": sum(r for r in range(8) if r % 2 == rank % 2)}
+
+
+def test_a_mesh_makes_no_group_twice():
+    """cp 1: the cp group is another size-1 axis's, and dp x cp is dp."""
+    def made(group):
+        mesh = Mesh(group, 2, 2, 1)
+        return mesh.dp_cp is mesh.dp, mesh.cp is mesh.tp
+
+    assert set(run(made, 4).values()) == {(True, True)}
