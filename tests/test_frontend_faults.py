@@ -28,12 +28,18 @@ from paratrain.frontend.top import Monitor
 ERROR_WITHIN_S = 10  # what the frontend promises: a client waiting on a killed worker hears of it
 
 
-def _worker_pid(address: str, rank: int) -> int:
+def _stats(address: str):
+    """What `paratrain top` shows of the dispatcher at `address` now."""
     monitor = Monitor(address)
     try:
-        return next(w.pid for w in monitor.stats().workers if w.rank == rank)
+        return monitor.stats()
     finally:
         monitor.close()
+
+
+def _worker(address: str, rank: int):
+    """Worker `rank`'s row in the dispatcher's stats (its pid, its queue as of its last heartbeat...)."""
+    return next(w for w in _stats(address).workers if w.rank == rank)
 
 
 def _kill_a_worker_while_a_client_waits(address: str) -> tuple[str, float]:
@@ -43,8 +49,8 @@ def _kill_a_worker_while_a_client_waits(address: str) -> tuple[str, float]:
     first, second = gt.Session(address), gt.Session(address)
     doomed, survivor = (first, second) if first.home == 1 else (second, first)
     try:
-        x = doomed.call("randn", [600, 600], {"dtype": None})[0]
-        for _ in range(400):  # seconds of matmuls: the client is still waiting when the kill comes
+        x = doomed.call("randn", [1000, 1000], {"dtype": None})[0]
+        for _ in range(80):  # seconds of matmuls, in few instructions: the client still waits when the kill comes
             x = (x @ x).tanh()
         outcome = {}
 
@@ -56,8 +62,11 @@ def _kill_a_worker_while_a_client_waits(address: str) -> tuple[str, float]:
 
         waiter = threading.Thread(target=wait_for_value)
         waiter.start()
-        time.sleep(1.0)
-        os.kill(_worker_pid(address, doomed.home), signal.SIGKILL)
+
+        def holding_the_work():
+            row = _worker(address, doomed.home)
+            return row if row.queue > 0 else None
+        os.kill(wait_until(holding_the_work, 30, "the worker holds the work the client waits on").pid, signal.SIGKILL)
         killed = time.monotonic()
         waiter.join(60)
         assert "error" in outcome, "the waiting client got no error"
@@ -132,7 +141,8 @@ def test_a_client_dropped_while_paused_is_told_so_at_its_next_call(quick_drop_se
     try:
         assert ours.poll(60) and ours.recv() == "ready 4.0"
         os.kill(child.pid, signal.SIGSTOP)  # paused: no heartbeats
-        time.sleep(5)  # the 2 s timeout, a second's tick and room for a loaded host's delays
+        wait_until(lambda: child.pid not in [c.pid for c in _stats(quick_drop_server.address).clients], 30,
+                   "the dispatcher drops the paused client")
         os.kill(child.pid, signal.SIGCONT)
         ours.send("go")
         assert ours.poll(60), "no answer"  # not the 120 s of waiting for an answer
@@ -150,14 +160,20 @@ def test_serve_refuses_a_port_out_of_range():
     assert result.exit_code == 2 and "99999 is not in the range 0<=x<=65535" in result.output
 
 
+def test_serve_refuses_a_join_timeout_that_is_not_positive():
+    result = CliRunner().invoke(paratrain_cli, ["serve", "--join-timeout", "0"])
+    assert result.exit_code == 2 and "'--join-timeout'" in result.output and "x>0" in result.output, result.output
+
+
 def test_serve_on_a_port_in_use_says_so_in_one_line():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         done = run_paratrain("serve", "--port", str(port))
-    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
-        f"paratrain serve: error: port {port} on 127.0.0.1 is in use (another `paratrain serve`? try --port 0)"], done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and line.startswith("paratrain serve: error: "), done.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in line and "--port 0" in line, line  # and what to do
 
 
 def test_a_worker_without_a_dispatcher_waits_a_bounded_time_saying_so():
@@ -169,16 +185,9 @@ def test_a_worker_without_a_dispatcher_waits_a_bounded_time_saying_so():
 
 def test_a_worker_given_an_unknown_host_says_so_at_once():
     done = run_paratrain("worker", "--host", "no-such-host.invalid")
-    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
-        f"paratrain worker: error: cannot resolve host 'no-such-host.invalid' ({_resolver_error('no-such-host.invalid')})"], done.stderr
-
-
-def _resolver_error(host: str) -> str:
-    try:
-        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
-        return str(error)
-    return "resolved"
+    (line,) = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and line.startswith("paratrain worker: error: "), done.stderr
+    assert "cannot resolve host 'no-such-host.invalid'" in line, line
 
 
 # ---- a program's end -----------------------------------------------------------------------------------
@@ -231,7 +240,7 @@ def test_a_client_of_a_lost_dispatcher_learns_of_it_within_ten_seconds(how):
         try:
             assert session.upload(np.ones(3, dtype=np.float32)).numpy().sum() == 3.0
             if how == signal.SIGSTOP:  # one case checks it: both keep the same heartbeat connection
-                time.sleep(3)  # a quiet client keeps its dispatcher: not taken for lost
+                time.sleep(3)  # the condition under test: quiet past RECONNECT_S, the client keeps its dispatcher
             assert session.connection.lost is None
             serve.send_signal(how)
             lost_at = time.monotonic()
