@@ -122,7 +122,7 @@ def count_compiled_replays(group: Group, calls: int = 3) -> list[str]:
     each message once, and take staging buffers without allocating: counted on the process
     group itself, below everything paratrain does."""
     counter = _CountingProcessGroup(group.transport.pg)
-    group.transport.pg = counter  # before any plan is compiled: replays bind its send and recv
+    group.transport.pg = counter  # before any replay is compiled: replays bind its send and recv
     n, r, failures = group.size, group.rank, []
     for algo in ("ring", "hd"):
         if algo == "hd" and n & (n - 1):
@@ -130,9 +130,8 @@ def count_compiled_replays(group: Group, calls: int = 3) -> list[str]:
         tensor = torch.ones(COUNT)
         for _ in range(2):  # noted, then recorded and compiled
             group.all_reduce(tensor, algo=algo)
-        plan = group._plans.planned.get(id(tensor))
-        if plan is None or plan.compiled is None:
-            failures.append(f"rank {r} {algo}: no compiled plan after two calls")
+        if group.replays.kind_of(tensor) != "compiled":
+            failures.append(f"rank {r} {algo}: no compiled replay after two calls")
             continue
         staging_before = group.transport.staging.allocations
         for _ in range(calls):

@@ -19,10 +19,8 @@ import paratrain
 from paratrain.comm import Group
 from paratrain.comm.algorithms import algorithms_for
 
-from collective_checks import (
-    DTYPES, RUN_TIMEOUT_S, SWEEPS, WORLD_SIZES, assert_no_failures, checking, dtype_name, sweep,
-    sweep_with_small_segments,
-)
+from collective_cases import DTYPES, RUN_TIMEOUT_S, WORLD_SIZES, dtype_name
+from collective_checks import SWEEPS, assert_no_failures, checking, sweep, sweep_with_small_segments
 
 # ---- tests ------------------------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ def test_fabric_rank_that_raises_fails_the_others_calls_naming_it():
 
 def _gloo_rank(rank: int, store_file: str, result_file: str) -> None:
     """Rank 1 leaves without a word after two calls on one tensor (which made it a compiled
-    call plan); rank 0 is then waiting on it in that plan's replay, then in a ring all-reduce
+    replay); rank 0 is then waiting on it in that replay, then in a ring all-reduce
     of a fresh tensor, and afterwards tries gloo's own all-reduce on the broken connection."""
     import torch.distributed as dist
 
@@ -75,7 +75,7 @@ def _gloo_rank(rank: int, store_file: str, result_file: str) -> None:
         except PeerLostError as error:
             seen.append({"type": type(error).__name__, "text": str(error), "cause": type(error.__cause__).__name__,
                          "cause_text": str(error.__cause__), "trace_dir": error.trace_dir,
-                         "compiled": group._plans.planned[id(bucket)].compiled is not None})
+                         "compiled": group.replays.kind_of(bucket) == "compiled"})
     with open(result_file, "w") as file:
         json.dump(seen, file)
     os._exit(0)  # skip destroy_process_group: its peer is gone
@@ -130,7 +130,7 @@ def test_gloo_peer_that_exits_mid_collective_is_named_with_the_call(tmp_path, sh
     exit_codes, result_file = run_two_gloo_ranks(_gloo_rank, tmp_path)
     assert exit_codes == [0, 3]
     replay, ring, native = json.loads(result_file.read_text())
-    # The bucket's third call replays its plan: compiled to gloo's own calls where gloo carries it.
+    # The bucket's third call is a replay: compiled to gloo's own calls where gloo carries it.
     assert replay["compiled"] == (shared_memory == "0")
     for seq, seen in ((3, replay), (4, ring)):
         assert seen["text"].startswith(f"rank 0: all_reduce (call #{seq}) lost rank 1: ")

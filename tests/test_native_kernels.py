@@ -1,6 +1,6 @@
 """The shared segment's one-shot calls in native code (comm/native): the library builds once per
 source into the cache and is found there after, a compiler that fails leaves the torch path with
-a reason, and a planned call through the kernels gives the same bits as the same call through
+a reason, and a replayed call through the kernels gives the same bits as the same call through
 torch's ops, on 2 and 3 processes, for each dtype they take, for one piece and several, when the
 peers arrive at once, late
 (the wait goes back to Python) and asleep on their doorbell (they must be rung); with
@@ -23,7 +23,7 @@ from collective_checks import assert_no_failures
 from test_p2p import RUN_TIMEOUT_S
 
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
-CALLS = 6  # the first two take the whole path, the rest run the plan; both halves, twice
+CALLS = 6  # the first two take the whole path, the rest run the replay; both halves, twice
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,8 @@ def _inputs(rank: int, dtype: torch.dtype, count: int, call: int) -> torch.Tenso
 
 
 def _calls(group: Group, late: float, dtypes: tuple) -> dict:
-    """CALLS all-reduces and reduce-scatters of each dtype on the same tensors (so they are planned),
-    and an all-reduce of 2.5 slots (three pieces, never planned), with rank 0 arriving `late`
+    """CALLS all-reduces and reduce-scatters of each dtype on the same tensors (so they are replayed),
+    and an all-reduce of 2.5 slots (three pieces, never replayed), with rank 0 arriving `late`
     seconds after its peers at every call."""
     results = {}
     big_count = slot_bytes_for(group.size) * 5 // 16  # 2.5 slots of 8-byte elements, 5 of 4-byte ones
@@ -89,9 +89,7 @@ def _calls(group: Group, late: float, dtypes: tuple) -> dict:
             group.reduce_scatter(rs_out, rs_in)
             group.all_reduce(big, algo="oneshot")  # auto takes twoshot for it beyond 2 ranks
             results[(dtype, call)] = (buf.clone(), rs_out.clone(), big.clone())
-        runs = [plan.timed for plan in group._plans.planned.values()] + [
-            repeat.timed for repeat in group._repeats.calls.values()]
-        results[(dtype, "native")] = sum(hasattr(run, "plans") for run in runs) == 2  # the big one has no plan
+        results[(dtype, "native")] = group.replays.kinds().count("kernel") == 2  # the big one has no replay
     return results
 
 
@@ -119,8 +117,8 @@ def _native_against_torch(group: Group, late: float = 0.0, expected: tuple = (),
     through_native = Group(group.transport, timeout=group.timeout)
     natively = _calls(through_native, late, dtypes)
     # Every call through the kernels: each round's pieces of the big all-reduce (ceil of 2.5 or 1.25
-    # slots), the small all-reduce's every call (unplanned ones go through the piece loop), and the
-    # reduce-scatter's planned ones.
+    # slots), the small all-reduce's every call (those not replayed go through the piece loop), and
+    # the reduce-scatter's replayed ones.
     pieces = sum(-(-slot_bytes_for(group.size) * 5 // 16 * torch.empty(0, dtype=d).element_size()
                    // slot_bytes_for(group.size)) for d in dtypes)
     expected_calls = CALLS * pieces + len(dtypes) * (CALLS + CALLS - 2)
@@ -129,14 +127,14 @@ def _native_against_torch(group: Group, late: float = 0.0, expected: tuple = (),
     for rank, status in expected:
         if rank == group.rank and status not in counting.returned:
             failures.append(f"rank {rank}: no oneshot call returned {status}: {sorted(set(counting.returned))}")
-    arena.native = None  # a new group plans anew, through torch's ops
+    arena.native = None  # a new group works its replays out anew, through torch's ops
     through_torch = Group(group.transport, timeout=group.timeout)
     plain = _calls(through_torch, late, dtypes)
     arena.native = kernels
     for key, result in natively.items():
         if key[1] == "native":
             if not result or plain[key]:
-                failures.append(f"rank {group.rank}: {key[0]}: the plans ran native {result}, then {plain[key]}")
+                failures.append(f"rank {group.rank}: {key[0]}: the replays ran native {result}, then {plain[key]}")
         else:
             for name, mine, theirs in zip(("all-reduce", "reduce-scatter", "pieces"), result, plain[key]):
                 if not torch.equal(mine, theirs):

@@ -1,6 +1,8 @@
-"""`Group`: what a rank talks through. Point-to-point (p2p_calls.py), and the collectives
-with a choice of algorithm, over any transport; a call made again on the same tensors goes
-straight to what the earlier one worked out (straight_calls.py).
+"""`Group`: what a rank talks through. Point-to-point (p2p_calls.py, a PointToPoint the Group
+holds), and the collectives with a choice of algorithm (algorithms/, the backend's own among
+them), over any transport. Every collective runs one way (`_run`): checked, numbered, recorded,
+its algorithm looked up in ALGORITHMS; a call made again on the same tensors goes straight to
+what the earlier one worked out (`_run_straight`, from the Group's Replays, replays.py).
 
 Every collective call gets a sequence number (the same on every rank, since all ranks make
 the same calls in the same order); its messages carry a tag made from it, so they never match
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -26,20 +29,27 @@ from paratrain.comm.algorithms import ALGORITHMS, OPS, SHARED_ALGORITHMS, algori
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from paratrain.comm.flight import Call, named_range
-from paratrain.comm.handles import CollectiveHandle, timed
+from paratrain.comm.handles import CollectiveHandle, Done, P2PHandle, timed
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
-from paratrain.comm.ops import check_reduce_op, divide_, part_size
-from paratrain.comm.p2p_calls import STRAIGHT_POLL_S, USER_TAGS, PointToPoint
-from paratrain.comm.plans import CallPlans, RepeatedCalls
+from paratrain.comm.ops import check_reduce_op, divide_, part_size, reduced_as
+from paratrain.comm.p2p_calls import USER_TAGS, PointToPoint
+from paratrain.comm.replays import Replays
 from paratrain.comm.scratch import ScratchPool
-from paratrain.comm.straight_calls import StraightCalls
 from paratrain.settings import Settings
 
 _DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
 _VALID = {kind: {op: frozenset(algorithms_for(op, kind)) for op in OPS} for kind in (None, "shm")}  # built once
 
 
-class Group(PointToPoint, StraightCalls):
+class Group:
+    # Point-to-point, PointToPoint's own methods (p2p_calls.py), bound to each Group in __init__:
+    # a straight send costs a few microseconds, and a wrapper's frame would add to every one.
+    isend: Callable[..., P2PHandle | Done]
+    irecv: Callable[..., P2PHandle]
+    send: Callable[..., None]
+    recv: Callable[..., torch.Tensor]
+    sendrecv: Callable[..., torch.Tensor]
+
     def __init__(
         self,
         transport,
@@ -64,27 +74,26 @@ class Group(PointToPoint, StraightCalls):
         # Ring steps are cut into segments of this size; each transport knows what suits it.
         self.segment_bytes = segment_bytes or transport.segment_bytes
         self._collective_seq = 0
-        self._p2p_seq = 0
-        # Shared-memory rings a blocking send or receive may use directly (p2p_calls.py), and
-        # how long a receive there polls for its message before it takes the general path.
-        self._rings = getattr(transport, "p2p", None)
-        self._straight_poll_s = min(STRAIGHT_POLL_S, self._rings.spin_s) if self._rings is not None else 0.0
+        self._whole_calls = 0  # collectives that took the whole path (_run), not a replay's
         self.ranks = tuple(transport.global_ranks)  # this group's ranks, numbered in the world
         self.flight = transport.flight  # every recorder this process holds
         self._recorder = self.flight.recorders[self.ranks[self.rank]]
         self._key = self._recorder.group_key(self.ranks)
         self._executor: ThreadPoolExecutor | None = None
         self._scratch = ScratchPool()  # collectives run one at a time, so one pool serves all
-        self._plans = CallPlans()  # the messages of recent all-reduces, replayed when a tensor comes back
-        self._repeats = RepeatedCalls()  # recent reduce-scatters and all-gathers, made again straight
+        self.replays = Replays()  # recent calls' work, run again when their tensors come back
         self._token: torch.Tensor | None = None  # what a barrier reduces
         # The works of the last calls, freed only once newer calls have finished. gloo frees a
         # finished message's buffer by spinning (sched_yield) until its I/O thread lets go of it;
         # freed the moment it finished, that thread has often just been preempted by ours, and
-        # on the 2-core machine the next message then waited a scheduler tick (4 ms) in 9 calls
-        # of 10. Kept a call longer, the same works are freed at no cost. (They hold their
-        # tensors for as long.)
+        # where cores are few the next message then waits a scheduler tick (4 ms) in most calls.
+        # Kept a call longer, the same works are freed at no cost. (They hold their tensors for
+        # as long.)
         self._retired: deque[list] = deque(maxlen=2)
+        p2p = PointToPoint(transport, self._recorder, self._key, self.timeout, self.segment_bytes, self._scratch,
+                           failed=self._failed, retire=self._retire)
+        self.isend, self.irecv, self.send, self.recv, self.sendrecv = (
+            p2p.isend, p2p.irecv, p2p.send, p2p.recv, p2p.sendrecv)
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, transport={self.kind})"
@@ -133,20 +142,31 @@ class Group(PointToPoint, StraightCalls):
             return
         error.trace_dir = directory
 
-    # ---- collectives ---------------------------------------------------------------------
+    # ---- collectives: the whole path, and the straight one of a call made again ----------
 
-    def _run(self, op_name: str, algo: str, nbytes: int, signature: checks.CallSignature, body,
-             async_op: bool = False):
-        """Resolve the algorithm, number the call, then (check it in debug mode and) run `body`,
-        here or, with `async_op`, on this group's communication thread."""
+    def _run(self, op_name: str, algo: str, nbytes: int, signature: checks.CallSignature, args: tuple, *,
+             reduce_op: str | None = None, moves: bool = True, averaged: torch.Tensor | None = None,
+             written: tuple | None = None, replay=None, async_op: bool = False):
+        """Resolve the algorithm, number the call, then (check it in debug mode and) run it, here
+        or, with `async_op`, on this group's communication thread.
+
+        The algorithm gets its Link, then `args` (its buffers, flat, and a root), then the reduce
+        op where there is one: an average runs as a sum, and `averaged` is divided after. Nothing
+        runs unless the call `moves` something; `written` = (tensor, buffer): the buffer copied
+        back into the caller's tensor, which is returned. `replay(link, algo, algorithm, args)`,
+        where given, runs the algorithm instead, keeping what it needs to run it again (replays.py).
+        """
         chosen = self.resolve(op_name, algo, nbytes)
         self._collective_seq += 1
+        self._whole_calls += 1
         seq = self._collective_seq
         call = self._recorder.start(self._key, "collective", seq, op_name, signature, chosen)
         link = Link(
             self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
             self.segment_bytes, self._scratch,
         )
+        if reduce_op is not None:
+            args += (reduced_as(reduce_op),)
 
         def execute():
             try:
@@ -154,15 +174,21 @@ class Group(PointToPoint, StraightCalls):
                     checks.same_call_everywhere(link, signature.with_algo(chosen))
                 try:
                     with named_range(op_name):
-                        result = body(chosen, link)
+                        if moves:
+                            algorithm = ALGORITHMS[op_name][chosen]
+                            if replay is None:
+                                algorithm(link, *args)
+                            else:
+                                replay(link, chosen, algorithm, args)
                 except TRANSPORT_ERRORS as error:  # a native collective's own
                     raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
+                self._average(reduce_op, averaged)
                 self._retire(link.finished)
             except Exception as error:
                 self._failed(call, error)
                 raise
             call.complete()
-            return result
+            return checks.write_back(*written) if written is not None else None
 
         if async_op:
             return CollectiveHandle(self._comm_thread().submit(timed, execute), op_name, seq)
@@ -171,6 +197,65 @@ class Group(PointToPoint, StraightCalls):
             # other's different calls: a blocking call queues behind the pending async ones.
             return self._executor.submit(execute).result()
         return execute()
+
+    def _average(self, reduce_op: str | None, tensor: torch.Tensor | None) -> None:
+        """Finish an `avg` (run as a sum) on the tensor that holds the result, if any."""
+        if reduce_op == "avg" and tensor is not None:
+            divide_(tensor, self.size)
+
+    def _may_go_straight(self, async_op: bool) -> bool:
+        """Whether a call may run straight from a replay: not on the communication thread, whose
+        calls keep their order, nor in debug mode, which checks every call."""
+        return not (async_op or self.debug or self._executor is not None)
+
+    def _goes_straight(self, entry, op_name: str, algo: str) -> bool:
+        """Whether a call that found `entry` (a replay, replays.py, or None) runs it."""
+        return entry is not None and (entry.asked == (algo, self.table, self.table.version)
+                                      or self._confirms(entry, op_name, algo))
+
+    def _confirms(self, entry, op_name: str, algo: str) -> bool:
+        """Whether `algo` (the caller's argument) resolves to the algorithm `entry` runs;
+        remembered on the entry, with the table and its version, when it does: until the table
+        changes or is replaced, the same argument resolves the same way."""
+        if self.resolve(op_name, algo, entry.nbytes) != entry.algo:
+            return False
+        entry.asked = (algo, self.table, self.table.version)
+        return True
+
+    def _run_straight(self, op_name: str, entry, result: torch.Tensor, reduce_op: str = ""):
+        """A call made again from what an earlier one kept (replays.py): its `run` and nothing
+        else, numbered, recorded and failed like any other call; an average is divided after.
+        What `_run` and the op would do besides (check the arguments, describe the call) the call
+        that kept it has done for this one."""
+        self._collective_seq += 1
+        seq = self._collective_seq
+        call = self._recorder.start(self._key, "collective", seq, op_name, entry.signature, entry.algo)
+        link = None
+        try:
+            try:
+                with named_range(op_name):
+                    if entry.timed is not None:  # a shared-segment replay: no message, so no Link to make
+                        entry.timed(self.timeout)
+                    else:
+                        link = Link(self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
+                                    self.segment_bytes, self._scratch)
+                        entry.run(link)
+            except TRANSPORT_ERRORS as error:  # the shared segment's own waits (Link's say who already)
+                raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
+        except Exception as error:
+            self._failed(call, error)
+            raise
+        self._average(reduce_op, result)
+        if link is not None:
+            self._retire(link.finished)
+        call.complete()
+        return result
+
+    @property
+    def straight_calls(self) -> int:
+        """Collectives so far that ran straight from a replay (replays.py, `replays`), skipping
+        the checks and the call's description: in a loop on the same tensors, all but the first two."""
+        return self._collective_seq - self._whole_calls
 
     def _comm_thread(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -184,8 +269,7 @@ class Group(PointToPoint, StraightCalls):
             self._executor.shutdown(wait=True)
             self._executor = None
         self._retired.clear()
-        self._plans.clear()
-        self._repeats.clear()
+        self.replays.clear()
 
     def resolve(self, op_name: str, algo: str, nbytes: int) -> str:
         """The algorithm that will run: `algo` itself, or the table's pick for `auto`."""
@@ -200,42 +284,32 @@ class Group(PointToPoint, StraightCalls):
             return algo
         return self.table.choose(op_name, nbytes, self.size, self.kind).algo
 
+    # ---- the collectives: each checks its arguments, then runs as _run says -------------
+
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algo: str = "auto", async_op: bool = False):
         """Reduce `tensor` over all ranks, in place; every rank gets the result."""
-        if not (async_op or self.debug or self._executor is not None):
-            plan = self._plans.ready(tensor, op)
-            if self._goes_straight(plan, "all_reduce", algo):
-                return self._run_straight("all_reduce", plan, tensor, tensor if op == "avg" else None)
+        if self._may_go_straight(async_op):
+            replay = self.replays.all_reduces.ready(tensor, op)
+            if self._goes_straight(replay, "all_reduce", algo):
+                return self._run_straight("all_reduce", replay, tensor, op)
         checks.tensor_arg("all_reduce", "tensor", tensor)
         check_reduce_op(op)
         buf = checks.flat_buffer(tensor)
-        base = "sum" if op == "avg" else op
-
-        def body(chosen, link):
-            if buf.numel():
-                if chosen == "native":
-                    self.transport.native_all_reduce(buf, base, self.timeout)
-                else:
-                    self._plans.all_reduce(
-                        link, tensor, buf, chosen, base, ALGORITHMS["all_reduce"][chosen], signature,
-                    )
-            if op == "avg":
-                divide_(buf, self.size)
-            return checks.write_back(tensor, buf)
-
         signature = checks.CallSignature.of("all_reduce", tensor, reduce_op=op)
-        return self._run("all_reduce", algo, _nbytes(tensor), signature, body, async_op)
+        return self._run("all_reduce", algo, _nbytes(tensor), signature, (buf,), reduce_op=op,
+                         moves=buf.numel() > 0, averaged=buf, written=(tensor, buf), async_op=async_op,
+                         replay=functools.partial(self.replays.all_reduces.run, tensor, signature))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", algo: str = "auto",
         async_op: bool = False,
     ):
         """Reduce `input` over all ranks; rank r gets part r (torch.tensor_split's parts)."""
-        straight = not (async_op or self.debug or self._executor is not None)
+        straight = self._may_go_straight(async_op)
         if straight:
-            repeat = self._repeats.ready("reduce_scatter", output, input, op)
+            repeat = self.replays.repeats.ready("reduce_scatter", output, input, op)
             if self._goes_straight(repeat, "reduce_scatter", algo):
-                return self._run_straight("reduce_scatter", repeat, output, output if op == "avg" else None)
+                return self._run_straight("reduce_scatter", repeat, output, op)
         checks.tensor_arg("reduce_scatter", "output", output)
         checks.tensor_arg("reduce_scatter", "input", input)
         check_reduce_op(op)
@@ -243,32 +317,19 @@ class Group(PointToPoint, StraightCalls):
         expected = part_size(input.numel(), self.size, self.rank)
         checks.numel("reduce_scatter", "output", output, expected, f"part {self.rank} of {input.numel()}")
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
-        base = "sum" if op == "avg" else op
-
-        def run(chosen, flat_out, flat_in, link):
-            if flat_in.numel():
-                if chosen == "native":
-                    self.transport.native_reduce_scatter(flat_out, flat_in, base, self.timeout)
-                else:
-                    ALGORITHMS["reduce_scatter"][chosen](link, flat_in, flat_out, base)
-
-        def body(chosen, link):
-            run(chosen, flat_out, flat_in, link)
-            if op == "avg":
-                divide_(flat_out, self.size)
-            if straight:  # made again on these tensors, it will run straight
-                self._repeats.note(link, output, input, op, chosen, _nbytes(input), signature,
-                                   lambda out, inp: functools.partial(run, chosen, out, inp))
-            return checks.write_back(output, flat_out)
-
         signature = checks.CallSignature.of("reduce_scatter", input, reduce_op=op)
-        return self._run("reduce_scatter", algo, _nbytes(input), signature, body, async_op)
+        nbytes = _nbytes(input)
+        # made again on these tensors, it will run straight
+        repeat = functools.partial(self.replays.repeats.run, output, input, op, nbytes, signature) if straight else None
+        return self._run("reduce_scatter", algo, nbytes, signature, (flat_in, flat_out), reduce_op=op,
+                         moves=flat_in.numel() > 0, averaged=flat_out, written=(output, flat_out),
+                         replay=repeat, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto", async_op: bool = False):
         """Concatenate every rank's `input` into `output` (rank r's input is part r)."""
-        straight = not (async_op or self.debug or self._executor is not None)
+        straight = self._may_go_straight(async_op)
         if straight:
-            repeat = self._repeats.ready("all_gather", output, input, "")
+            repeat = self.replays.repeats.ready("all_gather", output, input, "")
             if self._goes_straight(repeat, "all_gather", algo):
                 return self._run_straight("all_gather", repeat, output)
         checks.tensor_arg("all_gather", "output", output)
@@ -277,42 +338,21 @@ class Group(PointToPoint, StraightCalls):
         expected = part_size(output.numel(), self.size, self.rank)
         checks.numel("all_gather", "input", input, expected, f"part {self.rank} of the output's {output.numel()}")
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
-
-        def run(chosen, flat_out, flat_in, link):
-            if not flat_out.numel():
-                return
-            if chosen == "native":
-                self.transport.native_all_gather(flat_out, flat_in, self.timeout)
-            else:
-                ALGORITHMS["all_gather"][chosen](link, flat_in, flat_out)
-
-        def body(chosen, link):
-            run(chosen, flat_out, flat_in, link)
-            if straight:  # made again on these tensors, it will run straight
-                self._repeats.note(link, output, input, "", chosen, _nbytes(output), signature,
-                                   lambda out, inp: functools.partial(run, chosen, out, inp))
-            return checks.write_back(output, flat_out)
-
         signature = checks.CallSignature.of("all_gather", output)
-        return self._run("all_gather", algo, _nbytes(output), signature, body, async_op)
+        nbytes = _nbytes(output)
+        # made again on these tensors, it will run straight
+        repeat = functools.partial(self.replays.repeats.run, output, input, "", nbytes, signature) if straight else None
+        return self._run("all_gather", algo, nbytes, signature, (flat_in, flat_out), moves=flat_out.numel() > 0,
+                         written=(output, flat_out), replay=repeat, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, algo: str = "auto", async_op: bool = False):
         """Copy root's `tensor` into every rank's `tensor`."""
         checks.tensor_arg("broadcast", "tensor", tensor)
         checks.root("broadcast", root, self.size)
         buf = checks.flat_buffer(tensor)
-
-        def body(chosen, link):
-            if not buf.numel():
-                return tensor
-            if chosen == "native":
-                self.transport.native_broadcast(buf, root, self.timeout)
-            else:
-                ALGORITHMS["broadcast"][chosen](link, buf, root)
-            return checks.write_back(tensor, buf)
-
         signature = checks.CallSignature.of("broadcast", tensor, root=root)
-        return self._run("broadcast", algo, _nbytes(tensor), signature, body, async_op)
+        return self._run("broadcast", algo, _nbytes(tensor), signature, (buf, root), moves=buf.numel() > 0,
+                         written=(tensor, buf), async_op=async_op)
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: str = "sum", algo: str = "auto", async_op: bool = False):
         """Reduce `tensor` over all ranks into root's `tensor`; the others' are left unchanged."""
@@ -320,20 +360,10 @@ class Group(PointToPoint, StraightCalls):
         checks.root("reduce", root, self.size)
         check_reduce_op(op)
         buf = checks.flat_buffer(tensor)
-        base = "sum" if op == "avg" else op
-
-        def body(chosen, link):
-            if buf.numel():
-                if chosen == "native":
-                    self.transport.native_reduce(buf, root, base, self.timeout)
-                else:
-                    ALGORITHMS["reduce"][chosen](link, buf, root, base)
-            if op == "avg" and self.rank == root:
-                divide_(buf, self.size)
-            return checks.write_back(tensor, buf)
-
         signature = checks.CallSignature.of("reduce", tensor, reduce_op=op, root=root)
-        return self._run("reduce", algo, _nbytes(tensor), signature, body, async_op)
+        return self._run("reduce", algo, _nbytes(tensor), signature, (buf, root), reduce_op=op,
+                         moves=buf.numel() > 0, averaged=buf if self.rank == root else None,
+                         written=(tensor, buf), async_op=async_op)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto", async_op: bool = False):
         """Part j of rank i's `input` becomes part i of rank j's `output`.
@@ -347,32 +377,16 @@ class Group(PointToPoint, StraightCalls):
         expected = self.size * part_size(input.numel(), self.size, self.rank)
         checks.numel("all_to_all", "output", output, expected, f"{self.size} pieces of rank {self.rank}'s part")
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
-
-        def body(chosen, link):
-            if not flat_in.numel():
-                return output
-            if chosen == "native":
-                self.transport.native_all_to_all(flat_out, flat_in, self.timeout)
-            else:
-                ALGORITHMS["all_to_all"][chosen](link, flat_in, flat_out)
-            return checks.write_back(output, flat_out)
-
         signature = checks.CallSignature.of("all_to_all", input)
-        return self._run("all_to_all", algo, _nbytes(input), signature, body, async_op)
+        return self._run("all_to_all", algo, _nbytes(input), signature, (flat_in, flat_out),
+                         moves=flat_in.numel() > 0, written=(output, flat_out), async_op=async_op)
 
     def barrier(self, algo: str = "auto", async_op: bool = False):
         """Return only when every rank has entered the barrier."""
         if self._token is None:  # all zeros, so summing it leaves it as it was: one serves every call
             self._token = torch.zeros(1, device=getattr(self.transport, "device", None) or "cpu")
-        token = self._token
-
-        def body(chosen, link):
-            if chosen == "native":
-                self.transport.native_barrier(self.timeout)
-            else:
-                ALGORITHMS["barrier"][chosen](link, token, "sum")
-
-        return self._run("barrier", algo, 0, checks.CallSignature.of("barrier", None), body, async_op)
+        signature = checks.CallSignature.of("barrier", None)
+        return self._run("barrier", algo, 0, signature, (self._token,), reduce_op="sum", async_op=async_op)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

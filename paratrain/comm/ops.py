@@ -17,6 +17,12 @@ def check_reduce_op(op: str) -> str:
     return op
 
 
+def reduced_as(op: str) -> str:
+    """The reduction an algorithm runs for `op`: an average is a sum, divided once at the end
+    by the caller (Group), so that no algorithm or transport needs to know of it."""
+    return "sum" if op == "avg" else op
+
+
 def combine_(acc: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
     """acc <- acc (op) other, in place. `avg` is reduced as a sum and divided once at the end."""
     if op in ("sum", "avg"):

@@ -1,8 +1,10 @@
 """A Group's point-to-point: isend, irecv, send, recv, sendrecv, checked, numbered and recorded
-like its collectives (a mixin of `Group`, group.py, which holds the transport, the flight
-recorder and what both kinds of call share: `_failed`, `_retire`)."""
+like its collectives. The Group (group.py) holds one PointToPoint and gives it what both kinds of
+call share: the transport, the flight recorder, and what a failed and a finished call do."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -16,15 +18,27 @@ STRAIGHT_POLL_S = 1e-3  # a straight receive polls its ring this long (at most t
 
 
 class PointToPoint:
+    def __init__(self, transport, recorder, key, timeout: float, segment_bytes: int, scratch,
+                 failed: Callable, retire: Callable):
+        self.transport, self.size = transport, transport.size
+        self._recorder, self._key = recorder, key  # the rank's flight recorder, the group's key in it
+        self.timeout, self.segment_bytes, self._scratch = timeout, segment_bytes, scratch
+        self._failed, self._retire = failed, retire  # Group._failed, Group._retire
+        self._seq = 0
+        # Shared-memory rings a blocking send or receive may use directly, and how long a
+        # receive there polls for its message before it takes the general path.
+        self._rings = getattr(transport, "p2p", None)
+        self._straight_poll_s = min(STRAIGHT_POLL_S, self._rings.spin_s) if self._rings is not None else 0.0
+
     def _start_p2p(self, op: P2POp, target: torch.Tensor | None = None) -> P2PHandle:
         """Start `op`; `target` is where a receive into a staging buffer ends up."""
         if not isinstance(op.tag, int) or not 0 <= op.tag < USER_TAGS:
             raise ValueError(f"{op.kind}: tag must be an int in [0, {USER_TAGS}), got {op.tag!r}")
-        self._p2p_seq += 1
+        self._seq += 1
         call = self._recorder.start(
-            self._key, "p2p", self._p2p_seq, op.kind, (op.tensor.shape, op.tensor.dtype), None, op.peer,
+            self._key, "p2p", self._seq, op.kind, (op.tensor.shape, op.tensor.dtype), None, op.peer,
         )
-        link = Link(self.transport, op.kind, self._p2p_seq, op.tag, self.timeout, self.segment_bytes, self._scratch)
+        link = Link(self.transport, op.kind, self._seq, op.tag, self.timeout, self.segment_bytes, self._scratch)
         try:
             (work,) = link.start([op])
         except Exception as error:
@@ -71,8 +85,8 @@ class PointToPoint:
         moved = (rings.send_now(peer, tag, tensor) if kind == "send"
                  else rings.recv_now(peer, tag, tensor, self._straight_poll_s))
         if moved:
-            self._p2p_seq += 1
-            self._recorder.done(self._key, "p2p", self._p2p_seq, kind, (tensor.shape, tensor.dtype), None, peer)
+            self._seq += 1
+            self._recorder.done(self._key, "p2p", self._seq, kind, (tensor.shape, tensor.dtype), None, peer)
         return moved
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0):

@@ -1,11 +1,12 @@
-"""Collective algorithms written over point-to-point (a `Link`), one module per family, and
-those over a shared segment (shared.py), for groups of one host's processes only.
+"""Collective algorithms written over point-to-point (a `Link`), one module per family, those
+over a shared segment (shared.py), for groups of one host's processes only, and the backend's
+own (backend.py, "native").
 
-`ALGORITHMS[op][name]` is the function; "native" (the backend's own collective) and "auto"
-are resolved by the Group, not here.
+`ALGORITHMS[op][name]` is the function, called as algorithm(link, *buffers, [root], [reduce
+op]); "auto" is resolved by the Group to one of them, not here.
 """
 
-from paratrain.comm.algorithms import direct, halving_doubling, ring, shared, tree
+from paratrain.comm.algorithms import backend, direct, halving_doubling, ring, shared, tree
 from paratrain.comm.algorithms.shared import SHARED_ALGORITHMS
 
 ALGORITHMS = {
@@ -16,23 +17,28 @@ ALGORITHMS = {
         "direct": direct.all_reduce,
         "oneshot": shared.all_reduce,
         "twoshot": shared.all_reduce_twoshot,
+        "native": backend.all_reduce,
     },
     "reduce_scatter": {
         "ring": ring.reduce_scatter,
         "hd": halving_doubling.reduce_scatter,
         "direct": direct.reduce_scatter,
         "oneshot": shared.reduce_scatter,
+        "native": backend.reduce_scatter,
     },
     "all_gather": {
         "ring": ring.all_gather,
         "hd": halving_doubling.all_gather,
         "direct": direct.all_gather,
         "oneshot": shared.all_gather,
+        "native": backend.all_gather,
     },
     "broadcast": {"ring": ring.broadcast, "tree": tree.broadcast, "direct": direct.broadcast,
-                  "oneshot": shared.broadcast},
-    "reduce": {"ring": ring.reduce, "tree": tree.reduce, "direct": direct.reduce, "oneshot": shared.reduce},
-    "all_to_all": {"ring": ring.all_to_all, "direct": direct.all_to_all, "oneshot": shared.all_to_all},
+                  "oneshot": shared.broadcast, "native": backend.broadcast},
+    "reduce": {"ring": ring.reduce, "tree": tree.reduce, "direct": direct.reduce, "oneshot": shared.reduce,
+               "native": backend.reduce},
+    "all_to_all": {"ring": ring.all_to_all, "direct": direct.all_to_all, "oneshot": shared.all_to_all,
+                   "native": backend.all_to_all},
     # A barrier is an all-reduce of one element, so it can use any all-reduce algorithm.
     "barrier": {
         "ring": ring.all_reduce,
@@ -40,6 +46,7 @@ ALGORITHMS = {
         "tree": tree.all_reduce,
         "direct": direct.all_reduce,
         "oneshot": shared.barrier,
+        "native": backend.barrier,
     },
 }
 
@@ -47,8 +54,8 @@ OPS = tuple(ALGORITHMS)
 
 
 def algorithms_for(op: str, kind: str | None = None) -> tuple[str, ...]:
-    """Every algorithm name valid for `op` on a transport of `kind`, including the backend's own
-    and auto. The shared-segment ones only where `kind` is "shm" (or "any": every name there is);
-    None: those valid on every transport."""
+    """Every algorithm name valid for `op` on a transport of `kind`, auto included. The
+    shared-segment ones only where `kind` is "shm" (or "any": every name there is); None: those
+    valid on every transport."""
     shared_too = kind in ("shm", "any")
-    return tuple(name for name in ALGORITHMS[op] if shared_too or name not in SHARED_ALGORITHMS) + ("native", "auto")
+    return tuple(name for name in ALGORITHMS[op] if shared_too or name not in SHARED_ALGORITHMS) + ("auto",)

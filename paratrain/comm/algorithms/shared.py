@@ -17,22 +17,19 @@ instead of n times, for one step more.
 A message larger than a slot goes through in pieces of a slot each; the halves of the segment
 alternate, so one piece's copy-in does not wait for the peers still reading the previous one.
 
-planned_all_reduce, planned_reduce_scatter, planned_all_gather: the one-shot call on given
-tensors with its addresses and views worked out once, for a call made again on the same tensors
-(plans.py): at 16 KiB working them out cost as much as the copies and the reduction.
+A call made again on the same tensors replays a form of these worked out once
+(shared_replays.py), in C where it can (shared_kernels.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from collections.abc import Callable
 from ctypes import memmove
 
 import torch
 
-from paratrain.comm import native
 from paratrain.comm.algorithms import direct
+from paratrain.comm.algorithms.shared_kernels import all_reduce_natively
 from paratrain.comm.link import Link
 from paratrain.comm.ops import combine_, part_bounds, part_sizes
 from paratrain.comm.transport.shm_arena import Rows
@@ -40,7 +37,7 @@ from paratrain.comm.transport.shm_arena import Rows
 SHARED_ALGORITHMS = ("oneshot", "twoshot")
 
 
-def _arena(link: Link):
+def arena_of(link: Link):
     arena = getattr(link.transport, "arena", None)
     if arena is None:
         raise ValueError(f"{link.op_name}: the shared-segment algorithms need every rank of the group on "
@@ -61,7 +58,7 @@ def _on_cpu(fallback):
     return wrap
 
 
-def _reduce_rows(rows: Rows, out: torch.Tensor, op: str) -> None:
+def reduce_rows(rows: Rows, out: torch.Tensor, op: str) -> None:
     """out <- every rank's row combined, in one operation."""
     if op in ("sum", "avg"):
         if out.dtype == torch.bool:  # torch.sum of booleans counts them; a reduction of flags is an or
@@ -89,12 +86,13 @@ def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
     """One-shot: every rank reduces every rank's copy of the whole message. (The loop of
     _pieces_through_slots written out: a small all-reduce is the call a training step makes
     most, and a generator costs it a little.)"""
-    arena, size = _arena(link), buf.element_size()
+    arena, size = arena_of(link), buf.element_size()
     total, address = buf.numel(), buf.data_ptr()
     per_piece = arena.slot_bytes // size
-    if _all_reduce_natively(link, arena, buf, op, per_piece):
+    pieces = _pieces(total, per_piece)
+    if all_reduce_natively(link, arena, buf, op, pieces, per_piece):
         return
-    for start in _pieces(total, per_piece):
+    for start in pieces:
         count = min(per_piece, total - start)
         half = arena.next_half()
         memmove(arena.slot_address(half, link.rank), address + start * size, count * size)
@@ -104,161 +102,7 @@ def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
         if link.size == 2:  # `out` holds our own values, and a + b == b + a: both ranks get the same bits
             combine_(out, rows.each[1 - link.rank], op)
         else:
-            _reduce_rows(rows, out, op)
-
-
-def _native_plans(arena, dtype: torch.dtype, op: str, copy_from: int, copy_bytes: int, out: int,
-                  rows: Callable[[int], list[int]], count: int):
-    """For each half, the native form of a one-shot piece (native.OneShotPlan): copy `copy_bytes`
-    from `copy_from` into this rank's slot, take the step, then out <- the sum of the `count`
-    elements at each of rows(half). None where the native kernels do not apply (no library, an
-    op other than a sum, a dtype they do not have)."""
-    if arena.native is None or op not in ("sum", "avg") or dtype not in native.DTYPES or arena.size > native.MOST_ROWS:
-        return None
-    plans = []
-    for half in (0, 1):
-        plan = arena.native_plan(slot=arena.slot_address(half, arena.rank), input=copy_from, copy_bytes=copy_bytes,
-                                 out=out, nrows=len(rows(half)), count=count, dtype=native.DTYPES[dtype])
-        plan.rows[: plan.nrows] = rows(half)
-        plans.append(plan)
-    return plans
-
-
-def _all_reduce_rows(arena, address: int, n: int, me: int) -> Callable[[int], list[int]]:
-    """What a native one-shot all-reduce of the buffer at `address` adds, per half: on two ranks
-    the peer's copy to our own values (a + b == b + a: the same bits on both); on more, every
-    slot folded in rank order, the same order on every rank."""
-    if n == 2:
-        return lambda half: [address, arena.slot_address(half, 1 - me)]
-    return lambda half: [arena.slot_address(half, rank) for rank in range(n)]
-
-
-def _all_reduce_natively(link: Link, arena, buf: torch.Tensor, op: str, per_piece: int) -> bool:
-    """all_reduce's pieces, each one call of the native kernel (a plan per half, pointed at the
-    piece): False where the kernels do not apply. A 64 MiB message is 64 pieces: each saves the
-    Python of its copy, step and add."""
-    size, total, address = buf.element_size(), buf.numel(), buf.data_ptr()
-    two = link.size == 2  # row 0 is our own piece (_all_reduce_rows)
-    rows = _all_reduce_rows(arena, address, link.size, link.rank)
-    plans = _native_plans(arena, buf.dtype, op, address, 0, address, rows, 0)
-    if plans is None:
-        return False
-    addresses = [ctypes.addressof(plan) for plan in plans]
-    for start in _pieces(total, per_piece):
-        half = arena.next_half()
-        plan, piece, count = plans[half], address + start * size, min(per_piece, total - start)
-        plan.input = plan.out = piece
-        plan.copy_bytes, plan.count = count * size, count
-        if two:
-            plan.rows[0] = piece
-        arena.run_native(addresses[half], link.timeout)
-    return True
-
-
-def _running(arena, plans: list) -> Callable[[float], None]:
-    """The call that runs the native plan of the half each piece takes."""
-    addresses = [ctypes.addressof(plan) for plan in plans]
-
-    def run_native(timeout: float) -> None:
-        arena.run_native(addresses[arena.next_half()], timeout)
-
-    run_native.plans = plans  # they live as long as the call that reads them
-    return run_native
-
-
-def planned_all_reduce(link: Link, buf: torch.Tensor, op: str):
-    """The one-shot all-reduce of `buf` with everything about it worked out once (its slots,
-    the views it reduces, its byte count): a function of the call's Link that only copies, steps
-    and reduces, for a call plan (plans.py): run(timeout), since it sends no message it needs no
-    Link. None where it takes several pieces or is off the CPU."""
-    arena, n, me = _arena(link), link.size, link.rank
-    nbytes, address = buf.numel() * buf.element_size(), buf.data_ptr()
-    if buf.device.type != "cpu" or nbytes > arena.slot_bytes:
-        return None
-    plans = _native_plans(arena, buf.dtype, op, address, nbytes, address, _all_reduce_rows(arena, address, n, me),
-                          buf.numel())
-    if plans is not None:
-        return _running(arena, plans)
-    slots = [arena.slot_address(half, me) for half in (0, 1)]
-    rows = [arena.rows(half, buf.dtype, 0, buf.numel()) for half in (0, 1)]
-
-    def run(timeout: float) -> None:
-        half = arena.next_half()
-        memmove(slots[half], address, nbytes)
-        arena.arrive_and_wait(timeout)
-        if n == 2:  # as in all_reduce
-            combine_(buf, rows[half].each[1 - me], op)
-        else:
-            _reduce_rows(rows[half], buf, op)
-
-    return run
-
-
-def planned_reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: str):
-    """reduce_scatter's call on these tensors worked out once, as planned_all_reduce's (for
-    RepeatedCalls, plans.py); None where it takes several pieces, or is empty or off the CPU."""
-    arena, me = _arena(link), link.rank
-    nbytes, address = input.numel() * input.element_size(), input.data_ptr()
-    if input.device.type != "cpu" or not 0 < nbytes <= arena.slot_bytes:
-        return None
-    low, high = part_bounds(input.numel(), link.size)[me]
-    size = input.element_size()
-    plans = _native_plans(arena, input.dtype, op, address, nbytes, output.data_ptr(),
-                          lambda half: [arena.slot_address(half, rank) + low * size for rank in range(link.size)],
-                          high - low)
-    if plans is not None:
-        return _running(arena, plans)
-    slots = [arena.slot_address(half, me) for half in (0, 1)]
-    rows = [arena.rows(half, input.dtype, low, high - low) for half in (0, 1)]
-
-    def run(timeout: float) -> None:
-        half = arena.next_half()
-        memmove(slots[half], address, nbytes)
-        arena.arrive_and_wait(timeout)
-        if high > low:
-            _reduce_rows(rows[half], output, op)
-
-    return run
-
-
-def planned_all_gather(link: Link, input: torch.Tensor, output: torch.Tensor):
-    """all_gather's call on these tensors worked out once: every copy's addresses and sizes,
-    for both halves. None where it takes several pieces, or is empty or off the CPU."""
-    arena, me, size = _arena(link), link.rank, output.element_size()
-    bounds = part_bounds(output.numel(), link.size)
-    if output.device.type != "cpu" or not 0 < (bounds[0][1] - bounds[0][0]) * size <= arena.slot_bytes:
-        return None
-    source, address, nbytes = input.data_ptr(), output.data_ptr(), input.numel() * size
-    own = address + bounds[me][0] * size
-    slots = [arena.slot_address(half, me) for half in (0, 1)]
-    copies = [[(address + low * size, arena.slot_address(half, owner), (high - low) * size)
-               for owner, (low, high) in enumerate(bounds) if owner != me] for half in (0, 1)]
-
-    def run(timeout: float) -> None:
-        if own != source:
-            memmove(own, source, nbytes)
-        half = arena.next_half()
-        memmove(slots[half], source, nbytes)
-        arena.arrive_and_wait(timeout)
-        for into, out_of, count in copies[half]:
-            memmove(into, out_of, count)
-
-    return run
-
-
-def planned_call(op_name: str, algo: str, link: Link, input: torch.Tensor, output: torch.Tensor, op: str):
-    """The planned form of `algo`'s call of `op_name` on these tensors (flat views of their
-    memory; for an all-reduce both are its buffer), where there is one: a one-shot call that
-    fits a slot, as run(timeout). None elsewhere: the caller runs the algorithm itself each time."""
-    if algo != "oneshot":
-        return None
-    if op_name == "all_reduce":
-        return planned_all_reduce(link, output, op)
-    if op_name == "reduce_scatter":
-        return planned_reduce_scatter(link, input, output, op)
-    if op_name == "all_gather":
-        return planned_all_gather(link, input, output)
-    return None
+            reduce_rows(rows, out, op)
 
 
 @_on_cpu(direct.all_reduce)
@@ -269,7 +113,7 @@ def all_reduce_twoshot(link: Link, buf: torch.Tensor, op: str) -> None:
     the second step; then every rank copies each part from its owner. Each rank copies in
     (n-1)/n of the message, not all of it, and nothing of its own part leaves its buffer
     before it is reduced."""
-    arena, size, n, me = _arena(link), buf.element_size(), link.size, link.rank
+    arena, size, n, me = arena_of(link), buf.element_size(), link.size, link.rank
     total, address = buf.numel(), buf.data_ptr()
     per_piece = arena.slot_bytes // size
     others = [peer for peer in range(n) if peer != me]
@@ -298,7 +142,7 @@ def all_reduce_twoshot(link: Link, buf: torch.Tensor, op: str) -> None:
 def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: str) -> None:
     """Each rank copies its input into its slot; rank r reduces part r of every slot into its
     output. An input larger than a slot goes in pieces, each a block per destination."""
-    arena, size, n = _arena(link), input.element_size(), link.size
+    arena, size, n = arena_of(link), input.element_size(), link.size
     bounds = part_bounds(input.numel(), n)
     address = input.data_ptr()
     low, high = bounds[link.rank]
@@ -307,7 +151,7 @@ def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: st
         memmove(arena.slot_address(half, link.rank), address, input.numel() * size)
         arena.arrive_and_wait(link.timeout)
         if high > low:
-            _reduce_rows(arena.rows(half, input.dtype, low, high - low), output, op)
+            reduce_rows(arena.rows(half, input.dtype, low, high - low), output, op)
         return
     per_block = arena.slot_bytes // (n * size)
     mine = high - low
@@ -321,14 +165,14 @@ def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: st
         count = max(0, min(per_block, mine - offset))
         if count:
             out = output if count == output.numel() else output[offset : offset + count]
-            _reduce_rows(arena.rows(half, input.dtype, link.rank * per_block, count), out, op)
+            reduce_rows(arena.rows(half, input.dtype, link.rank * per_block, count), out, op)
 
 
 @_on_cpu(direct.all_gather)
 def all_gather(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
     """Each rank copies its part into its slot, and into its output while its peers catch up;
     then it copies every peer's slot into its output."""
-    arena, size, n, me = _arena(link), output.element_size(), link.size, link.rank
+    arena, size, n, me = arena_of(link), output.element_size(), link.size, link.rank
     bounds = part_bounds(output.numel(), n)
     source, address = input.data_ptr(), output.data_ptr()
     own = address + bounds[me][0] * size
@@ -363,7 +207,7 @@ def _pieces_through_slots(link: Link, arena, buf: torch.Tensor, copying: bool):
 @_on_cpu(direct.broadcast)
 def broadcast(link: Link, buf: torch.Tensor, root: int) -> None:
     """The root copies into its slot; every other rank copies out of it."""
-    arena, size, address = _arena(link), buf.element_size(), buf.data_ptr()
+    arena, size, address = arena_of(link), buf.element_size(), buf.data_ptr()
     for half, start, count in _pieces_through_slots(link, arena, buf, copying=link.rank == root):
         if link.rank != root:
             memmove(address + start * size, arena.slot_address(half, root), count * size)
@@ -372,17 +216,17 @@ def broadcast(link: Link, buf: torch.Tensor, root: int) -> None:
 @_on_cpu(direct.reduce)
 def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
     """Every rank copies into its slot; the root reduces them all."""
-    arena = _arena(link)
+    arena = arena_of(link)
     for half, start, count in _pieces_through_slots(link, arena, buf, copying=True):
         if link.rank == root:
-            _reduce_rows(arena.rows(half, buf.dtype, 0, count), buf[start : start + count], op)
+            reduce_rows(arena.rows(half, buf.dtype, 0, count), buf[start : start + count], op)
 
 
 @_on_cpu(direct.all_to_all)
 def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
     """Each rank copies its input into its slot, block by destination; rank r copies block r of
     every slot into its output, part by source."""
-    arena, size, n = _arena(link), input.element_size(), link.size
+    arena, size, n = arena_of(link), input.element_size(), link.size
     sizes = part_sizes(input.numel(), n)
     starts = [low for low, _ in part_bounds(input.numel(), n)]
     per_block = arena.slot_bytes // (n * size)
@@ -402,4 +246,4 @@ def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
 
 def barrier(link: Link, token: torch.Tensor, op: str) -> None:
     """A step and nothing else."""
-    _arena(link).barrier(link.timeout)
+    arena_of(link).barrier(link.timeout)

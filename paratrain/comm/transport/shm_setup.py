@@ -159,27 +159,34 @@ def _unlink_one(path: str) -> bool:
     return True
 
 
-def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
-    """Set up shared memory among the ranks of `inner` (a TorchTransport) that share a host; every rank
-    calls this (one all-gather, and two barriers where any two ranks share a host). Returns
-    None where this rank shares a host with none of the others (or offers no shared memory);
-    the returned transport's `arena` is the group's shared segment where all of them do (else None)."""
+def _exchange_offers(inner, settings: Settings, timeout: float) -> tuple[bool, object, list[list[int]]]:
+    """What this rank offers (shared memory at all, its host, pid, a token, its launcher, the
+    native kernels loaded), gathered from every rank of `inner`: (offered, kernels, the table of
+    every rank's _FIELDS)."""
     me = torch.zeros(_FIELDS, dtype=torch.int64)
     offered = enabled(settings)
-    token = secrets.randbits(62)
     kernels = None
     if offered:
         try:
-            me[:5] = torch.tensor([1, _host_key(), os.getpid(), token, settings.launch.launcher_pid or os.getppid()])
+            me[:5] = torch.tensor([1, _host_key(), os.getpid(), secrets.randbits(62),
+                                   settings.launch.launcher_pid or os.getppid()])
         except OSError:  # no /proc: not a Linux we know how to watch
             offered = False
     if offered and settings.native and inner.size > 1:
         kernels, _ = native.load(settings.cache_dir, settings.cc)
         me[5] = kernels is not None
     everyone = torch.empty(inner.size * _FIELDS, dtype=torch.int64)
-    timeout = inner.own_timeout or settings.timeout
     inner.native_all_gather(everyone, me, timeout)
-    table = everyone.view(inner.size, _FIELDS).tolist()
+    return offered, kernels, everyone.view(inner.size, _FIELDS).tolist()
+
+
+def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
+    """Set up shared memory among the ranks of `inner` (a TorchTransport) that share a host; every rank
+    calls this (one all-gather, and two barriers where any two ranks share a host). Returns
+    None where this rank shares a host with none of the others (or offers no shared memory);
+    the returned transport's `arena` is the group's shared segment where all of them do (else None)."""
+    timeout = inner.own_timeout or settings.timeout
+    offered, kernels, table = _exchange_offers(inner, settings, timeout)
     hosts = {}
     for rank, (offers, key, *_) in enumerate(table):
         if offers:
