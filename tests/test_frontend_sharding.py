@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import paratrain.frontend as gt
+from frontend_helpers import wait_until
 
 SIGNALS = {
     "rep": {"workers": [0, 1]},
@@ -218,8 +219,6 @@ def test_split_creation_and_optimizer_steps_stay_split(client):
 
 
 def test_the_instruction_log_names_signal_pattern_and_collective(client, server):
-    import time
-
     with gt.signal.context("rep"):
         x = gt.ones(2, 4)
     with gt.signal.context("row"):
@@ -227,11 +226,10 @@ def test_the_instruction_log_names_signal_pattern_and_collective(client, server)
     h = gt.signal.tensor(x, "last")
     with gt.signal.context("row"):
         (h @ w).sum().item()
-    time.sleep(0.5)
-    text = server.log.read_text()
-    assert "[row] row-parallel: partial sums all-reduced" in text
-    assert "tp_g all-reduce group [0, 1]" in text
-    assert "tp_scatter scatter along 1 group [0, 1]" in text
+    lines = ["[row] row-parallel: partial sums all-reduced", "tp_g all-reduce group [0, 1]",
+             "tp_scatter scatter along 1 group [0, 1]"]
+    # (a worker's lines are written when it reports its timings)
+    wait_until(lambda: all(line in server.log.read_text() for line in lines), 10, f"the log says {lines}")
 
 
 @pytest.mark.parametrize("config, line", [

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -101,14 +100,15 @@ def test_instruction_log_shows_transfers_between_workers_and_becomes_a_chrome_tr
         gt.session().sync()
     finally:
         gt.disconnect()
-    time.sleep(0.5)  # lines are written when the workers report their timings
-    lines = two_workers.log.read_text().splitlines()
-    assert lines[1] == "# elapsed | #seq | event | source | command | size | details"
-    fields = [line.split(" | ") for line in lines if not line.startswith("#")]
-    assert all(len(f) == 7 for f in fields)
-    ran = [f for f in fields if f[2].strip() == "OP"]
-    ops = {f[4].split()[0] for f in ran}
-    assert {"send", "recv", "matmul", "backward", "bw_send", "bw_recv"} <= ops
+    expected = {"send", "recv", "matmul", "backward", "bw_send", "bw_recv"}
+
+    def op_lines():  # written when the workers report their timings
+        fields = [line.split(" | ") for line in two_workers.log.read_text().splitlines() if not line.startswith("#")]
+        assert all(len(f) == 7 for f in fields)
+        ops = [f for f in fields if f[2].strip() == "OP"]
+        return ops if expected <= {f[4].split()[0] for f in ops} else None
+    ran = wait_until(op_lines, 10, f"OP lines for each of {sorted(expected)}")
+    assert two_workers.log.read_text().splitlines()[1] == "# elapsed | #seq | event | source | command | size | details"
     matmul = next(f for f in ran if f[4].split()[0] == "matmul" and "float32[2,3]" in f[6])
     assert "out=h" in matmul[6] and ":float32[2,4]" in matmul[6] and matmul[3].strip() == "WORKER 0"
     assert float(matmul[6].split("dur_ms=")[1]) >= 0
@@ -232,10 +232,7 @@ def test_a_program_auto_starts_its_workers_and_leaves_nothing_running(tmp_path):
     pids_line = next(line for line in done.stdout.splitlines() if line.startswith("pids"))
     workers, server = eval(pids_line.split(" ", 1)[1].rsplit(" ", 1)[0]), int(pids_line.rsplit(" ", 1)[1])
     assert len(workers) == 2
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(pid) for pid in [*workers, server]):
-        time.sleep(0.2)
-    assert not any(_alive(pid) for pid in [*workers, server])
+    wait_until(lambda: not any(_alive(pid) for pid in [*workers, server]), 15, "the server and its workers exit")
 
 
 def _alive(pid: int) -> bool:
