@@ -203,7 +203,7 @@ def test_reduce_scatters_start_during_backward(monkeypatch):
     started_early, original = [], FullyShardedDataParallel.finish_gradients
 
     def recorded(self):
-        started_early.append((self._order.started, len(self.units)))
+        started_early.append((self.reductions.started, len(self.units)))
         return original(self)
 
     monkeypatch.setattr(FullyShardedDataParallel, "finish_gradients", recorded)

@@ -177,7 +177,7 @@ def test_ddp_overlaps_communication_under_every_schedule(monkeypatch, schedule, 
     started_early, original = [], BucketedDataParallel.finish_gradients
 
     def recorded(self):
-        started_early.append(len(self._pending))
+        started_early.append(self.reductions.started)
         return original(self)
 
     monkeypatch.setattr(BucketedDataParallel, "finish_gradients", recorded)

@@ -37,7 +37,7 @@ def test_reduce_scatters_start_during_backward(monkeypatch):
     started_early, buckets, original = [], [], ZeroOneDataParallel.finish_gradients
 
     def recorded(self):
-        started_early.append(self._order.started)
+        started_early.append(self.reductions.started)
         buckets.append(len(self._ranges))
         return original(self)
 

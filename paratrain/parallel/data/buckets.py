@@ -86,3 +86,32 @@ class StartInOrder:
                 return
             self._start(self.started)
             self.started += 1
+
+
+class ReductionsInOrder:
+    """One step's gradient reductions, as every bucketed strategy runs them (DDP, ZeRO, FSDP):
+    each bucket's starts, in bucket order, once backward has filled it (StartInOrder), and
+    `finish` waits for them all. `start(k)` starts bucket k's and returns what finishes it
+    (compression.Pending, or anything with its `finish(timer)`)."""
+
+    def __init__(self, buckets: list[list[torch.nn.Parameter]], start: Callable[[int], object]):
+        self._in_flight: list = []  # in the order started
+        self._order = StartInOrder(buckets, lambda k: self._in_flight.append(start(k)))
+
+    @property
+    def started(self) -> int:
+        """Buckets started so far this step."""
+        return self._order.started
+
+    def ready(self, param) -> None:
+        """`param`'s gradient is complete for this step."""
+        self._order.ready(param)
+
+    def finish(self, timer) -> None:
+        """Start what has not started and wait for everything; the next step begins afresh."""
+        # Buckets with a parameter that got no gradient this step never started: they start now.
+        self._order.start_ready(everything=True)
+        for pending in self._in_flight:
+            pending.finish(timer)
+        self._in_flight = []
+        self._order.reset()

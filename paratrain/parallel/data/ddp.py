@@ -10,7 +10,7 @@ strictly in order (0, 1, 2, ...) so all ranks issue the same collectives in the 
 from __future__ import annotations
 
 from paratrain.parallel.data.base import DataParallel
-from paratrain.parallel.data.buckets import MIB, StartInOrder, build_buckets
+from paratrain.parallel.data.buckets import MIB, ReductionsInOrder, build_buckets
 from paratrain.parallel.data.compression import NoCompression
 
 
@@ -20,28 +20,21 @@ class BucketedDataParallel(DataParallel):
         self.compressor = compressor or NoCompression()
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets = build_buckets(params, int(bucket_mb * MIB), int(first_bucket_mb * MIB))
-        self._pending: dict[int, object] = {}  # bucket index -> its all-reduce in flight
-        self._order = StartInOrder([b.params for b in self.buckets], self._start_bucket)
+        self.reductions = ReductionsInOrder([b.params for b in self.buckets], self._start_bucket)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
 
     def _grad_ready(self, param) -> None:
         if self._syncing:
-            self._order.ready(param)
+            self.reductions.ready(param)
 
     def grad_ready(self, param) -> None:
         self._grad_ready(param)
 
-    def _start_bucket(self, index: int) -> None:
-        bucket = self.buckets[index]
-        self._pending[index] = self.compressor.start(self.group, bucket.buffer, self.algo, index)
+    def _start_bucket(self, index: int):
+        return self.compressor.start(self.group, self.buckets[index].buffer, self.algo, index)
 
     def finish_gradients(self) -> None:
-        # Parameters that got no gradient this step never fired: their buckets start now.
-        self._order.start_ready(everything=True)
-        for index in sorted(self._pending):
-            self._pending[index].finish(self.timer)
-        self._pending.clear()
-        self._order.reset()
+        self.reductions.finish(self.timer)
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:

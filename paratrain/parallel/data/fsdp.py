@@ -21,7 +21,7 @@ communication thread and call numbering, as FSDP2 puts them on two streams: gath
 issued in the order units run, reduce-scatters in the order their gradients complete, and the
 two orders interleave differently on different ranks. Within each group every rank makes the
 same calls in the same order: gathers follow the hooks of forward and backward, and
-reduce-scatters start strictly in reverse unit order (`StartInOrder`).
+reduce-scatters start strictly in reverse unit order (`ReductionsInOrder`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from functools import partial
 import torch
 
 from paratrain.parallel.data.base import DataParallel, pieces_of_shard
-from paratrain.parallel.data.buckets import StartInOrder
-from paratrain.parallel.data.compression import Pending
+from paratrain.parallel.data.buckets import ReductionsInOrder
 from paratrain.parallel.data.fsdp_units import ShardedUnit, unit_layout
 
 
@@ -64,9 +63,9 @@ class FullyShardedDataParallel(DataParallel):
         if left:
             raise ValueError(f"fsdp: parameters in no unit: {', '.join(left)}")
         self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
-        self._pending: list[Pending] = []  # reduce-scatters in flight, in the order started
         backward_order = list(reversed(self.units))
-        self._order = StartInOrder([u.params for u in backward_order], lambda k: self._start_reduce(backward_order[k]))
+        self.reductions = ReductionsInOrder([u.params for u in backward_order],
+                                            lambda k: backward_order[k].start_reduce_scatter(self.group))
         for unit in self.units:
             for m in unit.modules:
                 m.register_forward_pre_hook(partial(self._before_forward, unit))
@@ -126,23 +125,15 @@ class FullyShardedDataParallel(DataParallel):
         unit = self._unit_of[id(param)]
         unit.waiting.discard(id(param))
         if self._syncing:
-            self._order.ready(param)
+            self.reductions.ready(param)
         if not unit.waiting:  # its backward is done: the gradients are out of the parameters' way
             unit.free()
 
     def grad_ready(self, param) -> None:
         self._grad_ready(param)
 
-    def _start_reduce(self, unit: ShardedUnit) -> None:
-        self._pending.append(unit.start_reduce_scatter(self.group))
-
     def finish_gradients(self) -> None:
-        # Units with a parameter that got no gradient this step never started: they start now.
-        self._order.start_ready(everything=True)
-        for pending in self._pending:
-            pending.finish(self.timer)
-        self._pending = []
-        self._order.reset()
+        self.reductions.finish(self.timer)
         for unit in self.units:  # prefetched for a backward that did not come, or kept from forward
             unit.wait_gathered(self.timer)
             unit.free()

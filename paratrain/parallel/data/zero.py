@@ -25,7 +25,7 @@ import torch
 
 from paratrain.comm.ops import part_bounds
 from paratrain.parallel.data.base import DataParallel, pieces_of_shard
-from paratrain.parallel.data.buckets import MIB, StartInOrder, assign_buckets
+from paratrain.parallel.data.buckets import MIB, ReductionsInOrder, assign_buckets
 from paratrain.parallel.data.compression import Pending
 
 
@@ -63,8 +63,7 @@ class ZeroOneDataParallel(DataParallel):
         # The shard the optimizer sees: its own tensor, as optimizers keep state per tensor.
         self.shard = torch.nn.Parameter(self.own_part(self.flat_params).clone())
         self.shard.grad = torch.zeros_like(self.shard)
-        self._pending: list[Pending] = []  # the reduce-scatters in flight, in bucket order
-        self._order = StartInOrder(buckets, self._start_bucket)
+        self.reductions = ReductionsInOrder(buckets, self._start_bucket)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in trained]
 
     # ---- the layout: whole flat buffer <-> this rank's shard ------------------------------
@@ -95,23 +94,18 @@ class ZeroOneDataParallel(DataParallel):
 
     def _grad_ready(self, param) -> None:
         if self._syncing:
-            self._order.ready(param)
+            self.reductions.ready(param)
 
     def grad_ready(self, param) -> None:
         self._grad_ready(param)
 
-    def _start_bucket(self, k: int) -> None:
+    def _start_bucket(self, k: int) -> Pending:
         handle = self.group.reduce_scatter(
             self._shard_part(self.shard.grad, k), self._flat_part(self.flat_grads, k), "avg", self.algo, async_op=True)
-        self._pending.append(Pending([handle]))
+        return Pending([handle])
 
     def finish_gradients(self) -> None:
-        # Buckets with a parameter that got no gradient this step never started: they start now.
-        self._order.start_ready(everything=True)
-        for pending in self._pending:
-            pending.finish(self.timer)
-        self._pending = []
-        self._order.reset()
+        self.reductions.finish(self.timer)
 
     grads_sharded = True
 
@@ -138,7 +132,7 @@ class ZeroOneDataParallel(DataParallel):
 class ZeroTwoDataParallel(ZeroOneDataParallel):
     stage = 2
 
-    def _start_bucket(self, k: int) -> None:
+    def _start_bucket(self, k: int) -> Pending:
         # The bucket's gradients, end to end (zeros for a parameter that got none), then
         # dropped: from here on only the reduce-scatter holds them.
         params = self._buckets[k]
@@ -147,7 +141,7 @@ class ZeroTwoDataParallel(ZeroOneDataParallel):
         for param in params:
             param.grad = None
         handle = self.group.reduce_scatter(self._shard_part(self.shard.grad, k), flat, "avg", self.algo, async_op=True)
-        self._pending.append(Pending([handle]))  # the handle holds `flat` until it has run
+        return Pending([handle])  # the handle holds `flat` until it has run
 
     def zero_grad(self) -> None:
         for param in self.params:
