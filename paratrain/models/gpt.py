@@ -108,6 +108,9 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.block_size, config.d_model)
+        # Each token's position, read as positions[:T]: a table, not arange(T), so that a rank
+        # holding part of a sequence (context parallelism) can be given its tokens' positions.
+        self.register_buffer("positions", torch.arange(config.block_size), persistent=False)
         self.emb_drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
@@ -136,8 +139,7 @@ class GPT(nn.Module):
         T = idx_BT.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos_T = torch.arange(T, device=idx_BT.device)
-        x_BTD = self.emb_drop(self.tok_emb(idx_BT) + self.pos_emb(pos_T))
+        x_BTD = self.emb_drop(self.tok_emb(idx_BT) + self.pos_emb(self.positions[:T]))
         for block in self.blocks:
             x_BTD = block(x_BTD)
         return self.head(self.ln_f(x_BTD))  # logits_BTV

@@ -73,15 +73,17 @@ class RMSNorm(nn.Module):
         return normed.type_as(x_BTD) * self.weight
 
 
-def rotate(x_BTNK: torch.Tensor, theta: float) -> torch.Tensor:
+def rotate(x_BTNK: torch.Tensor, theta: float, positions_T: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding: each pair (x[i], x[i + K/2]) turned by position x frequency_i.
 
-    The angles are computed from the sequence length of x, not from a table: nothing to keep in
-    step between ranks, and a module that sees the whole sequence gets the right positions.
+    The angles are computed from the tokens' positions (0..T-1 unless given), not looked up in a
+    table of angles: nothing to keep in step between ranks.
     """
     T, K = x_BTNK.shape[1], x_BTNK.shape[-1]
+    if positions_T is None:
+        positions_T = torch.arange(T, device=x_BTNK.device)
     inv_freq_k = 1.0 / theta ** (torch.arange(0, K, 2, device=x_BTNK.device, dtype=torch.float32) / K)
-    angles_Tk = torch.outer(torch.arange(T, device=x_BTNK.device, dtype=torch.float32), inv_freq_k)
+    angles_Tk = torch.outer(positions_T.to(torch.float32), inv_freq_k)
     cos_T1K = torch.cat([angles_Tk.cos()] * 2, dim=-1).unsqueeze(1)
     sin_T1K = torch.cat([angles_Tk.sin()] * 2, dim=-1).unsqueeze(1)
     first, second = x_BTNK.float().chunk(2, dim=-1)
@@ -102,16 +104,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, config.n_kv_head * k, bias=False)  # G < H heads: a smaller k/v
         self.wv = nn.Linear(d, config.n_kv_head * k, bias=False)
         self.wo = nn.Linear(config.n_head * k, d, bias=False)
+        # Each token's position, read as positions[:T] (a rank holding part of a sequence under
+        # context parallelism is given its tokens' positions here).
+        self.register_buffer("positions", torch.arange(config.block_size), persistent=False)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q_BTHK = rotate(self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim), self.rope_theta)
-        k_BTGK = rotate(self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim), self.rope_theta)
+        positions_T = self.positions[:T]
+        q_BTHK = rotate(self.wq(x_BTD).view(B, T, self.n_heads, self.head_dim), self.rope_theta, positions_T)
+        k_BTGK = rotate(self.wk(x_BTD).view(B, T, self.n_kv_heads, self.head_dim), self.rope_theta, positions_T)
         v_BTGK = self.wv(x_BTD).view(B, T, self.n_kv_heads, self.head_dim)
-        group = self.n_heads // self.n_kv_heads  # query heads per key/value head, adjacent
-        k_BHTK = k_BTGK.transpose(1, 2).repeat_interleave(group, dim=1)
-        v_BHTK = v_BTGK.transpose(1, 2).repeat_interleave(group, dim=1)
-        y_BHTK = F.scaled_dot_product_attention(q_BTHK.transpose(1, 2), k_BHTK, v_BHTK, is_causal=True)
+        # enable_gqa: query head h reads key/value head h // (H/G), without copying K/V to H heads
+        y_BHTK = F.scaled_dot_product_attention(q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2), v_BTGK.transpose(1, 2),
+                                                is_causal=True, enable_gqa=True)
         return self.wo(y_BHTK.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -20,10 +20,10 @@ class GPTEmbedding(nn.Module):
     def __init__(self, gpt: nn.Module):
         super().__init__()
         self.tok_emb, self.pos_emb, self.emb_drop = gpt.tok_emb, gpt.pos_emb, gpt.emb_drop
+        self.register_buffer("positions", gpt.positions, persistent=False)  # the GPT's own table
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        pos_T = torch.arange(idx_BT.shape[1], device=idx_BT.device)
-        return self.emb_drop(self.tok_emb(idx_BT) + self.pos_emb(pos_T))
+        return self.emb_drop(self.tok_emb(idx_BT) + self.pos_emb(self.positions[:idx_BT.shape[1]]))
 
 
 GPT_PLAN = {
@@ -39,6 +39,7 @@ GPT_PLAN = {
     # Attention reads the sequence length from its input, so the gather is at its boundary.
     "sequence_parallel": {"gather_inputs": ["blocks.*.attn", "blocks.*.mlp", "head"]},
     "pipeline": {"blocks": "blocks", "before": [GPTEmbedding], "after": ["ln_f", "head"]},
+    "context_parallel": {"attention": ["blocks.*.attn"], "positions": ["positions"]},
 }
 
 LLAMA_PLAN = {
@@ -57,6 +58,7 @@ LLAMA_PLAN = {
     "head_counts": {"layers.*.attn": ["n_heads", "n_kv_heads"]},
     "sequence_parallel": {"gather_inputs": ["layers.*.attn", "layers.*.mlp", "output"]},
     "pipeline": {"blocks": "layers", "before": ["tok_emb"], "after": ["norm", "output"]},
+    "context_parallel": {"attention": ["layers.*.attn"], "positions": ["layers.*.attn.positions"]},
 }
 
 

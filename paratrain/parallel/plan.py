@@ -22,9 +22,15 @@ a Python dict or a YAML file of the same keys:
       after: [norm, output]              # ... and after the last
       balance: cost                      # contiguous chunks balanced by cost (matmul parameters), by
                                          #   count (of blocks), or by measured forward+backward time
+    context_parallel:                    # what context parallelism (--cp) needs of the model:
+      attention: [layers.*.attn]         # modules whose F.scaled_dot_product_attention calls become
+                                         #   attention over the whole sequence (ring or all-gather)
+      positions: [layers.*.attn.positions]   # buffers indexed by position along dim 0 (an
+                                         #   arange, a rotary table), read as buffer[:T]: each rank's
+                                         #   holds its own tokens' rows
 
 Every problem with a plan is a PlanError of one line that names the module (check_plan lists
-them all before any rank starts). Applying tensor parallelism is parallel/tensor/apply_plan.py.
+them all before any rank starts). Applying tensor parallelism is parallel/tensor/parallelize.py.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from paratrain.errors import UnreadableYaml, UserError, read_yaml
 
 STYLES = ("colwise", "rowwise", "vocab_embed", "vocab_head", "replicate")
 BALANCES = ("cost", "count", "measured")
-_KEYS = ("tensor_parallel", "head_counts", "sequence_parallel", "pipeline")
+_KEYS = ("tensor_parallel", "head_counts", "sequence_parallel", "pipeline", "context_parallel")
 
 
 class PlanError(UserError, ValueError):
@@ -61,12 +67,19 @@ class PipelinePlan:
 
 
 @dataclass
+class ContextPlan:
+    attention: list[str]  # module path patterns whose scaled_dot_product_attention runs over cp
+    positions: list[str] = field(default_factory=list)  # buffer path patterns, indexed by position
+
+
+@dataclass
 class Plan:
     tensor_parallel: dict[str, Style] = field(default_factory=dict)
     head_counts: dict[str, list[str]] = field(default_factory=dict)
     gather_inputs: list[str] = field(default_factory=list)
     sequence_parallel: bool = False  # the plan's default; a run may switch it on
     pipeline: PipelinePlan | None = None
+    context: ContextPlan | None = None
     source: str = "plan"  # where it came from, for messages
 
 
@@ -102,7 +115,21 @@ def load_plan(source) -> Plan:
     plan.sequence_parallel = sp.get("enabled", False)
     if source.get("pipeline") is not None:
         plan.pipeline = _pipeline(_mapping(source, "pipeline", name), name)
+    if source.get("context_parallel") is not None:
+        plan.context = _context(_mapping(source, "context_parallel", name), name)
     return plan
+
+
+def _context(cp: dict, name: str) -> ContextPlan:
+    _only_keys(cp, ("attention", "positions"), f"{name}: context_parallel")
+    attention, positions = cp.get("attention"), cp.get("positions", [])
+    for key, value in (("attention", attention), ("positions", positions)):
+        if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+            raise PlanError(f"{name}: context_parallel.{key} must be a list of module paths"
+                            f"{' (at least one: the attention modules)' if key == 'attention' else ''}")
+    if not attention:
+        raise PlanError(f"{name}: context_parallel.attention must name the attention modules")
+    return ContextPlan(list(attention), list(positions))
 
 
 def _pipeline(pp: dict, name: str) -> PipelinePlan:

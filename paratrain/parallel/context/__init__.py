@@ -7,6 +7,7 @@ the one layer that mixes positions, meets the rest of the sequence by ring or al
     ring.py        ring attention: K/V passed round the group, dK/dV one hop behind in backward
     allgather.py   the all-gather variant: K/V gathered once per layer, dK/dV reduce-scattered
     attention.py   `context_attention`, the call a model's attention makes under cp > 1
+    apply.py       a model's attention calls captured and its position buffers cut, as its plan says
 """
 
 from paratrain.parallel.context.attention import METHODS, context_attention
