@@ -24,9 +24,8 @@ from paratrain.parallel.precision import autocast
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers, split_layers
-from paratrain.parallel.tensor.apply_plan import parallelize
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from paratrain.parallel.tensor.parallelize import gather_full_state
+from paratrain.parallel.tensor.parallelize import gather_full_state, parallelize
 from paratrain.models import model_config
 from paratrain.train.setup import build_seeded_model, plan_for
 

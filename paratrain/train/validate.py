@@ -24,7 +24,7 @@ from paratrain.parallel.data.naive import LAYOUTS
 from paratrain.parallel.pipeline.schedules import microbatch_problems
 from paratrain.parallel.pipeline.split import pipeline_layers
 from paratrain.parallel.plan import PlanError, pipeline_problems, tp_problems_of
-from paratrain.parallel.tensor.parallelize import tp_problems
+from paratrain.parallel.tensor.gpt import tp_problems
 from paratrain.paths import cannot_write
 from paratrain.settings import Settings, compile_backend_problem
 from paratrain.train.config import ConfigError, TrainConfig

@@ -1,8 +1,8 @@
 """Tensor parallelism (Megatron-style): each layer's weights split over the tp ranks.
 
-    apply_plan.py     parallelize: a plan's styles applied to any model (../plan.py reads plans)
-    parallelize.py    parallelize_gpt: the GPT's plan through that same path; tp_problems;
-                      gather_full_state (the unsharded weights, for parity checks)
+    parallelize.py    parallelize: a plan's styles applied to any model (../plan.py reads plans);
+                      gather_full_state: the unsharded weights again (checkpoints, parity checks)
+    gpt.py            parallelize_gpt: the GPT's plan through that same path; tp_problems
     layers.py         column-/row-parallel linears and the vocab-parallel embedding, each
                       built from an existing layer by slicing its weights for this rank
     cross_entropy.py  the loss of vocabulary-sharded logits, never gathered
@@ -12,8 +12,8 @@
     loss = vocab_parallel_cross_entropy(model(idx_BT), targets_BT, mesh.tp)
 """
 
-from paratrain.parallel.tensor.apply_plan import parallelize, sequence_sharded_parameters
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from paratrain.parallel.tensor.gpt import parallelize_gpt, tp_problems
 from paratrain.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -21,11 +21,7 @@ from paratrain.parallel.tensor.layers import (
     VocabParallelEmbedding,
     shard,
 )
-from paratrain.parallel.tensor.parallelize import (
-    gather_full_state,
-    parallelize_gpt,
-    tp_problems,
-)
+from paratrain.parallel.tensor.parallelize import gather_full_state, parallelize, sequence_sharded_parameters
 from paratrain.parallel.tensor.tp_comms import (
     all_gather_along,
     copy_to_parallel,

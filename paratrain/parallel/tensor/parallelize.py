@@ -1,79 +1,165 @@
-"""Apply tensor parallelism to a GPT from outside it, in place (torchtitan's parallelize.py),
-by its plan (models/plans.py: GPT_PLAN), which says:
+"""Tensor parallelism applied to any model from outside it, and undone for reading: `parallelize`
+shards a model in place by a plan, `gather_full_state` gathers its parameters whole again.
 
-    tok_emb            -> VocabParallelEmbedding   (vocabulary ranges; sum over ranks)
-    blocks[i].attn.qkv -> ColumnParallelLinear     (whole heads: each rank its heads' q, k, v)
-    blocks[i].attn.proj-> RowParallelLinear        (all-reduce after)
-    blocks[i].mlp.up   -> ColumnParallelLinear     (d_mlp split)
-    blocks[i].mlp.down -> RowParallelLinear        (all-reduce after)
-    head               -> ColumnParallelLinear     (local vocabulary logits, never gathered:
-                                                    use vocab_parallel_cross_entropy)
+Each styled module is replaced by its sharded layer (layers.py), built from the module's own
+weights, so every rank must start from the same unsharded model (build it from one seed).
 
-The vocabulary ranges of tok_emb and head are part_bounds(V, tp): equal when tp divides V,
-else the first V % tp ranks hold one more id (GPT-2's 50257 over tp = 2: 25129 and 25128).
+    colwise     -> ColumnParallelLinear    (output features; `parts` fused blocks split alike)
+    rowwise     -> RowParallelLinear       (input features; all-reduce, or reduce-scatter under SP)
+    vocab_embed -> VocabParallelEmbedding  (vocabulary ranges; all-reduce or reduce-scatter)
+    vocab_head  -> ColumnParallelLinear    (vocabulary ranges of the logits, never gathered)
+    replicate   -> unchanged; an Embedding becomes a SequenceShardedEmbedding under SP
 
-Everything else (pos_emb, the layer norms, row-parallel biases) stays replicated: its inputs
-are the same on every tp rank, so are its gradients, with no communication.
+The head counts of the modules whose heads are split are divided by tp. Weights the model ties
+(one Parameter in two modules, as tied embeddings) stay tied when both get the same split.
 
-sequence_parallel=True also shards the activations along the sequence where they are
-replicated (embeddings, norms, residual adds, dropout): row-parallel layers and the token
-embedding reduce-scatter instead of all-reduce, and the inputs of attn, mlp and head are
-all-gathered at the module boundary (attention reads the sequence length from its input,
-so the gather cannot live inside qkv). The same bytes move, but no rank holds the full
-(B, T, D) activations between blocks. The layer norms' and row-parallel biases' gradients
-then cover only each rank's tokens: a hook registered here all-reduces them over tp as
-backward produces them (per backward pass, so gradient accumulation stays correct), and the
-caller need do nothing. The sequence length must then be divisible by tp.
-
-Dropout must be 0 (tp_problems says so): the replicated activations need the same dropout
-mask on every tp rank, and nothing here keeps the ranks' random number generators in step.
+Sequence parallelism (activations between the gathered regions sharded along the sequence):
+the inputs of the plan's gather_inputs modules are all-gathered at their boundary, and the
+replicated parameters outside those regions (norms), with the row-parallel biases, see only
+this rank's tokens, so a hook all-reduces their gradients over tp as backward produces them.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
-from paratrain.models.plans import GPT_PLAN
-from paratrain.parallel.tensor.apply_plan import parallelize
-from paratrain.parallel.tensor.tp_comms import all_gather_along
+from paratrain.parallel.plan import Plan, PlanError, head_count_modules, load_plan, matching_modules, \
+    styled_modules, tp_problems_of
+from paratrain.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceShardedEmbedding,
+    VocabParallelEmbedding,
+)
+from paratrain.parallel.tensor.tp_comms import all_gather_along, all_reduce_copy, gather_sequence
 
 
-def tp_problems(config, tp: int) -> list[str]:
-    """One line per reason `config` (a GPTConfig) cannot be split over `tp` ranks.
+def parallelize(model: nn.Module, plan, tp_group, sequence_parallel: bool | None = None) -> nn.Module:
+    """Shard `model` over `tp_group` as `plan` (a Plan, dict or YAML path) says; returns the model.
 
-    The vocabulary need not divide: it is split by part_sizes' rule (the first V % tp ranks
-    hold one more id), so GPT-2's 50257 splits over any tp.
+    sequence_parallel: None takes the plan's own setting. A plan that does not fit raises
+    PlanError, its first problem (check_plan-style validation lists them all beforehand).
     """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        return [f"tp must be a positive integer, got {tp!r}"]
-    problems = []
-    for field, why in (
-        ("n_head", "each rank computes whole attention heads"),
-        ("d_mlp", "each rank holds an equal slice of the MLP's hidden units"),
-    ):
-        value = getattr(config, field)
-        if value % tp:
-            problems.append(f"{field} ({value}) must be divisible by tp ({tp}): {why}")
-    if tp > 1 and config.dropout:
-        problems.append(
-            f"dropout ({config.dropout}) must be 0 with tp > 1: replicated activations would "
-            "need the same dropout mask on every tensor-parallel rank"
-        )
-    return problems
-
-
-def parallelize_gpt(model: nn.Module, tp_group, sequence_parallel: bool = False) -> nn.Module:
-    """Shard `model`'s layers over `tp_group`, in place, by the GPT's plan (models/plans.py)
-    through the one path every model's plan takes (apply_plan.parallelize); returns the model.
-
-    Every rank must pass the same unsharded weights (build the model from one seed).
-    Submodules a pipeline stage does not use are still sharded; parameter names are unchanged.
-    """
-    problems = tp_problems(model.config, tp_group.size)
+    plan = load_plan(plan)
+    tp = tp_group.size
+    sp = (plan.sequence_parallel if sequence_parallel is None else sequence_parallel) and tp > 1
+    problems = tp_problems_of(model, plan, tp, sp)
     if problems:
-        raise ValueError("cannot apply tensor parallelism:\n  " + "\n  ".join(problems))
-    return parallelize(model, GPT_PLAN, tp_group, sequence_parallel=sequence_parallel)
+        raise PlanError(problems[0])
+    styled = styled_modules(model, plan)
+    heads = head_count_modules(model, plan, styled)
+    tied = _tied_parameters(model, styled)
+    for name, (module, style) in styled.items():
+        sharded = _sharded(module, style, tp_group, sp)
+        if sharded is not module:
+            _set_submodule(model, name, sharded)
+    for module, attrs in heads.values():
+        for attr in attrs:
+            setattr(module, attr, getattr(module, attr) // tp)
+    _retie(model, tied, plan)
+    if sp:
+        _apply_sequence_parallel(model, plan, tp_group)
+    return model
+
+
+def _sharded(module: nn.Module, style, group, sp: bool) -> nn.Module:
+    if style.name == "colwise":
+        return ColumnParallelLinear(module, group, fused_parts=style.parts, sequence_parallel=sp)
+    if style.name == "vocab_head":
+        return ColumnParallelLinear(module, group, sequence_parallel=sp)
+    if style.name == "rowwise":
+        return RowParallelLinear(module, group, sequence_parallel=sp)
+    if style.name == "vocab_embed":
+        return VocabParallelEmbedding(module, group, sequence_parallel=sp)
+    if sp and isinstance(module, nn.Embedding):  # replicate
+        return SequenceShardedEmbedding(module, group)
+    return module
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, attr, module)
+
+
+def _tied_parameters(model: nn.Module, styled: dict) -> list[list[tuple[str, str]]]:
+    """Groups of (module path, parameter name) holding one Parameter, where a styled module is
+    among them (replacing it would untie them)."""
+    places: dict[int, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            if (module_name, name) not in places.get(id(param), []):
+                places.setdefault(id(param), []).append((module_name, name))
+    return [group for group in places.values() if len(group) > 1 and any(m in styled for m, _ in group)]
+
+
+def _retie(model: nn.Module, tied: list, plan: Plan) -> None:
+    """Make the places of each tied group hold one Parameter again (the first place's)."""
+    for group in tied:
+        (first_module, first_name), *rest = group
+        keep = getattr(model.get_submodule(first_module), first_name)
+        keep_layout = _layout_of(model.get_submodule(first_module), first_name)
+        for module_name, name in rest:
+            module = model.get_submodule(module_name)
+            if getattr(module, name).shape != keep.shape or _layout_of(module, name) != keep_layout:
+                raise PlanError(f"{plan.source}: {first_module}.{first_name} and {module_name}.{name} are one "
+                                "tied parameter, but the plan splits them differently")
+            setattr(module, name, keep)
+
+
+def _layout_of(module: nn.Module, name: str):
+    """(dim, fused parts) a sharded layer splits its parameter `name` along; None: not split."""
+    layout = getattr(module, "shard_layout", {}).get(name)
+    return None if layout is None else layout[:2]
+
+
+def _apply_sequence_parallel(model: nn.Module, plan: Plan, group) -> None:
+    regions = []
+    for pattern in plan.gather_inputs:
+        for name, module in matching_modules(model, pattern):
+            module.register_forward_pre_hook(partial(_gather_sequence_input, group=group))
+            regions.append(name)
+    for param in _sequence_sharded_parameters(model, regions):
+        param.register_hook(partial(all_reduce_copy, group=group))
+
+
+def _gather_sequence_input(module, args, group):
+    x_BTD_shard, *rest = args
+    return (gather_sequence(x_BTD_shard, group), *rest)
+
+
+def _sequence_sharded_parameters(model: nn.Module, regions: list[str]) -> list[nn.Parameter]:
+    """Replicated parameters that see only this rank's tokens: those of modules outside every
+    gathered region, except the sharded layers (whose gradients are their own) and the
+    sequence-sharded tables (whose backward gathers); and the row-parallel biases."""
+    def inside(name):
+        return any(name == r or name.startswith(f"{r}.") for r in regions)
+
+    params, seen = [], set()
+    for name, module in model.named_modules():
+        if isinstance(module, RowParallelLinear):
+            own = [module.bias] if module.bias is not None else []
+        elif hasattr(module, "shard_layout") or isinstance(module, SequenceShardedEmbedding) or inside(name):
+            own = []
+        else:
+            own = list(module.parameters(recurse=False))
+        for param in own:
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+def sequence_sharded_parameters(model: nn.Module, plan) -> list[nn.Parameter]:
+    """The parameters whose gradients sequence parallelism all-reduces over tp, for `plan`."""
+    plan = load_plan(plan)
+    regions = [name for pattern in plan.gather_inputs for name, _ in matching_modules(model, pattern)]
+    return _sequence_sharded_parameters(model, regions)
+
+
+__all__ = ["PlanError", "parallelize", "sequence_sharded_parameters"]
 
 
 @torch.no_grad()
