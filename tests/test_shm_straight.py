@@ -66,21 +66,31 @@ def _straight_and_general_calls_interleaved(group) -> list[str]:
     Then blocking calls mixed with isend/irecv, three tags, sizes from nothing to more than the
     ring holds: in order, then received tag by tag in reverse (so most wait in arrival buffers
     and must come out in order). Every byte checked."""
-    failures, peer = [], 1 - group.rank
-    rings, straight = group.transport.p2p, {"send": 0, "recv": 0}
-    for kind in straight:
-        taken = getattr(rings, f"{kind}_now")
+    straight = _counting_straight_moves(group.transport.p2p)
+    return _blocking_calls_into_an_empty_ring_go_straight(group, straight) + _mixed_calls_arrive_in_order(group)
 
-        def counted(*args, taken=taken, kind=kind):
+
+def _payload(i: int, size: int) -> torch.Tensor:
+    return (torch.arange(size, dtype=torch.int64) * 31 + i).to(torch.uint8)
+
+
+def _counting_straight_moves(rings) -> dict[str, int]:
+    """Wrap the rings' send_now and recv_now to count the messages each moved straight."""
+    straight = {"send": 0, "recv": 0}
+
+    def counting(kind: str, taken):
+        def counted(*args):
             moved = taken(*args)
             straight[kind] += moved
             return moved
+        return counted
 
-        setattr(rings, f"{kind}_now", counted)
+    rings.send_now, rings.recv_now = counting("send", rings.send_now), counting("recv", rings.recv_now)
+    return straight
 
-    def payload(i, size):
-        return (torch.arange(size, dtype=torch.int64) * 31 + i).to(torch.uint8)
 
+def _blocking_calls_into_an_empty_ring_go_straight(group, straight: dict[str, int]) -> list[str]:
+    failures, peer, rings = [], 1 - group.rank, group.transport.p2p
     first = [(i % 3, 8 * i) for i in range(20)]
     group.sendrecv(torch.ones(1), peer, torch.empty(1), peer)  # each ring's pages mapped in (the general path)
     # gloo's barrier, not ours: a wait of ours reads every ring it can into arrival buffers, and
@@ -89,7 +99,7 @@ def _straight_and_general_calls_interleaved(group) -> list[str]:
     before = dict(straight)
     if group.rank == 0:
         for i, (tag, size) in enumerate(first):
-            group.send(payload(i, size), peer, tag)
+            group.send(_payload(i, size), peer, tag)
     else:
         ring, tail = rings._incoming[peer].ring, rings._incoming[peer].tail
         expected = tail + sum(LINE + round_up(size) for _, size in first)
@@ -99,13 +109,17 @@ def _straight_and_general_calls_interleaved(group) -> list[str]:
         for i, (tag, size) in enumerate(first):
             landed = torch.empty(size, dtype=torch.uint8)
             group.recv(landed, peer, tag)
-            if not torch.equal(landed, payload(i, size)):
+            if not torch.equal(landed, _payload(i, size)):
                 failures.append(f"straight message {i} arrived changed")
     kind = "send" if group.rank == 0 else "recv"
     if straight[kind] - before[kind] != len(first):
         failures.append(f"{straight[kind] - before[kind]} of {len(first)} blocking {kind}s went straight")
     group.barrier()
+    return failures
 
+
+def _mixed_calls_arrive_in_order(group) -> list[str]:
+    failures, peer = [], 1 - group.rank
     sizes = [0, 1, 7, 64, 1000, 3000, 20_000]  # bytes; the ring holds 16 KiB
     messages = [(i % 3, sizes[i % len(sizes)]) for i in range(60)]
     for phase in ("in order", "tag by tag"):
@@ -113,9 +127,9 @@ def _straight_and_general_calls_interleaved(group) -> list[str]:
             handles = []
             for i, (tag, size) in enumerate(messages):
                 if i % 4 == 3:
-                    handles.append(group.isend(payload(i, size), peer, tag))
+                    handles.append(group.isend(_payload(i, size), peer, tag))
                 else:
-                    group.send(payload(i, size), peer, tag)
+                    group.send(_payload(i, size), peer, tag)
             for handle in handles:
                 handle.wait()
         else:
@@ -128,7 +142,7 @@ def _straight_and_general_calls_interleaved(group) -> list[str]:
                     group.irecv(landed, peer, tag).wait()
                 else:
                     group.recv(landed, peer, tag)
-                if not torch.equal(landed, payload(i, size)):
+                if not torch.equal(landed, _payload(i, size)):
                     failures.append(f"{phase}: message {i} (tag {tag}, {size} bytes) arrived changed")
         group.barrier()
     return failures

@@ -7,6 +7,7 @@ hands its measurements back, and only this process prints.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -15,6 +16,7 @@ import torch
 from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.bench import report
 from paratrain.bench.collectives import DTYPES, Sweep, element_counts, run_sweep
+from paratrain.bench.explain import print_explain
 from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.bench.overhead import overhead_lines, run_overhead
 from paratrain.bench import mpi_peer
@@ -182,6 +184,38 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
     """
     if max_bytes < min_bytes:
         raise _bad("--max-bytes", f"{max_bytes} is smaller than --min-bytes ({min_bytes})")
+    mode = _mode_of(tune, explain, overhead, peer, dtype, json_path, plot_path)
+    request = _request(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype,
+                       json_path, plot_path, tune, explain, overhead, peer, table_path, timeout, debug, rounds)
+    MODES[mode](request)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What every mode reads: the command line, checked and resolved once."""
+
+    plan: list[tuple[str, tuple[str, ...]]]  # (op, algorithms) pairs, as plan_sweep makes them
+    notes: list[str]  # printed under the header
+    counts: list[int]  # elements per size
+    sizes: str  # the sizes as asked, for the header
+    dtype: str
+    warmup: int
+    iters: int  # with --overhead: rounds
+    table: AlgorithmTable
+    nproc: int
+    launcher: str
+    settings: Settings
+    world: int
+    transport: str | None  # the transport the ranks will use, as far as it is known before they start
+    json_path: Path | None
+    plot_path: Path | None
+    tune: bool
+    explain: bool  # after measuring (with --tune); --explain alone is a mode of its own
+    rounds: int  # with --peer
+
+
+def _mode_of(tune, explain, overhead, peer, dtype, json_path, plot_path) -> str:
+    """Which of MODES the flags ask for; a usage error where they ask for two at once."""
     if explain and not tune and (json_path or plot_path):
         raise click.UsageError("--json and --plot need measurements; --explain alone measures nothing")
     if overhead and (tune or explain or json_path or plot_path):
@@ -191,9 +225,17 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
                                " --overhead, and does not run under torchrun")
     if peer and dtype not in mpi_peer.DTYPES:
         raise _bad("--dtype", f"--peer mpi measures {' or '.join(mpi_peer.DTYPES)}: MPI has no standard {dtype} type")
+    if explain and not tune:
+        return "explain"
+    return "overhead" if overhead else "peer" if peer else "sweep"
+
+
+def _request(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype, json_path,
+             plot_path, tune, explain, overhead, peer, table_path, timeout, debug, rounds) -> Request:
     settings = Settings.resolve(timeout=timeout, debug=debug or None)
+    transport = expected_transport(launcher, nproc, settings)
     plan, notes = plan_sweep(ops or ("all_reduce" if overhead else None), algos or ("auto" if peer else None),
-                             tune or overhead, expected_transport(launcher, nproc, settings))
+                             tune or overhead, transport)
     if table_path is not None:
         settings = settings.with_flags(algo_table=str(table_path))
     world = settings.launch.world_size if settings.launch.in_torchrun else nproc
@@ -206,55 +248,82 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
         table = AlgorithmTable({}, settings.table_path)  # tuning writes a whole new table anyway
         notes.append(f"{error}: replacing it")
     counts = element_counts(sweep_sizes(min_bytes, max_bytes, factor), dtype)
-    if explain and not tune:
-        _print_explain(table, plan, counts, dtype, world, expected_transport(launcher, nproc, settings))
-        return
+    sizes = f"minBytes {min_bytes}  maxBytes {max_bytes}  step: {factor}(factor)"
+    return Request(plan, notes, counts, sizes, dtype, warmup, iters, table, nproc, launcher, settings, world,
+                   transport, json_path, plot_path, tune, explain, rounds)
 
-    if overhead:
-        _print_overhead(plan, counts, dtype, warmup, iters, table, nproc, launcher, settings, notes)
-        return
 
-    sweep = Sweep(tuple(plan), tuple(counts), dtype, warmup, iters, table)
-    if peer:
-        mpi_peer.mpiexec_command(nproc)  # the extra's one-line message, before any rank starts
-        result, peer_rows, library = sweep_rounds(rounds, lambda: _launch(sweep, nproc, launcher, settings),
-                                                  lambda: mpi_peer.run_collectives(sweep, nproc))
-        notes.append(f"peer: {library}, {rounds} rounds of each side alternating, every figure the median round")
-    else:
-        result, peer_rows = _launch(sweep, nproc, launcher, settings), []
+def _explain(request: Request) -> None:
+    """--explain alone: what auto would pick, measuring nothing."""
+    print_explain(request.table, request.plan, request.counts, request.dtype, request.world, request.transport)
+
+
+def _sweep(request: Request) -> None:
+    """The sweep (with --tune, the table recorded from it; with --explain too, explained after)."""
+    _report(request, _launch(_sweep_of(request), request.nproc, request.launcher, request.settings), None)
+
+
+def _sweep_beside_mpi(request: Request) -> None:
+    """--peer mpi: the sweep in rounds alternating with MPI's, then ours / MPI per size."""
+    sweep = _sweep_of(request)
+    mpi_peer.mpiexec_command(request.nproc)  # the extra's one-line message, before any rank starts
+    result, peer_rows, library = sweep_rounds(
+        request.rounds, lambda: _launch(sweep, request.nproc, request.launcher, request.settings),
+        lambda: mpi_peer.run_collectives(sweep, request.nproc))
+    request.notes.append(f"peer: {library}, {request.rounds} rounds of each side alternating, "
+                         "every figure the median round")
+    _report(request, result, peer_rows)
+
+
+def _sweep_of(request: Request) -> Sweep:
+    return Sweep(tuple(request.plan), tuple(request.counts), request.dtype, request.warmup, request.iters,
+                 request.table)
+
+
+def _report(request: Request, result, peer_rows: list | None) -> None:
+    """Print rank 0's measurements (beside the peer's, `peer_rows`, where there is one); write the JSON and the
+    plot, record the tuned table and explain it as asked."""
     if result is None:  # under torchrun, a rank other than 0: rank 0's process prints
         return
-
-    launched_by = "torchrun" if in_torchrun() else launcher
+    launched_by = "torchrun" if in_torchrun() else request.launcher
     device = result.device if result.device.startswith("cuda") else "cpu"
     info = report.RunInfo(
         result.world_size, launched_by, result.transport, result.device, torch.__version__,
         copy_bandwidth_gbps(device),
-        f"ops {','.join(op for op, _ in plan)}  minBytes {min_bytes}  maxBytes {max_bytes}"
-        f"  step: {factor}(factor)  warmup iters: {warmup}  iters: {iters}  dtype: {dtype}",
+        f"ops {','.join(op for op, _ in request.plan)}  {request.sizes}"
+        f"  warmup iters: {request.warmup}  iters: {request.iters}  dtype: {request.dtype}",
     )
-    measurements = side_by_side(result.measurements, peer_rows) if peer else result.measurements
-    lines = report.header_lines(info) + [f"# note: {note}" for note in notes]
+    measurements = side_by_side(result.measurements, peer_rows) if peer_rows is not None else result.measurements
+    lines = report.header_lines(info) + [f"# note: {note}" for note in request.notes]
     lines += report.table_lines(measurements, result.world_size) + report.summary_lines(measurements)
     lines += report.auto_lines(measurements)
-    if peer:
+    if peer_rows is not None:
         lines += collectives_lines(result.measurements, peer_rows, "MPI")
     click.echo("\n".join(lines))
-    if json_path:
-        report.write_json(json_path, result.measurements, launched_by, result.world_size, result.transport, peer_rows)
-        click.echo(f"# wrote {len(measurements)} records to {json_path}")
-    if plot_path:
-        drawn = report.write_plot(plot_path, measurements, info)
-        click.echo(f"# plotted to {plot_path}" if drawn else "# nothing plotted: the barrier has no bandwidth")
-    if tune:
-        _record_tuned(table, measurements, result.transport, result.world_size)
+    if request.json_path:
+        report.write_json(request.json_path, result.measurements, launched_by, result.world_size, result.transport,
+                          peer_rows or [])
+        click.echo(f"# wrote {len(measurements)} records to {request.json_path}")
+    if request.plot_path:
+        drawn = report.write_plot(request.plot_path, measurements, info)
+        click.echo(f"# plotted to {request.plot_path}" if drawn else "# nothing plotted: the barrier has no bandwidth")
+    if request.tune:
+        _record_tuned(request.table, measurements, result.transport, result.world_size)
         click.echo(f"# tuned: the algorithm auto runs per op and size for {result.transport} x{result.world_size}"
-                   f" (native unless another beat it beyond the noise) saved to {table.save(settings.table_path)}")
-        table.status = "in use (written now, on this host)"
-    if explain:
-        _print_explain(table, plan, counts, dtype, result.world_size, result.transport)
+                   f" (native unless another beat it beyond the noise) saved to "
+                   f"{request.table.save(request.settings.table_path)}")
+        request.table.status = "in use (written now, on this host)"
+    if request.explain:
+        print_explain(request.table, request.plan, request.counts, request.dtype, result.world_size,
+                       result.transport)
     if any(m.wrong for m in measurements):
         raise click.ClickException("some collectives returned wrong elements (see #wrong)")
+
+
+def _overhead(request: Request) -> None:
+    """--overhead: our call beside a bare replay of its transport calls, and our own code's time."""
+    _print_overhead(request.plan, request.counts, request.dtype, request.warmup, request.iters, request.table,
+                    request.nproc, request.launcher, request.settings, request.notes)
 
 
 def _print_overhead(plan, counts, dtype, warmup, rounds, table, nproc, launcher, settings, notes) -> None:
@@ -294,35 +363,10 @@ def _record_tuned(table: AlgorithmTable, measurements, transport: str, world_siz
         table.record(transport, world_size, op, nbytes, verdict.algo, verdict.why)
 
 
-def _print_explain(table: AlgorithmTable, plan, counts: list[int], dtype: str, world_size: int,
-                   transport: str) -> None:
-    lines = [
-        f"# what auto picks: transport {report.describe_kind(transport)}, world size {world_size}",
-        f"# algorithm table {table.path}: {table.status}",
-        f"# {'op':<16}  {'size (B)':>10}  {'algo':<8}  why",
-    ]
-    element_size = torch.empty(0, dtype=DTYPES[dtype]).element_size()
-    natives = 0
-    for op, _ in plan:
-        for nbytes in [0] if op == "barrier" else [count * element_size for count in counts]:
-            choice = table.choose(op, nbytes, world_size, transport)
-            lines.append(f"  {op:<16}  {nbytes:>10}  {choice.algo:<8}  {choice.reason}")
-            natives += choice.algo == "native" and op != "barrier"
-    if transport == "gloo" and natives:
-        lines += [f"# {line}" for line in WHY_GLOO_WINS]
-    click.echo("\n".join(lines))
-
-
-# What --explain adds where gloo's own collective is kept: what measuring on a 2-core machine
-# showed about why it can beat algorithms that move no more bytes than it does.
-WHY_GLOO_WINS = (
-    "where gloo's own is kept, this is why it can win:",
-    " - gloo runs the whole schedule in C++ on its own threads; ours drives each step from the calling",
-    "   Python thread (tens of us of Python per call: see --overhead), and every step wakes that thread.",
-    "   On a machine whose cores are all busy a wake-up can wait for a core: a 4 ms scheduler tick on the",
-    "   2-core machine, so the algorithm with more steps loses more often.",
-    " - steps: the ring takes 2(n-1) of them, halving-doubling 2 log2(n) (plus 2 where n is not a power of",
-    "   two); below about 1 MiB the steps, not the bytes, set the time, so the ring falls behind from 4 ranks.",
-    " - from about 16 MiB every algorithm is bound by memory bandwidth (each byte is received, added and",
-    "   sent), so ours and gloo's are within the noise of each other and the table keeps gloo's.",
-)
+# One function per mode of `bench collectives`; _mode_of says which the flags ask for.
+MODES = {
+    "sweep": _sweep,
+    "peer": _sweep_beside_mpi,
+    "explain": _explain,
+    "overhead": _overhead,
+}
