@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import paratrain
+from frontend_helpers import wait_until
 from paratrain.comm.transport import shm_setup
 from paratrain.failure_report import RanksFailed
 from paratrain.settings import Settings
@@ -163,12 +164,15 @@ def test_a_rank_killed_while_training_ends_the_run_in_one_line_and_leaves_nothin
     run = subprocess.Popen(
         [sys.executable, "-m", "paratrain", "train", "--launcher", "processes", "--steps", "1000000",
          "--log-every", "1000000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    ranks = []
+    ranks, said = [], []
     try:
         ranks = _children(run.pid, deadline=time.monotonic() + 60)
-        time.sleep(1.0)  # training
+        for line in run.stdout:  # training: the first step is logged
+            said.append(line)
+            if line.startswith("step "):
+                break
         os.kill(ranks[1], signal.SIGKILL)
-        output = run.communicate(timeout=60)[0]
+        output = "".join(said) + run.communicate(timeout=60)[0]
     finally:
         if run.poll() is None:  # the test failed: leave no process behind
             for pid in [*ranks, run.pid]:
@@ -215,6 +219,15 @@ def _parents() -> dict[int, tuple[int, bytes]]:
             continue
         found[int(pid)] = (int(stat.rsplit(")", 1)[1].split()[1]), command)
     return found
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _files_of_children_of(parent: int) -> list[str]:
@@ -297,14 +310,17 @@ def test_after_a_run_killed_whole_the_next_run_leaves_dev_shm_and_tmpdir_as_they
                                "--launcher", "processes", "--steps", "1000000", "--log-every", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               start_new_session=True)
+    ranks = []
     try:
         for line in killed.stdout:
             if "step" in line:
                 break
+        ranks = _children(killed.pid, deadline=time.monotonic() + 60)
     finally:
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
-    time.sleep(2)  # the ranks see their launcher gone within a second, and exit
+    # the ranks see their launcher gone within a second, and exit
+    wait_until(lambda: not any(_running(pid) for pid in ranks), 30, "the killed run's ranks exit")
     assert now() - before, "a run killed whole left nothing: this test would show nothing"
     done = subprocess.run([sys.executable, "-m", "paratrain", "train", "--model", "mlp", "--nproc", "2",
                            "--launcher", "processes", "--steps", "2"], capture_output=True, text=True, env=env,
