@@ -22,7 +22,7 @@ class P2POp:
 
 # What a call did at its transport, in order: ("post", ops) started `ops`; ("wait", numbers)
 # completed the messages with those numbers (in the order they were posted, from 0). Link
-# records one for a call plan (plans.py), which runs it again, or has the transport compile it.
+# records one for a replay (replays.py), which runs it again, or has the transport compile it.
 POST, WAIT = "post", "wait"
 Schedule = list[tuple[str, list]]
 

@@ -227,7 +227,7 @@ class TorchTransport:
 
     def compile(self, schedule: Schedule) -> _GlooReplay | None:
         """A recorded call's schedule (see link.Schedule) as gloo calls and nothing else: what a
-        replayed all-reduce runs (plans.py). None with NCCL or CUDA tensors, whose steps must be
+        replayed all-reduce runs (replays.py). None with NCCL or CUDA tensors, whose steps must be
         batched (see start)."""
         if self.kind != "gloo" or any(op.tensor.is_cuda for what, ops in schedule if what == POST for op in ops):
             return None
