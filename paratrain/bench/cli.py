@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from paratrain.bench.collectives_cli import collectives
+from paratrain.bench.cp import cp
 from paratrain.bench.ddp import ddp
 from paratrain.bench.frontend import frontend
 from paratrain.bench.p2p_cli import p2p
@@ -20,6 +21,7 @@ def bench() -> None:
 
 
 bench.add_command(collectives)
+bench.add_command(cp)
 bench.add_command(ddp)
 bench.add_command(frontend)
 bench.add_command(p2p)

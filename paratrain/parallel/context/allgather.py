@@ -13,29 +13,29 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.parallel.context.blocks import Accumulator, Chunks, GradientAccumulator, grouped
+from paratrain.parallel.context.blocks import Accumulator, Chunks, GradientAccumulator, WaitClock, grouped
 from paratrain.parallel.context.layout import chunk_ids
 
 
-def _gather_blocks(group, k, v) -> torch.Tensor:
+def _gather_blocks(group, k, v, clock: WaitClock) -> torch.Tensor:
     """-> (cp, 2, B, K, S, D): rank r's keys and values at [r]."""
     mine = torch.stack([k, v])
     everyone = torch.empty((group.size, *mine.shape), dtype=mine.dtype, device=mine.device)
-    group.all_gather(everyone, mine)
+    clock.call(group.all_gather, everyone, mine)
     return everyone
 
 
 class AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: str, causal: bool, scale: float):
+    def forward(ctx, q, k, v, group, layout: str, causal: bool, scale: float, clock: WaitClock):
         cp, rank = group.size, group.rank
         mine = Chunks(chunk_ids(rank, cp, layout), q.shape[2])
         result = Accumulator(grouped(q, k.shape[1]), scale)
-        for source, block in enumerate(_gather_blocks(group, k, v)):
+        for source, block in enumerate(_gather_blocks(group, k, v, clock)):
             result.add_block(mine, block[0], block[1], Chunks(chunk_ids(source, cp, layout), k.shape[2]), causal)
         out = result.out.view(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, result.lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.scale = group, layout, causal, scale
+        ctx.group, ctx.layout, ctx.causal, ctx.scale, ctx.clock = group, layout, causal, scale, clock
         return out
 
     @staticmethod
@@ -48,8 +48,8 @@ class AllGatherAttention(torch.autograd.Function):
         mine = Chunks(chunk_ids(rank, cp, layout), q.shape[2])
         dkv_everyone = torch.stack([
             grads.block(mine, block[0], block[1], Chunks(chunk_ids(source, cp, layout), k.shape[2]), causal)
-            for source, block in enumerate(_gather_blocks(group, k, v))])
+            for source, block in enumerate(_gather_blocks(group, k, v, ctx.clock))])
         dkv = torch.empty_like(dkv_everyone[0])
-        group.reduce_scatter(dkv, dkv_everyone)  # each block's dK/dV summed over every query's rank
+        ctx.clock.call(group.reduce_scatter, dkv, dkv_everyone)  # each block's dK/dV summed over every query's rank
         dq = grads.dq.view(q.shape).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None

@@ -8,6 +8,7 @@ import math
 import torch
 
 from paratrain.parallel.context.allgather import AllGatherAttention
+from paratrain.parallel.context.blocks import WaitClock
 from paratrain.parallel.context.layout import chunks_per_rank
 from paratrain.parallel.context.ring import RingAttention
 
@@ -16,10 +17,11 @@ METHODS = {"ring": RingAttention, "allgather": AllGatherAttention}
 
 def context_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, group, *,
                       causal: bool = True, layout: str = "zigzag", method: str = "ring",
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, clock: WaitClock | None = None) -> torch.Tensor:
     """Attention of this rank's queries (B, H, S, D) over the whole sequence's keys and values,
     whose local parts (B, K, S, D) every rank of `group` holds in `layout` (layout.py). K may be
-    fewer than H (grouped-query attention: only the K heads travel). -> this rank's output."""
+    fewer than H (grouped-query attention: only the K heads travel). `clock` adds up the seconds
+    spent waiting on communication, forward and backward. -> this rank's output."""
     if method not in METHODS:
         raise ValueError(f"context attention: method must be one of {', '.join(METHODS)}, got {method!r}")
     chunks = chunks_per_rank(layout)
@@ -31,4 +33,4 @@ def context_attention(q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.
                          f"by {chunks} for {layout}; got {q_BHSD.shape[2]} and {k_BKSD.shape[2]}")
     if scale is None:
         scale = 1.0 / math.sqrt(q_BHSD.shape[-1])
-    return METHODS[method].apply(q_BHSD, k_BKSD, v_BKSD, group, layout, causal, scale)
+    return METHODS[method].apply(q_BHSD, k_BKSD, v_BKSD, group, layout, causal, scale, clock or WaitClock())

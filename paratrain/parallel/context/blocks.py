@@ -21,9 +21,29 @@ Backward of one pair, with the final lse and δ = rowsum(dout ∘ out):
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 FULL, DIAGONAL = "full", "diagonal"
+
+
+class WaitClock:
+    """Seconds a rank spent waiting for communication it could not hide (`bench cp` reads it)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wait(self, *handles) -> None:
+        started = time.perf_counter()
+        for handle in handles:
+            handle.wait()
+        self.seconds += time.perf_counter() - started
+
+    def call(self, collective, *args) -> None:
+        started = time.perf_counter()
+        collective(*args)
+        self.seconds += time.perf_counter() - started
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.parallel.context.blocks import Accumulator, Chunks, GradientAccumulator, grouped
+from paratrain.parallel.context.blocks import Accumulator, Chunks, GradientAccumulator, WaitClock, grouped
 from paratrain.parallel.context.layout import chunk_ids
 
 # This group's point-to-point tags: a block and a block's gradient never share one.
@@ -40,14 +40,9 @@ class Ring:
         return receiving, self.group.isend(send, self.next, tag)
 
 
-def _wait(*handles) -> None:
-    for handle in handles:
-        handle.wait()
-
-
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: str, causal: bool, scale: float):
+    def forward(ctx, q, k, v, group, layout: str, causal: bool, scale: float, clock: WaitClock):
         cp, rank, ring = group.size, group.rank, Ring(group)
         mine = Chunks(chunk_ids(rank, cp, layout), q.shape[2])
         result = Accumulator(grouped(q, k.shape[1]), scale)
@@ -57,17 +52,17 @@ class RingAttention(torch.autograd.Function):
             moving = ring.pass_on(block, spare, KV_TAG) if step < cp - 1 else ()
             theirs = Chunks(chunk_ids((rank - step) % cp, cp, layout), k.shape[2])
             result.add_block(mine, block[0], block[1], theirs, causal)
-            _wait(*moving)
+            clock.wait(*moving)
             block, spare = spare, block
         out = result.out.view(q.shape).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, result.lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.scale = group, layout, causal, scale
+        ctx.group, ctx.layout, ctx.causal, ctx.scale, ctx.clock = group, layout, causal, scale, clock
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout, causal = ctx.group, ctx.layout, ctx.causal
+        group, layout, causal, clock = ctx.group, ctx.layout, ctx.causal, ctx.clock
         cp, rank, ring = group.size, group.rank, Ring(group)
         heads = k.shape[1]
         grads = GradientAccumulator(grouped(q, heads), grouped(out, heads), grouped(dout.contiguous(), heads),
@@ -81,15 +76,15 @@ class RingAttention(torch.autograd.Function):
             theirs = Chunks(chunk_ids((rank - step) % cp, cp, layout), k.shape[2])
             dkv = grads.block(mine, block[0], block[1], theirs, causal)
             if arriving is not None:  # what the block's earlier holders summed
-                _wait(arriving, sending)
+                clock.wait(arriving, sending)
                 dkv += incoming
             if cp > 1:  # on to the next holder; the last hop takes each block's sum home
                 incoming = torch.empty_like(dkv)
                 arriving, sending = ring.pass_on(dkv, incoming, DKV_TAG)
-            _wait(*moving)
+            clock.wait(*moving)
             block, spare = spare, block
         if cp > 1:
-            _wait(arriving, sending)
+            clock.wait(arriving, sending)
             dkv = incoming
         dq = grads.dq.view(q.shape).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
