@@ -4,7 +4,7 @@ from paratrain.comm import Group
 from paratrain.launch import run
 from paratrain.mesh import Mesh
 from paratrain.parallel.tensor.parallelize import parallelize
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 from paratrain.train.api import Prepared, prepare
 from paratrain.train.setup import seeded
 

@@ -20,7 +20,7 @@ import traceback
 import click
 
 from paratrain.errors import Problems, UserError
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 _BARE_GROUP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2: `paratrain bench` alone
 

@@ -7,7 +7,7 @@ import click
 
 from paratrain.comm import native
 from paratrain.launch import LAUNCHERS, algorithm_table, expected_transport
-from paratrain.settings import SPECS, Settings, SettingsError
+from paratrain.environment import SPECS, Settings, SettingsError
 
 # Variables click reads itself, as the defaults of options (`paratrain serve --token`, ...).
 OPTION_VARIABLES = (
@@ -47,7 +47,7 @@ def env(nproc: int) -> None:
     `algo="auto"` would use (the file, and whether it is in use for a world of --nproc ranks),
     and the transport each launcher gives a world here.
 
-    Settings are read once when a run starts (paratrain/settings.py); a flag such as `train
+    Settings are read once when a run starts (paratrain/environment.py); a flag such as `train
     --timeout` overrides its variable for that run.
     """
     try:

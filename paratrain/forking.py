@@ -30,7 +30,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from paratrain.settings import take_environment, threads_from_environment
+from paratrain.environment import take_environment, threads_from_environment
 
 # Imported once, in the server; each child starts with them. `paratrain.launch` brings torch,
 # torch.distributed and our communication layer; the rest is what a frontend dispatcher and its

@@ -8,7 +8,7 @@
 
 `run` returns {rank: fn's return value} for the ranks this process launched.
 
-Settings are resolved here, once (paratrain/settings.py: defaults, the environment, then the
+Settings are resolved here, once (paratrain/environment.py: defaults, the environment, then the
 arguments given), and handed to every rank: spawned processes receive them with their
 arguments. The transport is chosen here too, and said by `expected_transport` before a world
 starts: the fabric for threads; for processes a torch.distributed group, whose ranks on one host
@@ -40,7 +40,7 @@ from paratrain.comm.flight import FlightRecords
 from paratrain.comm.transport import over_process_group, shm_setup
 from paratrain import forking, lifetime
 from paratrain.failure_report import RunStopped, failed_run_error
-from paratrain.settings import (
+from paratrain.environment import (
     Settings, child_environment, default_threads_for_children, launch_environment, torch_reads,
 )
 

@@ -14,7 +14,7 @@ import torch
 import paratrain
 from paratrain.comm import CollectiveMismatchError, CommTimeoutError, Fabric, Group
 from paratrain.comm.algorithms import algorithms_for
-from paratrain.settings import Settings, SettingsError
+from paratrain.environment import Settings, SettingsError
 
 from collective_checks import sweep  # the fabric matrix's checkers, for debug mode
 

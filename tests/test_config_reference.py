@@ -10,7 +10,7 @@ import yaml
 from click.testing import CliRunner
 
 from paratrain.cli import main
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 from paratrain.train.cli import train
 from paratrain.train.config import ParallelConfig, TrainConfig, load_yaml
 from paratrain.train.config_reference import EXAMPLE, PAGE, REGENERATE, render

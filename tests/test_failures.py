@@ -18,7 +18,7 @@ import paratrain
 from paratrain.comm import FabricAborted, Group, PeerLostError, TorchTransport, over_process_group
 from paratrain.comm.flight import FlightRecords
 from paratrain.failure_report import RanksFailed, describe_failed_run, failed_run_error
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 from frontend_helpers import forked_program
 

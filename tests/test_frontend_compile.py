@@ -25,7 +25,7 @@ from paratrain.frontend.signals import ConfigError, parse
 from paratrain.frontend.workers import codegen
 from paratrain.frontend.workers.hotpath import HotPaths
 from paratrain.frontend.workers.settings import CompileSettings, SettingsError
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 RTOL, ATOL = 1e-5, 1e-6
 COMPILE_ENV = ("AUTO_COMPILE", "HOTPATH_THRESHOLD", "HOTPATH_MIN_SEQ", "HOTPATH_WINDOW", "HOTPATH_MAX_EXPAND",

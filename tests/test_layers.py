@@ -20,11 +20,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "paratrain"
 
 # DESIGN.md's layers, bottom first. DESIGN draws train | frontend | plan side by side over
 # parallel, and bench in the command line's row; plan reads the training loop (plan --validate
-# runs it), so it sits just above train. `settings` is below everything: every layer takes its
+# runs it), so it sits just above train. `environment` is below everything: every layer takes its
 # settings from it. launch starts worlds of Groups (the mesh's row); models and data know nothing
 # of communication.
 LAYERS = (
-    ("settings", "errors", "cli_errors", "paths", "cli_types", "provenance", "lifetime"),  # the user errors any layer may raise,
+    ("environment", "errors", "cli_errors", "paths", "cli_types", "provenance", "lifetime"),  # the user errors any layer may raise,
     # how a command reports them, the command-line types that refuse bad values, where a figure came from
     ("comm",),
     ("models", "data"),

@@ -25,7 +25,7 @@ import paratrain
 from frontend_helpers import wait_until
 from paratrain.comm.transport import shm_setup
 from paratrain.failure_report import RanksFailed
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 pytestmark = [pytest.mark.serial, pytest.mark.skipif(not shm_setup.enabled(Settings.resolve()), reason="shared memory between processes: x86-64 Linux")]
 
@@ -104,7 +104,7 @@ def _raw_rank(rank: int, store: str, record: str) -> None:
     import torch.distributed as dist
 
     from paratrain.comm import TorchTransport, over_process_group
-    from paratrain.settings import Settings
+    from paratrain.environment import Settings
 
     # Every rank sweeps dead processes' files as it sets up: rank 0's sweep must come before rank
     # 1 dies, or it (rightly) removes what this test means to leave for the next run.

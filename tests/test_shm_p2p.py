@@ -24,7 +24,7 @@ import paratrain
 from paratrain.comm import CommTimeoutError, Group, SharedMemoryTransport, TorchTransport
 from paratrain.comm.transport import over_process_group, shm_setup
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
-from paratrain.settings import Settings, SettingsError
+from paratrain.environment import Settings, SettingsError
 
 from test_failures import rank_1_leaves, run_two_gloo_ranks
 from test_p2p import RUN_TIMEOUT_S, _assert_no_failures, every_p2p_check, sendrecv_around_the_ring

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import paratrain
 from paratrain.comm.transport.shm_ring import LINE, Fragment, Ring, round_up
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 from test_p2p import RUN_TIMEOUT_S, _assert_no_failures
 

@@ -25,7 +25,7 @@ from paratrain.bench.tuning import tuned_choices
 from paratrain.comm.algorithms import OPS, SHARED_ALGORITHMS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.launch import LAUNCHERS, algorithm_table, expected_transport, in_torchrun, run
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _ALL_ALGOS = tuple(dict.fromkeys(a for op in OPS for a in algorithms_for(op, "any")))

@@ -25,7 +25,7 @@ import torch
 from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.launch import LAUNCHERS, in_torchrun, run
 from paratrain.parallel.data.strategy import DP_MODES, STRATEGIES, resolve_strategy
-from paratrain.settings import launch_environment
+from paratrain.environment import launch_environment
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
 from paratrain.train.validate import problems_with

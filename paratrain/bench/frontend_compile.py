@@ -18,7 +18,7 @@ import click
 
 from paratrain.bench import frontend_steps
 from paratrain.bench.frontend_steps import ROUND_SECONDS, frontend_step, seconds_per_step
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 SIZES = ((256, 1024), (1024, 2048))
 REGION = "bench_compiled_forward"

@@ -39,7 +39,7 @@ from paratrain.bench.collectives import Measurement, Sweep, SweepResult, run_swe
 from paratrain.bench.p2p import P2PResult, P2PSweep, run_p2p
 from paratrain import lifetime
 from paratrain.errors import UserError
-from paratrain.settings import child_environment
+from paratrain.environment import child_environment
 
 MISSING = "--peer mpi needs mpi4py and an MPI library: pip install -e '.[mpi]'"
 DTYPES = ("float32", "int64")  # MPI has no standard type for float16 or bfloat16

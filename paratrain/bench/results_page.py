@@ -28,7 +28,7 @@ import torch
 
 from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.provenance import code_commit, utc_now
-from paratrain.settings import child_environment
+from paratrain.environment import child_environment
 from paratrain.train.matrix import render as render_matrix
 
 RUN_FILE = "run.json"  # the machine, the date and each command's wall time, written by `run_sweeps`

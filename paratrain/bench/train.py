@@ -24,7 +24,7 @@ from paratrain.launch import run
 from paratrain.models import GPTConfig, model_config
 from paratrain.plan.flops import step_flops
 from paratrain.plan.shapes import GPTShape
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 from paratrain.train.cli import describe_model, describe_run
 from paratrain.train.config import TrainConfig
 from paratrain.train.loop import train_rank

@@ -10,7 +10,7 @@ another call's, and a timeout names it. With `debug=True` every collective first
 all ranks are making the same call. Every call is kept in the rank's flight recorder (see
 `flight.py`), which a timeout, a lost peer or a mismatched call writes out.
 
-A Group reads no environment: it is given the process's settings (paratrain/settings.py; the
+A Group reads no environment: it is given the process's settings (paratrain/environment.py; the
 launcher resolves them), which the layers above read from it too, and its algorithm table;
 without them, the defaults (300 s, no checks, the algorithm defaults of choice.py).
 """
@@ -35,7 +35,7 @@ from paratrain.comm.ops import check_reduce_op, divide_, part_size, reduced_as
 from paratrain.comm.p2p_calls import USER_TAGS, PointToPoint
 from paratrain.comm.replays import Replays
 from paratrain.comm.scratch import ScratchPool
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 _DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
 _VALID = {kind: {op: frozenset(algorithms_for(op, kind)) for op in OPS} for kind in (None, "shm")}  # built once

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from paratrain.docs_check.compare import compare
 from paratrain.docs_check.pages import ROOT, Block
-from paratrain.settings import child_environment
+from paratrain.environment import child_environment
 
 BIN = Path(sys.executable).parent  # the virtual environment this runs in
 MARKER = "@@docs-check-status"

@@ -104,7 +104,7 @@ def worker(host, port, token, threads, connect_timeout, backend, name, exit_with
     from paratrain.frontend.workers.settings import CompileSettings
     from paratrain.frontend.workers.worker import DeviceUnavailable, run_worker
     from paratrain.launch import init_process_group_from_env
-    from paratrain.settings import Settings, SettingsError
+    from paratrain.environment import Settings, SettingsError
 
     try:
         settings = Settings.resolve()

@@ -41,7 +41,7 @@ from paratrain.parallel.data import build_data_parallel
 from paratrain.parallel.grad_norm import clip_grad_norm_
 from paratrain.parallel.plan import load_plan
 from paratrain.parallel.precision import LossScaler
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 from paratrain.train.compiled import CompiledLayers
 from paratrain.train.config import ParallelConfig
 from paratrain.train.parallel_model import ParallelModel, full_state, parallelize_model

@@ -18,7 +18,7 @@ import click
 from paratrain.cli_types import FiniteFloat
 from paratrain.launch import run
 from paratrain.parallel.data.strategy import strategy_of
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 from paratrain.train.loop import train_rank
 from paratrain.train.options import training_options, validated_config
 from paratrain.train.reference import reference_run

@@ -16,7 +16,7 @@ from paratrain.parallel.plan import matching_modules
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.timeline import format_timeline
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.config_reference import config_yaml
 from paratrain.train.loop import train_rank

@@ -7,7 +7,7 @@ from typing import Callable
 
 import click
 
-from paratrain.settings import LaunchEnvironment, Settings
+from paratrain.environment import LaunchEnvironment, Settings
 from paratrain.train.config import ConfigError, TrainConfig, apply_overrides, load_yaml
 from paratrain.train.validate import validate
 

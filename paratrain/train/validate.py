@@ -26,7 +26,7 @@ from paratrain.parallel.pipeline.split import pipeline_layers
 from paratrain.parallel.plan import PlanError, pipeline_problems, tp_problems_of
 from paratrain.parallel.tensor.gpt import tp_problems
 from paratrain.paths import cannot_write
-from paratrain.settings import Settings, compile_backend_problem
+from paratrain.environment import Settings, compile_backend_problem
 from paratrain.train.config import ConfigError, TrainConfig
 from paratrain.train.setup import data_choice, meta_model, plan_for
 

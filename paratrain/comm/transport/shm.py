@@ -16,7 +16,7 @@ What goes this way: every message of a process group (its point-to-point and the
 paratrain's own collective algorithms, SharedMemoryTransport.start) whose tensor is on the CPU and whose
 peer shares /dev/shm with this process, on x86-64 (see shm_ring.py). Everything else (CUDA
 tensors, peers on other hosts, the backend's own collectives) goes to the process group as
-before. The settings (paratrain/settings.py): PARATRAIN_SHM=0 turns it off; PARATRAIN_SHM_BYTES
+before. The settings (paratrain/environment.py): PARATRAIN_SHM=0 turns it off; PARATRAIN_SHM_BYTES
 sets each ring's size (default 4 MiB, less beyond 16 peers on the host; a larger message passes
 through in pieces); PARATRAIN_SHM_SPIN_US how long a wait polls before it sleeps (default 50000
 where the host has a core per rank, 0 where it has fewer).

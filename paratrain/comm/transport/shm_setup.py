@@ -36,7 +36,7 @@ from paratrain.comm.transport.shm import SharedMemoryP2P
 from paratrain.comm.transport.shm_arena import Arena
 from paratrain.comm.transport.shm_ring import Ring, round_up
 from paratrain.lifetime import process_alive, start_time
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 DEFAULT_RING_BYTES = 4 << 20
 # What one process's outgoing rings may hold together, unless PARATRAIN_SHM_BYTES says: a host

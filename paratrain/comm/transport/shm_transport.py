@@ -21,7 +21,7 @@ from paratrain.comm.transport import shm_setup
 from paratrain.comm.transport.base import P2POp
 from paratrain.comm.transport.shm import SharedMemoryP2P
 from paratrain.comm.transport.torch_pg import TorchTransport
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 
 def over_process_group(inner: TorchTransport, settings: Settings) -> TorchTransport | SharedMemoryTransport:

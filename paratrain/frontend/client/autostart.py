@@ -17,7 +17,7 @@ import time
 
 from paratrain import forking
 from paratrain.frontend.protocol.addresses import READY_MARK
-from paratrain.settings import child_environment
+from paratrain.environment import child_environment
 
 
 def wait_until_ready(process: subprocess.Popen, timeout: float) -> str:

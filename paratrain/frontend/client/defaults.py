@@ -3,7 +3,7 @@
 `connect(address)` sets it; otherwise the first operation makes it, connecting to
 `PARATRAIN_SERVER` if that is set, or else starting a dispatcher and `gpu_workers(n)` workers
 on this machine (one by default), which stop when the program exits. The program's settings
-(paratrain/settings.py: the server, token, timeout and signal file) are resolved once, at its
+(paratrain/environment.py: the server, token, timeout and signal file) are resolved once, at its
 first session. Everything else takes its
 session from the tensors it is given, so several explicit `Session`s can live side by side.
 
@@ -24,7 +24,7 @@ from paratrain.frontend.client.config import Config
 from paratrain.frontend.client.session import Session
 from paratrain.frontend.errors import FrontendError
 from paratrain.frontend.shapes import warm_up
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 
 class Defaults:

@@ -35,7 +35,7 @@ from paratrain.frontend.protocol import Instruction, messages
 from paratrain.frontend.protocol.records import Fetched
 from paratrain.frontend.protocol.tensors import array_from_frame, numpy_dtype_name, part_sizes
 from paratrain.frontend.shapes import infer
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 BATCH_SIZE = 256  # instructions per message when nothing forces a send earlier
 MAX_UNSYNCED = 16  # batches in flight before the client waits for the workers to catch up

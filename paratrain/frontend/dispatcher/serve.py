@@ -22,7 +22,7 @@ from paratrain.frontend.dispatcher.settings import DispatcherSettings
 from paratrain.frontend.processes import describe_exit
 from paratrain.lifetime import process_alive
 from paratrain.frontend.protocol.addresses import READY_MARK
-from paratrain.settings import child_environment
+from paratrain.environment import child_environment
 
 
 def default_threads(workers: int) -> int:

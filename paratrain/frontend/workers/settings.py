@@ -1,4 +1,4 @@
-"""A worker's compilation settings, taken from the process's settings (paratrain/settings.py,
+"""A worker's compilation settings, taken from the process's settings (paratrain/environment.py,
 resolved once when the worker starts).
 
 GT's variables, each also under a PARATRAIN_ name (which wins when both are set):
@@ -24,7 +24,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from paratrain.settings import Settings, SettingsError, compile_backend_problem
+from paratrain.environment import Settings, SettingsError, compile_backend_problem
 
 _FLAG_ON, _FLAG_OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

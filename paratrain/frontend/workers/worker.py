@@ -28,7 +28,7 @@ from paratrain.frontend.protocol.records import ErrorReport, Fetched
 from paratrain.frontend.workers.executor import Executor
 from paratrain.lifetime import process_alive
 from paratrain.frontend.workers.settings import CompileSettings
-from paratrain.settings import Settings
+from paratrain.environment import Settings
 
 HEARTBEAT_S = 0.5
 DISPATCHER_SILENCE_S = 20.0  # a loaded host stalled a dispatcher for 7 s (it pings every second)

@@ -1,4 +1,4 @@
-"""Settings in one place (paratrain/settings.py): resolved from defaults, the environment and
+"""Settings in one place (paratrain/environment.py): resolved from defaults, the environment and
 flags with their source; no other module reads the environment; `paratrain env` shows them; the
 cached algorithm table is used only where it was measured; one entry adds a training flag."""
 
@@ -16,12 +16,12 @@ import paratrain
 from paratrain.cli import main
 from paratrain.comm import choice
 from paratrain.comm.choice import AlgorithmTable
-from paratrain.settings import SPECS, LaunchEnvironment, Settings, SettingsError
+from paratrain.environment import SPECS, LaunchEnvironment, Settings, SettingsError
 from paratrain.train import options
 from paratrain.train.config import TrainConfig, apply_overrides
 
 PACKAGE = Path(paratrain.__file__).parent
-SETTINGS_MODULE = PACKAGE / "settings.py"  # also hands the environment to the processes we start
+SETTINGS_MODULE = PACKAGE / "environment.py"  # also hands the environment to the processes we start
 
 
 def test_no_module_but_the_settings_reads_the_environment():
@@ -175,7 +175,7 @@ def test_under_torchrun_the_banner_names_the_process_groups_transport_not_the_la
     import dataclasses
 
     from paratrain.launch import expected_transport
-    from paratrain.settings import LaunchEnvironment, Settings
+    from paratrain.environment import LaunchEnvironment, Settings
 
     torchrun = LaunchEnvironment(rank=0, world_size=2, local_world_size=2, master_addr="127.0.0.1",
                                  master_port=29500, run_id="none")

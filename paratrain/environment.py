@@ -3,7 +3,7 @@
 A process resolves its `Settings` where it starts: `launch.run` (so `paratrain train`, `check`,
 `bench`), a frontend worker, a frontend program's first session. The result is handed down: a
 `Group` holds its timeout, debug flag and algorithm table, a transport its shared-memory settings,
-the flight recorder its folder. No other module reads `os.environ` (tests/test_settings.py checks;
+the flight recorder its folder. No other module reads `os.environ` (tests/test_environment.py checks;
 the launchers only copy it to the processes they start). Flags typed on a command line win over
 the environment: `Settings.resolve(timeout=...)`.
 
