@@ -15,7 +15,7 @@ from paratrain.plan.comm_model import collective_seconds
 from paratrain.plan.cost_model import predict
 from paratrain.plan.hardware import PROFILE_DIR, Link, load_profile, shipped_profiles
 from paratrain.plan.memory import Layout
-from paratrain.plan.search import layout_problems, search
+from paratrain.plan.search import candidate_layouts, layout_problems, search
 from paratrain.plan.shapes import GPTShape, named_shape
 
 
@@ -121,3 +121,28 @@ def test_plan_command_searches_and_refuses_impossible_layouts():
     assert "fastest:" in searched.output and "valid layouts" in searched.output
     refused = runner.invoke(main, ["plan", "--model", "gpt-small", "--tp", "3"])
     assert refused.exit_code == 2 and "tp 3 must divide" in refused.output
+
+
+def test_context_parallelism_divides_activations_and_says_whether_its_ring_hides():
+    """cp ranks keep 1/cp of every sequence's activations (as flash attention: no s x s scores);
+    the ring's hops hide behind attention when each rank's block is long (on an A100 node, NVLink)."""
+    profile = load_profile("a100-80gb-hdr")
+    long = GPTShape(layers=32, hidden=4096, heads=32, seq=32768, vocab=32000, mlp=11008, kv_heads=8, gated=True)
+    one, two, four = (predict(long, Layout(1, 1, 1, 1, cp=cp), profile, 8) for cp in (1, 2, 4))
+    assert one.layout.gpus == 1 and four.layout.gpus == 4
+    assert two.memory.activations / one.memory.activations == pytest.approx(0.5, rel=0.02)
+    assert four.memory.activations / one.memory.activations == pytest.approx(0.25, rel=0.02)
+    assert one.breakdown["cp_comm"] == 0 and four.breakdown["cp_comm"] == 0  # hidden behind attention
+    short = replace(long, seq=512)
+    exposed = predict(short, Layout(1, 1, 1, 1, cp=4), profile, 8)
+    assert exposed.breakdown["cp_comm"] > 0  # 128-token blocks: a hop outlasts its block's attention
+    assert sum(exposed.breakdown.values()) == pytest.approx(exposed.step_s)
+
+
+def test_the_search_tries_context_parallelism_for_long_sequences_only():
+    profile = load_profile("a100-80gb-hdr")
+    long = GPTShape(layers=8, hidden=2048, heads=16, seq=16384, vocab=32000)
+    assert {layout.cp for layout in candidate_layouts(long, 8, 8, profile)} == {1, 2, 4}  # >= 4096 tokens each
+    assert {layout.cp for layout in candidate_layouts(replace(long, seq=2048), 8, 8, profile)} == {1}
+    problems = layout_problems(replace(long, seq=100), Layout(cp=4), 8, profile, gpus=4)
+    assert problems == ["the sequence (100) must divide by 2·cp = 8 (zigzag context parallelism)"]

@@ -16,7 +16,7 @@ MFU counts model FLOPs (no recomputation; Korthikanti et al. 2022, Section 6), H
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from paratrain.parallel.pipeline.simulate import simulate
 from paratrain.plan.comm_model import collective_seconds, spans_nodes
@@ -28,7 +28,9 @@ from paratrain.plan.flops import (
     step_flops,
 )
 from paratrain.plan.hardware import HardwareProfile
-from paratrain.plan.memory import Layout, Memory, cached_schedule, chunk_layers, layer_parameters, memory_per_gpu
+from paratrain.plan.memory import (
+    Layout, Memory, cached_schedule, chunk_layers, context_local, layer_parameters, memory_per_gpu,
+)
 from paratrain.plan.shapes import GPTShape
 
 LAYER_OPS = 30   # operators per layer, forward and backward: ~10 kernels forward, ~20 backward
@@ -43,13 +45,19 @@ class Pass:
     compute: float = 0.0
     tp_comm: float = 0.0
     pp_comm: float = 0.0
+    cp_comm: float = 0.0  # what of the context ring (or all-gather) attention's compute does not hide
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm
+        return self.compute + self.tp_comm + self.pp_comm + self.cp_comm
 
     def __add__(self, other: Pass) -> Pass:
-        return Pass(self.compute + other.compute, self.tp_comm + other.tp_comm, self.pp_comm + other.pp_comm)
+        return Pass(self.compute + other.compute, self.tp_comm + other.tp_comm, self.pp_comm + other.pp_comm,
+                    self.cp_comm + other.cp_comm)
+
+    def scaled(self, compute: float) -> Pass:
+        """The same pass with its compute `compute` times as long."""
+        return Pass(self.compute * compute, self.tp_comm, self.pp_comm, self.cp_comm)
 
 
 @dataclass
@@ -98,12 +106,34 @@ def tp_exchange(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> fl
     return collective_seconds(profile, "all_reduce", activation, t, across)
 
 
+def ring_exposed(shape: GPTShape, layout: Layout, profile: HardwareProfile, attention_s: tuple[float, float]
+                 ) -> tuple[float, float]:
+    """Seconds of one layer's context ring that attention's compute does not hide, forward and
+    backward (parallel/context/ring.py): each of the cp steps scores one block while the next
+    block's K/V (kv heads only, this tp rank's) travel; backward sends K/V again and the dK/dV
+    (fp32) one hop behind. `attention_s`: the layer's attention compute, forward and backward."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    local = shape.seq // cp
+    kv_width = shape.hidden * shape.kv_heads // shape.heads // layout.tp
+    block = 2 * layout.micro_batch * local * kv_width * profile.software.activation_bytes
+    across = spans_nodes(profile, layout.tp, layout.pp * cp, 1)["pp"]
+    hop = collective_seconds(profile, "p2p", block, 2, across)
+    gradient_hop = collective_seconds(profile, "p2p", block * 4 / profile.software.activation_bytes, 2, across)
+    forward_step, backward_step = attention_s[0] / cp, attention_s[1] / cp
+    return ((cp - 1) * max(0.0, hop - forward_step),
+            (cp - 1) * max(0.0, hop + gradient_hop - backward_step) + max(0.0, gradient_hop - backward_step))
+
+
 def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> dict[str, Pass]:
-    """Forward, input-gradient and weight-gradient passes of one layer for one microbatch."""
-    t, b = layout.tp, layout.micro_batch
-    mm, att = layer_matmul_flops(shape, b) / t, layer_attention_flops(shape, b) / t
-    ew = _elementwise_bytes(shape, b, profile, t, layout.sequence_parallel)
-    flash = flash_backward_flops(shape, b) / shape.layers / t if profile.software.flash_attention else 0.0
+    """Forward, input-gradient and weight-gradient passes of one layer for one microbatch (on one
+    context-parallel rank: 1/cp of the tokens, and 1/cp of attention's query-key pairs, zigzag)."""
+    t, b, cp = layout.tp, layout.micro_batch, layout.cp
+    local, software = context_local(shape, profile.software, cp)
+    mm, att = layer_matmul_flops(local, b) / t, layer_attention_flops(shape, b) / t / cp
+    ew = _elementwise_bytes(local, b, replace(profile, software=software), t, layout.sequence_parallel)
+    flash = flash_backward_flops(shape, b) / shape.layers / t / cp if software.flash_attention else 0.0
     forward = _compute_seconds(mm, att, ew, LAYER_OPS / 3, profile)
     input_grad = _compute_seconds(mm, 2 * att + flash, 2 * ew, LAYER_OPS / 3, profile)
     weight_grad = _compute_seconds(mm, 0, 0, LAYER_OPS / 3, profile)
@@ -111,14 +141,20 @@ def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> d
         input_grad += forward
     elif layout.recompute == "selective":
         input_grad += _compute_seconds(0, att, 0, 0, profile)
-    two = 2 * tp_exchange(shape, layout, profile)
+    two = 2 * tp_exchange(local, layout, profile)
     recomputed = two if layout.recompute == "full" else 0.0
-    return {"F": Pass(forward, two), "B": Pass(input_grad, two + recomputed), "W": Pass(weight_grad)}
+    ring_forward, ring_backward = ring_exposed(shape, layout, profile, (
+        _compute_seconds(0, att, 0, 0, profile), _compute_seconds(0, 2 * att + flash, 0, 0, profile)))
+    if layout.recompute == "full":
+        ring_backward += ring_forward
+    return {"F": Pass(forward, two, cp_comm=ring_forward), "B": Pass(input_grad, two + recomputed, cp_comm=ring_backward),
+            "W": Pass(weight_grad)}
 
 
 def head_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> dict[str, Pass]:
     """The final norm, logits and the fp32 loss over this rank's share of the vocabulary."""
     t, b = layout.tp, layout.micro_batch
+    shape = context_local(shape, profile.software, layout.cp)[0]
     tokens = shape.seq * b
     logits = logit_flops(shape, b) / t
     norm = profile.software.activation_bytes * tokens * 2 * shape.hidden
@@ -132,6 +168,7 @@ def head_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> di
 def chunk_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile, chunks: list[range]) -> list[dict[str, Pass]]:
     layer, head = layer_passes(shape, layout, profile), head_passes(shape, layout, profile)
     t, b = layout.tp, layout.micro_batch
+    shape = context_local(shape, profile.software, layout.cp)[0]  # what a stage sends: its tokens
     activation = shape.seq * b * shape.hidden * profile.software.activation_bytes
     embed_comm = tp_exchange(shape, layout, profile)
     across = spans_nodes(profile, t, layout.pp, 1)["pp"]
@@ -143,7 +180,7 @@ def chunk_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile, chun
     passes = []
     for index, layers in enumerate(chunks):
         blocks = sum(1 for i in layers if 1 <= i <= shape.layers)
-        total = {op: Pass(blocks * p.compute, blocks * p.tp_comm) for op, p in layer.items()}
+        total = {op: Pass(blocks * p.compute, blocks * p.tp_comm, cp_comm=blocks * p.cp_comm) for op, p in layer.items()}
         if 0 in layers:
             total["F"] += Pass(_compute_seconds(0, 0, 2 * activation, 2, profile), embed_comm)
         if shape.layers + 1 in layers:
@@ -176,7 +213,7 @@ def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_ba
         for chunk in passes:
             chunk["B"], chunk["W"] = chunk["B"] + chunk["W"], Pass()
     slowdown = _cpu_slowdown(profile, layout, schedule)
-    passes = [{op: Pass(p.compute * slowdown, p.tp_comm, p.pp_comm) for op, p in chunk.items()} for chunk in passes]
+    passes = [{op: p.scaled(slowdown) for op, p in chunk.items()} for chunk in passes]
     if schedule:
         ops = ("F", "B", "W") if schedule.split_backward else ("F", "B")
         timeline = simulate(schedule, {op: [chunk[op].total for chunk in passes] for op in ops})
@@ -188,14 +225,15 @@ def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_ba
     # The busiest rank's time, split by kind; what is left of the makespan is its bubble.
     busy = [sum((passes[c][op] for c in mine for op in passes[c]), Pass()) for mine in rank_chunks]
     busiest = max(busy, key=lambda p: p.total)
-    per_microbatch = Pass(busiest.compute * m, busiest.tp_comm * m, busiest.pp_comm * m)
+    per_microbatch = Pass(busiest.compute * m, busiest.tp_comm * m, busiest.pp_comm * m, busiest.cp_comm * m)
     last_backward = max(sum(passes[c]["B"].total + passes[c]["W"].total for c in mine) for mine in rank_chunks)
     dp_s, optimizer_s = _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, last_backward)
     step = makespan + dp_s + optimizer_s
     memory = memory_per_gpu(shape, layout, global_batch, software)
     peak = profile.compute.peak_tflops * 1e12 * layout.gpus * step
     breakdown = {"compute": per_microbatch.compute, "tp_comm": per_microbatch.tp_comm,
-                 "pp_comm": per_microbatch.pp_comm, "bubble": max(0.0, makespan - per_microbatch.total),
+                 "pp_comm": per_microbatch.pp_comm, "cp_comm": per_microbatch.cp_comm,
+                 "bubble": max(0.0, makespan - per_microbatch.total),
                  "dp_comm": dp_s, "optimizer": optimizer_s}
     hardware_flops = step_flops(shape, global_batch, layout.recompute)
     if software.flash_attention:
@@ -212,18 +250,19 @@ def _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, la
     held = max(sum(params[i][0] for c in mine for i in chunks[c]) for mine in rank_chunks)
     tensors = max(sum(params[i][1] for c in mine for i in chunks[c]) for mine in rank_chunks)
     grad_bytes = (4 if profile.software.precision == "fp32" else 2) * held
-    across = spans_nodes(profile, layout.tp, layout.pp, layout.dp)["dp"]
+    replicas = layout.replicas  # dp x cp: every rank holding these parameters
+    across = spans_nodes(profile, layout.tp, layout.pp, replicas)["dp"]
     if layout.zero == 3:  # per unit: all-gathers before forward and backward, a reduce-scatter after
-        moved = (collective_seconds(profile, "reduce_scatter", grad_bytes, layout.dp, across)
-                 + 2 * collective_seconds(profile, "all_gather", grad_bytes, layout.dp, across))
+        moved = (collective_seconds(profile, "reduce_scatter", grad_bytes, replicas, across)
+                 + 2 * collective_seconds(profile, "all_gather", grad_bytes, replicas, across))
         dp_s = moved - min(moved, profile.dp_overlap * last_backward)  # prefetch hides what it can
     elif layout.zero:
-        dp_s = (collective_seconds(profile, "reduce_scatter", grad_bytes, layout.dp, across)
-                + collective_seconds(profile, "all_gather", grad_bytes, layout.dp, across))
+        dp_s = (collective_seconds(profile, "reduce_scatter", grad_bytes, replicas, across)
+                + collective_seconds(profile, "all_gather", grad_bytes, replicas, across))
     else:
-        reduce = collective_seconds(profile, "all_reduce", grad_bytes, layout.dp, across)
+        reduce = collective_seconds(profile, "all_reduce", grad_bytes, replicas, across)
         dp_s = reduce - min(reduce, profile.dp_overlap * last_backward)
-    updated = held / (layout.dp if layout.zero else 1)
+    updated = held / (replicas if layout.zero else 1)
     zero_grad = grad_bytes
     optimizer_s = ((ADAM_BYTES * updated + zero_grad) / profile.compute.memory_bytes_per_s
                    + 2 * tensors * profile.compute.op_overhead_us * 1e-6)

@@ -20,7 +20,7 @@ the backward, what B keeps for W).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from paratrain.parallel.pipeline.schedules import build_schedule
@@ -44,17 +44,23 @@ class Layout:
     virtual_stages: int = 1
     recompute: str = "none"      # none | selective | full
     sequence_parallel: bool = False
-    zero: int = 0                # ZeRO stage 0-3 (3: FSDP)
+    zero: int = 0                # ZeRO stage 0-3 (3: FSDP), over dp x cp
+    cp: int = 1                  # context parallel: each rank holds 1/cp of every sequence
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters: gradients are reduced, and ZeRO shards, over them."""
+        return self.dp * self.cp
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)
 
     def describe(self) -> str:
-        text = f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch}"
+        text = f"tp{self.tp} pp{self.pp}" + (f" cp{self.cp}" if self.cp > 1 else "") + f" dp{self.dp} mb{self.micro_batch}"
         if self.pp > 1:
             text += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         text += f" rc:{self.recompute}" + (" sp" if self.sequence_parallel else "") + (f" zero{self.zero}" if self.zero else "")
@@ -144,10 +150,19 @@ def _per_chunk(shape: GPTShape, chunks: list[range], per_layer: float, head: flo
             for c, layers in enumerate(chunks)}
 
 
+def context_local(shape: GPTShape, software: Software, cp: int) -> tuple[GPTShape, Software]:
+    """What one context-parallel rank's activations look like: 1/cp of the sequence, and attention
+    that keeps Q, K, V, its output and the log-sum-exp (ring attention keeps nothing s x s)."""
+    if cp == 1:
+        return shape, software
+    return replace(shape, seq=shape.seq // cp), replace(software, flash_attention=True)
+
+
 def memory_per_gpu(shape: GPTShape, layout: Layout, global_batch: int, software: Software) -> Memory:
     """The memory of the pipeline rank that needs most."""
     t, b = layout.tp, layout.micro_batch
     params = layer_parameters(shape, t)
+    shape, software = context_local(shape, software, layout.cp)  # parameters above are the whole model's
     per_layer = layer_activation_bytes(shape, b, software, t, layout.sequence_parallel, layout.recompute)
     head = head_activation_bytes(shape, b, software, t, layout.sequence_parallel)
     if layout.pp > 1:
@@ -171,7 +186,7 @@ def memory_per_gpu(shape: GPTShape, layout: Layout, global_batch: int, software:
         mine = [i for c in owner(rank) for i in chunks[c]]
         count = sum(params[i][0] for i in mine)
         tensors = sum(params[i][1] for i in mine)
-        weights, grads, optimizer = state_bytes(count, tensors, layout.dp, layout.zero, software.precision)
+        weights, grads, optimizer = state_bytes(count, tensors, layout.replicas, layout.zero, software.precision)
         activations = (peak_activation_bytes(orders[rank], per_chunk, kept_for_w) if orders
                        else per_chunk[0])
         holds_head = shape.layers + 1 in mine

@@ -23,6 +23,7 @@ from paratrain.plan.memory import GIB, Layout, memory_per_gpu
 from paratrain.plan.shapes import GPTShape
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+MIN_CONTEXT_SHARD = 4096  # tokens a context-parallel rank keeps at least, when cp is searched
 ZERO_BUBBLE_LIMIT = 512  # stages x microbatches above which zb-h1/zb-v are not searched (slow to build)
 
 
@@ -31,7 +32,9 @@ def layout_problems(shape: GPTShape, layout: Layout, global_batch: int, profile:
     """Every reason `layout` cannot run, one line each (empty when it can)."""
     problems = []
     if gpus is not None and layout.gpus != gpus:
-        problems.append(f"tp x pp x dp = {layout.gpus}, not the {gpus} GPUs given")
+        problems.append(f"tp x pp x cp x dp = {layout.gpus}, not the {gpus} GPUs given")
+    if layout.cp > 1 and shape.seq % (2 * layout.cp):
+        problems.append(f"the sequence ({shape.seq}) must divide by 2·cp = {2 * layout.cp} (zigzag context parallelism)")
     if shape.heads % layout.tp or shape.mlp % layout.tp:
         problems.append(f"tp {layout.tp} must divide the heads ({shape.heads}) and the MLP width ({shape.mlp})")
     elif shape.kv_heads % layout.tp:
@@ -62,16 +65,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(shape: GPTShape, gpus: int, global_batch: int, profile: HardwareProfile) -> Iterator[Layout]:
+    """Context parallelism is searched where the sequence is long enough for it to matter: each
+    rank keeps at least MIN_CONTEXT_SHARD tokens (below that the ring's hops cannot hide)."""
     for tp in _divisors(gpus):
         if tp > profile.devices_per_node:
             continue
-        for pp in _divisors(gpus // tp):
-            dp = gpus // (tp * pp)
+        for pp, cp in ((pp, cp) for pp in _divisors(gpus // tp) for cp in _divisors(gpus // (tp * pp))
+                       if cp == 1 or shape.seq // cp >= MIN_CONTEXT_SHARD):
+            dp = gpus // (tp * pp * cp)
             for mb in MICRO_BATCHES:
-                base = Layout(tp, pp, dp, mb)
+                base = Layout(tp, pp, dp, mb, cp=cp)
                 for schedule, v in _schedules(pp, base.microbatches(global_batch) if global_batch % dp == 0 else 0):
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):  # what each shards: memory.py
+                        for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):  # what each shards: memory.py
                             layout = replace(base, schedule=schedule, virtual_stages=v, sequence_parallel=sp, zero=zero)
                             if not layout_problems(shape, layout, global_batch, profile):
                                 yield layout
@@ -105,7 +111,7 @@ def search(shape: GPTShape, gpus: int, global_batch: int, profile: HardwareProfi
     return fitting, dropped
 
 
-_LABELS = {"compute": "compute", "tp_comm": "tp comm", "pp_comm": "pp comm", "bubble": "bubble",
+_LABELS = {"compute": "compute", "tp_comm": "tp comm", "pp_comm": "pp comm", "cp_comm": "cp comm", "bubble": "bubble",
            "dp_comm": "dp comm", "optimizer": "optimizer"}
 
 
