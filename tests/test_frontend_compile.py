@@ -306,14 +306,14 @@ def _run(first: int, scale: float) -> list[Instruction]:
 
 def test_a_runs_signature_is_its_computation_not_its_handles():
     x = torch.ones(2, 3)
-    one = codegen.plan(_run(10, 2.0), set(), lambda handle: x)
-    again = codegen.plan(_run(20, 2.0), set(), lambda handle: x)
+    one = codegen.spec_of(_run(10, 2.0), set(), lambda handle: x)
+    again = codegen.spec_of(_run(20, 2.0), set(), lambda handle: x)
     assert one.key == again.key and one.outputs == [10, 11, 12] and again.inputs == [0]
-    assert codegen.plan(_run(10, 3.0), set(), lambda handle: x).key != one.key  # another constant
-    assert codegen.plan(_run(10, 2.0), set(), lambda handle: torch.ones(3, 3)).key != one.key  # another shape
-    freed = codegen.plan(_run(10, 2.0), {10, 11}, lambda handle: x)  # intermediates freed in the run
+    assert codegen.spec_of(_run(10, 3.0), set(), lambda handle: x).key != one.key  # another constant
+    assert codegen.spec_of(_run(10, 2.0), set(), lambda handle: torch.ones(3, 3)).key != one.key  # another shape
+    freed = codegen.spec_of(_run(10, 2.0), {10, 11}, lambda handle: x)  # intermediates freed in the run
     assert freed.outputs == [12] and freed.key != one.key
-    assert codegen.plan(_run(10, 2.0), set(), lambda handle: None) is None  # a missing input
+    assert codegen.spec_of(_run(10, 2.0), set(), lambda handle: None) is None  # a missing input
     text = codegen.source(_run(10, 2.0), freed, "region")
     assert text.splitlines() == ["def region(i0):", "    t0_0 = op_mul(i0, 2.0)", "    t1_0 = op_add(t0_0, i0)",
                                  "    t2_0 = op_relu(t1_0)", "    return (t2_0,)"]

@@ -1,13 +1,13 @@
 """The frontend's package layout, as DESIGN.md states it: a folder per process (client/,
-dispatcher/, workers/) sharing only the protocol, the op table, shape inference, signal
-configurations and errors; no import circles; no pickle anywhere."""
+dispatcher/, workers/) sharing only the protocol, the op table (with its sharding rules and how
+an index travels), shape inference, signal configurations and errors; no import circles; no pickle anywhere."""
 
 import ast
 import pathlib
 
 FRONTEND = pathlib.Path(__file__).parent.parent / "paratrain" / "frontend"
 PROCESSES = ("client", "dispatcher", "workers")
-SHARED = ("protocol", "ops", "shapes", "signals", "errors", "processes")
+SHARED = ("protocol", "ops", "sharding_rules", "indexing", "shapes", "signals", "errors", "processes")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -13,7 +13,8 @@ import torch
 from paratrain.frontend.dispatcher.dispatcher import Dispatcher
 from paratrain.frontend.dispatcher.router import ClientTable, Router
 from paratrain.frontend.dispatcher.settings import DispatcherSettings
-from paratrain.frontend.ops import decode_index, encode_index, validate_kwargs
+from paratrain.frontend.indexing import decode_index, encode_index
+from paratrain.frontend.ops import validate_kwargs
 from paratrain.frontend.protocol import CLIENT_HANDLES, Instruction, MalformedMessage, codec, messages
 from paratrain.frontend.protocol.auth import auth_mac, auth_ok, new_nonce
 from paratrain.frontend.protocol.tensors import array_from_frame

@@ -10,6 +10,10 @@ Operations whose `fn` is None are run by the worker's own handlers (`workers/han
 uploads, autograd, optimizers. Those of kind "internal" only the dispatcher may ask for
 (moving tensors between workers, the collectives of sharded execution); a client naming one is
 refused.
+
+Each entry also carries the operation's traits (random, in place, autograd state, ...) and its
+sharding rule (`sharding_rules.py`): every module that treats a kind of operation apart reads
+it here, never from a list of names of its own. The dtypes are listed here once, too.
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from paratrain.frontend import sharding_rules as rules
+from paratrain.frontend.indexing import decode_index
+
 TORCH_DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
     "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
+DTYPES = tuple(TORCH_DTYPES)  # every dtype a tensor of the frontend can have, by name
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+ITEM_SIZES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
+FLOATING = frozenset(name for name, dtype in TORCH_DTYPES.items() if dtype.is_floating_point)
 
 
 def torch_dtype(name: str | None, default: torch.dtype | None = None) -> torch.dtype | None:
@@ -49,6 +59,25 @@ class Op:
     elementwise: bool = False  # a scalar operand changes only the dtype: shapes cache by its type
     inputs: tuple[int, int] = (1, 1)  # (fewest, most) tensor arguments
     results: int | None = 1  # result handles; None: as many as it makes (chunk, split)
+    # Draws from a random generator: replicas would differ, compiled code draws other numbers.
+    # An operation with a `training` keyword (dropout) draws only when training.
+    random: bool = False
+    # Touches only autograd's state: no shape to infer, its result (if any) is the tensor itself.
+    autograd_state: bool = False
+    # Acts on its first input: runs where that lives, whatever signal is active.
+    stays_with_input: bool = False
+    changes_input: bool = False  # its first input changes (a copy made of it no longer equals it)
+    # Created from a range, not a shape: its parts cannot be made apart, so it is never split
+    # when created (the other creations take the shape as their arguments, and each worker
+    # makes its own part).
+    created_whole: bool = False
+    # Its rule on inputs split over workers (sharding_rules.py); None: they are gathered first.
+    sharding: Callable | None = None
+
+    @property
+    def collective(self) -> bool:
+        """It runs a collective over the workers its `g` keyword names (dispatcher-only ops)."""
+        return "g" in self.kwargs
 
 
 def _op(fn, *kwargs, **options) -> Op:
@@ -57,40 +86,16 @@ def _op(fn, *kwargs, **options) -> Op:
         options.setdefault("inputs", (0, 0))
     elif kind == "inplace":
         options.setdefault("results", 0)
+        options.setdefault("stays_with_input", True)
+        options.setdefault("changes_input", True)
+        options.setdefault("sharding", rules.in_place)
     return Op(fn, frozenset(kwargs), **options)
 
 
-# ---- how some arguments travel ---------------------------------------------------------------
-
-def encode_index(index) -> list:
-    """A Python index (ints, slices, None, Ellipsis, tensors) as msgpack-able items; tensors stay
-    in place for the caller to turn into handles."""
-    items = index if isinstance(index, tuple) else (index,)
-    encoded = []
-    for item in items:
-        if isinstance(item, slice):
-            encoded.append(["s", item.start, item.stop, item.step])
-        elif item is Ellipsis:
-            encoded.append(["e"])
-        elif item is None or isinstance(item, (bool, int)) or hasattr(item, "_handle"):
-            encoded.append(item)
-        else:
-            raise TypeError(f"unsupported index {item!r}: use ints, slices, None, ... or integer tensors")
-    return encoded
-
-
-def decode_index(items) -> tuple:
-    decoded = []
-    for item in items:
-        if isinstance(item, list) and item and item[0] == "s" and len(item) == 4:
-            decoded.append(slice(item[1], item[2], item[3]))
-        elif isinstance(item, list) and item == ["e"]:
-            decoded.append(Ellipsis)
-        elif item is None or isinstance(item, (bool, int, torch.Tensor)):
-            decoded.append(item)
-        else:
-            raise ValueError(f"malformed index item {item!r}")
-    return tuple(decoded)
+def _local(fn, *kwargs, **options) -> Op:
+    """An operation on each element of one tensor (or one that keeps every axis in place): a
+    split tensor's parts each run it alone."""
+    return _op(fn, *kwargs, sharding=rules.keep_layout, **options)
 
 
 def _getitem(x, *items):
@@ -152,52 +157,62 @@ _UNARY = {
     "rsqrt": torch.rsqrt, "sin": torch.sin, "cos": torch.cos, "silu": F.silu,
 }
 
+_CHANGES_AUTOGRAD_STATE = {"autograd_state": True, "stays_with_input": True, "changes_input": True}
+
 OPS: dict[str, Op] = {
-    **{name: _op(fn, elementwise=True, inputs=(1, 2)) for name, fn in _BINARY.items()},
-    **{name: _op(fn, elementwise=True, differentiable=False, inputs=(1, 2)) for name, fn in _COMPARE.items()},
-    **{name: _op(fn) for name, fn in _UNARY.items()},
-    "maximum": _op(torch.maximum, inputs=(1, 2)), "minimum": _op(torch.minimum, inputs=(1, 2)),
-    "where": _op(torch.where, inputs=(1, 3)),
-    "gelu": _op(F.gelu, "approximate"),
-    "softmax": _op(lambda x, dim: torch.softmax(x, dim)),
-    "log_softmax": _op(lambda x, dim: torch.log_softmax(x, dim)),
-    "clamp": _op(torch.clamp, "min", "max"),
-    "to": _op(_to),
-    "tril": _op(torch.tril, "diagonal"), "triu": _op(torch.triu, "diagonal"),
-    "masked_fill": _op(torch.Tensor.masked_fill, inputs=(2, 3)),
-    "dropout": _op(F.dropout, "p", "training"),
-    "matmul": _op(torch.matmul, inputs=(2, 2)),
+    **{name: _op(fn, elementwise=True, inputs=(1, 2), sharding=rules.elementwise) for name, fn in _BINARY.items()},
+    **{name: _op(fn, elementwise=True, differentiable=False, inputs=(1, 2), sharding=rules.elementwise)
+       for name, fn in _COMPARE.items()},
+    **{name: _local(fn) for name, fn in _UNARY.items()},
+    "maximum": _op(torch.maximum, inputs=(1, 2), sharding=rules.elementwise),
+    "minimum": _op(torch.minimum, inputs=(1, 2), sharding=rules.elementwise),
+    "where": _op(torch.where, inputs=(1, 3), sharding=rules.elementwise),
+    "gelu": _local(F.gelu, "approximate"),
+    "softmax": _op(lambda x, dim: torch.softmax(x, dim), sharding=rules.softmax),
+    "log_softmax": _op(lambda x, dim: torch.log_softmax(x, dim), sharding=rules.softmax),
+    "clamp": _local(torch.clamp, "min", "max"),
+    "to": _local(_to),
+    "tril": _op(torch.tril, "diagonal", sharding=rules.triangle),
+    "triu": _op(torch.triu, "diagonal", sharding=rules.triangle),
+    "masked_fill": _op(torch.Tensor.masked_fill, inputs=(2, 3), sharding=rules.elementwise),
+    "dropout": _local(F.dropout, "p", "training", random=True),
+    "matmul": _op(torch.matmul, inputs=(2, 2), sharding=rules.matmul),
     # x @ weight + bias for a weight stored [in, out] (GT's layout), as one fused addmm
-    "linear": _op(lambda x, weight, bias=None: F.linear(x, weight.t(), bias), inputs=(2, 3)),
+    "linear": _op(lambda x, weight, bias=None: F.linear(x, weight.t(), bias), inputs=(2, 3), sharding=rules.linear),
     # reductions (dim=None reduces everything)
-    "sum": _op(_reduce("sum"), "dim", "keepdim"), "mean": _op(_reduce("mean"), "dim", "keepdim"),
-    "amax": _op(_reduce("amax"), "dim", "keepdim"), "amin": _op(_reduce("amin"), "dim", "keepdim"),
+    "sum": _op(_reduce("sum"), "dim", "keepdim", sharding=rules.sum_or_mean),
+    "mean": _op(_reduce("mean"), "dim", "keepdim", sharding=rules.sum_or_mean),
+    "amax": _op(_reduce("amax"), "dim", "keepdim", sharding=rules.extreme),
+    "amin": _op(_reduce("amin"), "dim", "keepdim", sharding=rules.extreme),
     "max_all": _op(torch.max), "min_all": _op(torch.min),
     "max": _op(_max_with_indices, "keepdim", results=2), "min": _op(_min_with_indices, "keepdim", results=2),
     "argmax": _op(torch.argmax, "dim", "keepdim", differentiable=False),
     "var": _op(lambda x, dim=None, keepdim=False, correction=1: torch.var(x, _dims(dim), correction=correction, keepdim=keepdim), "dim", "keepdim", "correction"),
     # shapes
-    "reshape": _op(lambda x, *shape: x.reshape(shape)),
-    "transpose": _op(torch.transpose), "permute": _op(lambda x, *dims: x.permute(dims)),
-    "unsqueeze": _op(torch.unsqueeze),
-    "squeeze": _op(lambda x, dim=None: x.squeeze() if dim is None else x.squeeze(dim), "dim"),
-    "flatten": _op(torch.flatten, "start_dim", "end_dim"),
-    "expand": _op(lambda x, *shape: x.expand(shape)),
-    "contiguous": _op(torch.Tensor.contiguous), "clone": _op(torch.clone),
-    "detach": _op(torch.Tensor.detach, differentiable=False),
-    "cat": _op(lambda *xs, dim=0: torch.cat(xs, dim), "dim", inputs=(1, MANY)),
-    "stack": _op(lambda *xs, dim=0: torch.stack(xs, dim), "dim", inputs=(1, MANY)),
-    "chunk": _op(torch.chunk, "dim", results=None), "split": _op(torch.split, "dim", results=None),
-    "getitem": _op(_getitem, inputs=(1, MANY)),
+    "reshape": _op(lambda x, *shape: x.reshape(shape), sharding=rules.reshape),
+    "transpose": _op(torch.transpose, sharding=rules.transpose),
+    "permute": _op(lambda x, *dims: x.permute(dims), sharding=rules.permute),
+    "unsqueeze": _op(torch.unsqueeze, sharding=rules.unsqueeze),
+    "squeeze": _op(lambda x, dim=None: x.squeeze() if dim is None else x.squeeze(dim), "dim", sharding=rules.squeeze),
+    "flatten": _op(torch.flatten, "start_dim", "end_dim", sharding=rules.flatten),
+    "expand": _op(lambda x, *shape: x.expand(shape), sharding=rules.expand),
+    "contiguous": _local(torch.Tensor.contiguous), "clone": _local(torch.clone),
+    "detach": _local(torch.Tensor.detach, differentiable=False, stays_with_input=True),
+    "cat": _op(lambda *xs, dim=0: torch.cat(xs, dim), "dim", inputs=(1, MANY), sharding=rules.concatenate),
+    "stack": _op(lambda *xs, dim=0: torch.stack(xs, dim), "dim", inputs=(1, MANY), sharding=rules.stack),
+    "chunk": _op(torch.chunk, "dim", results=None, sharding=rules.pieces),
+    "split": _op(torch.split, "dim", results=None, sharding=rules.pieces),
+    "getitem": _op(_getitem, inputs=(1, MANY), sharding=rules.getitem),
     # neural-network functions
-    "cross_entropy": _op(F.cross_entropy, "ignore_index", "reduction", "label_smoothing", inputs=(2, 2)),
-    "mse_loss": _op(F.mse_loss, "reduction", inputs=(2, 2)),
-    "embedding": _op(lambda indices, weight: F.embedding(indices, weight), inputs=(2, 2)),
-    "layer_norm": _op(_layer_norm, "eps", inputs=(1, 3)),
-    "sdpa": _op(F.scaled_dot_product_attention, "is_causal", "scale", inputs=(3, 3)),
-    "zeros_like": _op(torch.zeros_like, differentiable=False),
-    "ones_like": _op(torch.ones_like, differentiable=False),
-    "randn_like": _op(torch.randn_like, differentiable=False),
+    "cross_entropy": _op(F.cross_entropy, "ignore_index", "reduction", "label_smoothing", inputs=(2, 2),
+                         sharding=rules.cross_entropy),
+    "mse_loss": _op(F.mse_loss, "reduction", inputs=(2, 2), sharding=rules.mse_loss),
+    "embedding": _op(lambda indices, weight: F.embedding(indices, weight), inputs=(2, 2), sharding=rules.embedding),
+    "layer_norm": _op(_layer_norm, "eps", inputs=(1, 3), sharding=rules.layer_norm),
+    "sdpa": _op(F.scaled_dot_product_attention, "is_causal", "scale", inputs=(3, 3), sharding=rules.attention),
+    "zeros_like": _local(torch.zeros_like, differentiable=False),
+    "ones_like": _local(torch.ones_like, differentiable=False),
+    "randn_like": _local(torch.randn_like, differentiable=False, random=True),
     # in place: no result handle, the first argument changes
     "add_": _op(torch.Tensor.add_, kind="inplace", inputs=(1, 2)),
     "sub_": _op(torch.Tensor.sub_, kind="inplace", inputs=(1, 2)),
@@ -209,28 +224,35 @@ OPS: dict[str, Op] = {
     "copy_": _op(torch.Tensor.copy_, kind="inplace", inputs=(2, 2)),
     "clamp_": _op(torch.Tensor.clamp_, "min", "max", kind="inplace"),
     "masked_fill_": _op(torch.Tensor.masked_fill_, kind="inplace", inputs=(2, 3)),
-    "setitem": _op(_setitem, kind="inplace", inputs=(1, MANY)),
+    "setitem": _op(_setitem, kind="inplace", inputs=(1, MANY), sharding=rules.same_layout_only),
     # creation: placed where the client's context says; the worker passes `device`
-    "randn": _op(_creation(lambda s, dt, dev: torch.randn(s, dtype=dt, device=dev)), "dtype", kind="create"),
-    "rand": _op(_creation(lambda s, dt, dev: torch.rand(s, dtype=dt, device=dev)), "dtype", kind="create"),
+    "randn": _op(_creation(lambda s, dt, dev: torch.randn(s, dtype=dt, device=dev)), "dtype", kind="create", random=True),
+    "rand": _op(_creation(lambda s, dt, dev: torch.rand(s, dtype=dt, device=dev)), "dtype", kind="create", random=True),
     "zeros": _op(_creation(lambda s, dt, dev: torch.zeros(s, dtype=dt, device=dev)), "dtype", kind="create"),
     "ones": _op(_creation(lambda s, dt, dev: torch.ones(s, dtype=dt, device=dev)), "dtype", kind="create"),
     "full": _op(_creation(lambda s, dt, dev, value: torch.full(s, value, dtype=dt, device=dev)), "dtype", "value", kind="create"),
-    "uniform": _op(_creation(lambda s, dt, dev, low, high: torch.empty(s, dtype=dt, device=dev).uniform_(low, high)), "dtype", "low", "high", kind="create"),
-    "randint": _op(_creation(lambda s, dt, dev, low, high: torch.randint(low, high, s, device=dev)), "dtype", "low", "high", kind="create"),
-    "arange": _op(lambda start, end, step, dtype=None, device="cpu": torch.arange(start, end, step, dtype=torch_dtype(dtype), device=device), "dtype", kind="create"),
+    "uniform": _op(_creation(lambda s, dt, dev, low, high: torch.empty(s, dtype=dt, device=dev).uniform_(low, high)),
+                   "dtype", "low", "high", kind="create", random=True),
+    "randint": _op(_creation(lambda s, dt, dev, low, high: torch.randint(low, high, s, device=dev)),
+                   "dtype", "low", "high", kind="create", random=True),
+    "arange": _op(lambda start, end, step, dtype=None, device="cpu":
+                  torch.arange(start, end, step, dtype=torch_dtype(dtype), device=device),
+                  "dtype", kind="create", created_whole=True),
     # run by the worker's handlers
     "upload": _op(None, "dtype", "shape", "frame", kind="special", inputs=(0, 0)),
     "free": _op(None, kind="special", inputs=(0, 0), results=0),
     "keep_grads": _op(None, kind="special", inputs=(0, 0), results=0),  # GT: results keep .grad
-    "backward": _op(None, "retain_graph", "local", kind="special", inputs=(1, 2), results=0),
-    "cross_backward": _op(None, kind="special", results=0),  # a pipeline stage's share of backward
+    "backward": _op(None, "retain_graph", "local", kind="special", inputs=(1, 2), results=0, autograd_state=True,
+                    sharding=rules.same_layout_only),
+    "cross_backward": _op(None, kind="special", results=0, autograd_state=True),  # a pipeline stage's share of backward
     "reshard": _op(None, "signal", "backward", kind="special"),  # gt.signal.tensor
-    "grad": _op(None, kind="special"),
-    "set_grad_none": _op(None, kind="special", results=0),
-    "set_grad": _op(None, kind="special", inputs=(2, 2), results=0),
-    "set_data": _op(None, kind="special", inputs=(2, 2), results=0),
-    "requires_grad_": _op(None, kind="special", results=0),
+    "grad": _local(None, kind="special", autograd_state=True, stays_with_input=True),
+    "set_grad_none": _local(None, kind="special", results=0, **_CHANGES_AUTOGRAD_STATE),
+    "set_grad": _op(None, kind="special", inputs=(2, 2), results=0, sharding=rules.like_first_input,
+                    **_CHANGES_AUTOGRAD_STATE),
+    "set_data": _op(None, kind="special", inputs=(2, 2), results=0, sharding=rules.same_layout_only,
+                    **_CHANGES_AUTOGRAD_STATE),
+    "requires_grad_": _local(None, kind="special", results=0, **_CHANGES_AUTOGRAD_STATE),
     "optim_create": _op(None, "kind", "lr", "momentum", "weight_decay", "betas", "eps", "nesterov", "dampening",
                         kind="special", inputs=(1, MANY)),
     "optim_step": _op(None, kind="special", results=0),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+from paratrain.frontend.ops import FLOATING
 
 
 def floating(dtype: str) -> bool:
-    return dtype.startswith(("float", "bfloat"))
+    return dtype in FLOATING
 
 
 class DType(str):

@@ -16,8 +16,9 @@ import weakref
 import numpy as np
 
 from paratrain.frontend.client.autograd import Node, no_grad, run_backward
-from paratrain.frontend.client.dtypes import DTYPES, dtype_named, floating
-from paratrain.frontend.ops import encode_index
+from paratrain.frontend.client.dtypes import dtype_named, floating
+from paratrain.frontend.indexing import encode_index
+from paratrain.frontend.ops import DTYPES
 
 
 class Tensor:

@@ -12,7 +12,7 @@ split activation costs a copy per worker and an all-reduce of its gradient, abou
 training step of a two-layer MLP (width 128) on two CPU workers; a (B, 128) float32 batch of
 1 MiB lost to one worker (0.85x), one of 4 MiB won (1.4x), 64 MiB ran 2.0x as fast (a shared
 two-core machine: under other load the crossing point moved up to 16 MiB). Equal parts only (a
-length the workers divide) keep the work balanced and let reshapes stay split. Operations then follow the layouts (`sharding.plan`): an operation
+length the workers divide) keep the work balanced and let reshapes stay split. Operations then follow the layouts (`sharding.decide`): an operation
 runs on the workers of its split input, so a small weight is copied to them and, through
 Megatron's f, its gradient is summed over the parts and sent home (data parallelism); a large
 weight that was split itself is gathered for the product and its gradient summed and split
@@ -28,11 +28,9 @@ import math
 from dataclasses import dataclass
 
 from paratrain.frontend.dispatcher.sharding import Placement
-from paratrain.frontend.protocol.instructions import ITEM_SIZES
+from paratrain.frontend.ops import ITEM_SIZES
 
 DEFAULT_MIN_BYTES = 4 << 20
-# Made from a range, not a shape: its parts cannot be made apart (see creation.create).
-NOT_SPLIT_AT_CREATION = frozenset({"arange"})
 
 
 @dataclass(frozen=True)

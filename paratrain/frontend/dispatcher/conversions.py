@@ -1,10 +1,11 @@
-"""A tensor's layout changed on its workers: Megatron's f, a scatter, or a gather (see
-sharding.py for when each is asked for). Each makes a temporary copy in the new layout; the
-collective runs on a process group of exactly those workers, made once."""
+"""A tensor's layout changed on its workers: Megatron's f, a scatter, or a gather (the sharding
+rules, `sharding_rules.py`, say when each is asked for). Each makes a temporary copy in the new
+layout; the collective runs on a process group of exactly those workers, made once."""
 
 from __future__ import annotations
 
 from paratrain.frontend.dispatcher.sharding import Placement
+from paratrain.frontend.sharding_rules import EnterF, Gather, Scatter
 
 
 def ensure_group(job, workers) -> None:
@@ -17,32 +18,47 @@ def ensure_group(job, workers) -> None:
         job.on_all(range(job.router.n_workers), "make_group", [], [], [], {"g": list(workers)})
 
 
-def convert(job, handle: int, conversion: tuple, workers) -> int:
+def convert(job, handle: int, conversion, workers) -> int:
     """A temporary copy of `handle` in the layout `conversion` asks for, on `workers`."""
-    table = job.table
-    meta = table.meta[handle]
     ensure_group(job, workers)
-    group = list(workers)
-    if conversion[0] == "f":
-        # One f per tensor and forward: its consumers (Q, K and V of one input) then share
-        # one all-reduce in backward, as Megatron's fused QKV does.
-        key = (handle, tuple(workers))
-        if key in table.entered:
-            return table.entered[key]
-        temp = job.temp(Placement(workers, None), meta, keep=True)
-        table.entered[key] = temp
-        job.new_entered.append(key)
-        job.on_all(workers, "tp_f", [temp], [handle], [0], {"g": group}, "f: all-reduce in backward")
-    elif conversion[0] == "scatter":
-        temp = job.temp(Placement(workers, conversion[1]), meta)
-        job.on_all(workers, "tp_scatter", [temp], [handle], [0], {"g": group, "axis": conversion[1]},
-                   f"scatter along {conversion[1]}")
-    else:
-        axis = conversion[1]
-        temp = job.temp(Placement(workers, None), meta)
-        job.on_all(workers, "tp_gather", [temp], [handle], [0], {"g": group, "axis": axis, "length": meta[0][axis]},
-                   f"all-gather along {axis}")
-    table.crossings[temp] = table.crossings.get(handle, frozenset())
+    return _CONVERSIONS[type(conversion)](job, handle, conversion, workers)
+
+
+def _enter_f(job, handle: int, conversion: EnterF, workers) -> int:
+    # One f per tensor and forward: its consumers (Q, K and V of one input) then share one
+    # all-reduce in backward, as Megatron's fused QKV does.
+    table = job.table
+    key = (handle, tuple(workers))
+    if key in table.entered:
+        return table.entered[key]
+    temp = job.temp(Placement(workers, None), table.meta[handle], keep=True)
+    table.entered[key] = temp
+    job.new_entered.append(key)
+    job.on_all(workers, "tp_f", [temp], [handle], [0], {"g": list(workers)}, "f: all-reduce in backward")
+    return _inherits_crossings(job, temp, handle)
+
+
+def _scatter(job, handle: int, conversion: Scatter, workers) -> int:
+    temp = job.temp(Placement(workers, conversion.axis), job.table.meta[handle])
+    job.on_all(workers, "tp_scatter", [temp], [handle], [0], {"g": list(workers), "axis": conversion.axis},
+               f"scatter along {conversion.axis}")
+    return _inherits_crossings(job, temp, handle)
+
+
+def _gather(job, handle: int, conversion: Gather, workers) -> int:
+    meta, axis = job.table.meta[handle], conversion.axis
+    temp = job.temp(Placement(workers, None), meta)
+    job.on_all(workers, "tp_gather", [temp], [handle], [0], {"g": list(workers), "axis": axis, "length": meta[0][axis]},
+               f"all-gather along {axis}")
+    return _inherits_crossings(job, temp, handle)
+
+
+_CONVERSIONS = {EnterF: _enter_f, Scatter: _scatter, Gather: _gather}
+
+
+def _inherits_crossings(job, temp: int, handle: int) -> int:
+    """The copy's gradient goes back through the crossings `handle` came by."""
+    job.table.crossings[temp] = job.table.crossings.get(handle, frozenset())
     return temp
 
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from paratrain.frontend.dispatcher.auto_shard import NOT_SPLIT_AT_CREATION
 from paratrain.frontend.dispatcher.conversions import ensure_group
 from paratrain.frontend.dispatcher.sharding import Placement, local_shapes
 from paratrain.frontend.dispatcher.table import Refused
+from paratrain.frontend.ops import OPS
 from paratrain.frontend.protocol import Instruction
 from paratrain.frontend.protocol.tensors import NUMPY_DTYPES
-
-RANDOM_CREATION = frozenset({"randn", "rand", "uniform", "randint"})
-
 
 def create(job, instruction: Instruction) -> None:
     """randn, zeros, arange...: made where the client's placement says, part by part if split."""
@@ -30,11 +27,11 @@ def create(job, instruction: Instruction) -> None:
     placement = _placement_for(job, instruction, signal, meta)
     note = _note(router, placement, signal)
     if placement.split is not None:
-        if name == "arange":
-            raise Refused("arange: a split signal cannot create it (create it replicated, then gt.signal.tensor)")
+        if OPS[name].created_whole:
+            raise Refused(f"{name}: a split signal cannot create it (create it replicated, then gt.signal.tensor)")
         for worker, local in zip(placement.workers, local_shapes(meta[0], placement)):
             job.emit(worker, instruction._replace(args=list(local)), note)
-    elif name in RANDOM_CREATION and len(placement.workers) > 1:
+    elif OPS[name].random and len(placement.workers) > 1:
         # Drawn once and broadcast: replicas must hold the same values.
         ensure_group(job, placement.workers)
         job.emit(placement.workers[0], instruction._replace(requires_grad=False), note)
@@ -91,7 +88,7 @@ def _placement_for(job, instruction: Instruction, signal, meta) -> Placement:
 
 
 def _auto_placement(router, name: str, meta) -> Placement | None:
-    if router.auto_shard is None or name in NOT_SPLIT_AT_CREATION:
+    if router.auto_shard is None or OPS[name].created_whole:
         return None
     return router.auto_shard.placement(meta[0], meta[1], router.live_workers())
 

@@ -30,8 +30,8 @@ import dataclasses
 from collections import deque
 from itertools import count
 
+from paratrain.frontend.ops import ITEM_SIZES
 from paratrain.frontend.protocol import messages
-from paratrain.frontend.protocol.instructions import ITEM_SIZES
 
 HEADER = ("# paratrain frontend instruction log; GT's columns:\n"
           "# elapsed | #seq | event | source | command | size | details\n")

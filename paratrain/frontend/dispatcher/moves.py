@@ -22,6 +22,7 @@ from paratrain.frontend.dispatcher.sharding import Placement
 from paratrain.frontend.dispatcher import twins
 from paratrain.frontend.dispatcher.table import Crossing, Refused, union_of
 from paratrain.frontend.protocol import Instruction
+from paratrain.frontend.sharding_rules import Gather, Scatter
 
 
 def emit_forward(job, crossing_id: int, crossing: Crossing, source: int, temp: int) -> None:
@@ -60,7 +61,7 @@ def move(job, handle: int, workers, grad_split: int | None = None) -> int:
     router, table = job.router, job.table
     source = table.where[handle]
     if source.split is not None:
-        handle = convert(job, handle, ("gather", source.split), source.workers)
+        handle = convert(job, handle, Gather(source.split), source.workers)
     router.check_alive(source.workers)
     meta = table.meta[handle]
     crossing = Crossing(source.workers, tuple(workers))
@@ -123,9 +124,9 @@ def reshard(job, instruction: Instruction) -> None:
         current = move(job, current, placement.workers, grad_split)
         crossing = job.new_crossings[-1]
     elif source.split not in (None, placement.split):
-        current = convert(job, current, ("gather", source.split), source.workers)
+        current = convert(job, current, Gather(source.split), source.workers)
     if placement.split is not None and table.where[current].split != placement.split:
-        current = convert(job, current, ("scatter", placement.split), placement.workers)
+        current = convert(job, current, Scatter(placement.split), placement.workers)
     job.on_all(placement.workers, "alias", [out], [current], [0], {}, router.note(placement.workers, target, "reshard"))
     table.where[out], table.meta[out] = placement, (shape, dtype)
     router.add_crossings(table, out, table.crossings.get(current, frozenset()))

@@ -30,18 +30,15 @@ from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.conversions import forget_entered
 from paratrain.frontend.dispatcher.sharding import Placement
 from paratrain.frontend.dispatcher.table import ClientTable, Crossing, Job, Refused, Routed
-from paratrain.frontend.ops import HANDLE_LISTS, OPS
+from paratrain.frontend.ops import HANDLE_LISTS, ITEM_SIZES, OPS
 from paratrain.frontend.protocol import CLIENT_HANDLES, Instruction
-from paratrain.frontend.protocol.instructions import ITEM_SIZES
 from paratrain.frontend.protocol.records import ErrorReport
 from paratrain.frontend.shapes import ShapeError, infer_from
 
 __all__ = ["ClientTable", "Refused", "Router"]
 
-# Operations that only touch a tensor's autograd state: their result (if any) is the tensor's
-# own shape, and shape inference has nothing to run.
-AUTOGRAD_STATE = frozenset({"grad", "set_grad_none", "set_grad", "requires_grad_", "set_data", "backward",
-                            "cross_backward"})
+# Shape inference has nothing to run for these: their result (if any) is the tensor itself.
+AUTOGRAD_STATE = frozenset(name for name, op in OPS.items() if op.autograd_state)
 
 
 class Skipped(Refused):

@@ -22,11 +22,8 @@ from __future__ import annotations
 
 from paratrain.frontend.dispatcher.sharding import Placement
 from paratrain.frontend.dispatcher.table import Crossing, Refused
-from paratrain.frontend.ops import OPS
+from paratrain.frontend.ops import FLOATING, OPS
 from paratrain.frontend.protocol import Instruction
-
-FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
-
 
 def backward_elsewhere(table, instruction: Instruction, signal):
     """The backward signal of `instruction`'s region, when that signal places its work on other

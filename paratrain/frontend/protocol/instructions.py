@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from paratrain.frontend.ops import CLIENT_OPS, HANDLE_LISTS, OPS
+from paratrain.frontend.ops import CLIENT_OPS, DTYPES, HANDLE_LISTS, ITEM_SIZES, OPS
 from paratrain.frontend.protocol import fields
 from paratrain.frontend.protocol.fields import MalformedMessage
 
 CLIENT_HANDLES = 1 << 31  # a client's handles live below this; the dispatcher's temporaries above
 MAX_ARGS = 4096  # positional arguments of one instruction (a cat of many tensors)
 MAX_FREE = 1 << 20  # handles freed by one instruction
-DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 class Instruction(NamedTuple):
@@ -184,6 +183,3 @@ def upload_bytes(instruction: Instruction) -> int:
         count *= size
     return count * ITEM_SIZES[instruction.kwargs["dtype"]]
 
-
-ITEM_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-              "int8": 1, "uint8": 1, "bool": 1}

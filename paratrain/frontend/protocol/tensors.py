@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from paratrain.frontend.ops import DTYPES
 from paratrain.frontend.protocol.fields import MalformedMessage
-from paratrain.frontend.protocol.instructions import DTYPES
 
 NUMPY_DTYPES = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
 NUMPY_DTYPES["bfloat16"] = np.dtype("uint16")

@@ -1,10 +1,10 @@
 """A run of instructions as one Python function, for torch.compile to trace.
 
-`plan` reads a run (consecutive compilable instructions of one client) and finds what the
-function takes and returns: its inputs are the tensors the run reads but did not make, in
+`spec_of` reads a run (consecutive compilable instructions of one client) and finds what the
+function takes and returns (a `RunSpec`): its inputs are the tensors the run reads but did not make, in
 order of first use; its outputs are the results the run makes that were not freed before it
 ended (a result freed inside the run is never materialised, so the compiler may fuse it away).
-The plan's `key` is the run's signature: each operation with its constant arguments and
+The spec's `key` is the run's signature: each operation with its constant arguments and
 where each tensor argument comes from (an input, or an earlier operation's result), the shape,
 stride, dtype, device and requires_grad of every input, grad mode and which results are kept.
 Two runs with the same key compute the same function of their inputs.
@@ -28,14 +28,14 @@ import torch
 from paratrain.frontend.ops import OPS
 from paratrain.frontend.protocol import Instruction
 
-# Operations whose results depend on a random generator: compiled code draws other numbers
-# than eager code, so they end a run instead of joining it.
-RANDOM = frozenset({"dropout", "randn_like"})
+# Random operations end a run instead of joining it: compiled code draws other numbers than
+# eager code.
 COMPILABLE = frozenset(name for name, op in OPS.items() if op.fn is not None and op.kind == "compute"
-                       and name not in RANDOM)
+                       and not op.random)
 
 
-class Plan(NamedTuple):
+class RunSpec(NamedTuple):
+    """What the function of a run takes and returns, and its signature."""
     key: tuple  # the run's signature
     inputs: list  # handles the function takes, in order
     tensors: list  # the tensors under them now
@@ -43,9 +43,9 @@ class Plan(NamedTuple):
     kept: list  # (instruction index, result index) of each output
 
 
-def plan(run: list[Instruction], freed: set, lookup) -> Plan | None:
+def spec_of(run: list[Instruction], freed: set, lookup) -> RunSpec | None:
     """The function a run computes; `lookup(handle)` gives an input's tensor, or None where
-    there is none (then so is the plan: the run must go eagerly, to report the error)."""
+    there is none (then so is the spec: the run must go eagerly, to report the error)."""
     made: dict[int, tuple[int, int]] = {}
     inputs: dict[int, int] = {}
     steps = []
@@ -70,7 +70,7 @@ def plan(run: list[Instruction], freed: set, lookup) -> Plan | None:
     kept = [made[handle] for handle in outputs]
     described = tuple((tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
     key = (run[0].no_grad, tuple(steps), described, tuple(kept))
-    return Plan(key, list(inputs), tensors, outputs, kept)
+    return RunSpec(key, list(inputs), tensors, outputs, kept)
 
 
 def digest(key: tuple) -> str:
@@ -78,9 +78,9 @@ def digest(key: tuple) -> str:
     return hashlib.sha1(repr(key).encode()).hexdigest()[:12]
 
 
-def source(run: list[Instruction], plan_: Plan, name: str) -> str:
+def source(run: list[Instruction], spec: RunSpec, name: str) -> str:
     """The run as the Python function `name(i0, i1, ...)`."""
-    inputs = {handle: f"i{n}" for n, handle in enumerate(plan_.inputs)}
+    inputs = {handle: f"i{n}" for n, handle in enumerate(spec.inputs)}
     values = dict(inputs)
     lines = [f"def {name}({', '.join(inputs.values())}):"]
     for index, instruction in enumerate(run):
@@ -91,7 +91,7 @@ def source(run: list[Instruction], plan_: Plan, name: str) -> str:
         args += [f"{key}={_literal(value)}" for key, value in instruction.kwargs.items()]
         target = results[0] if len(results) == 1 and OPS[instruction.op].results == 1 else ", ".join(results) + ","
         lines.append(f"    {target} = op_{instruction.op}({', '.join(args)})")
-    returned = [f"t{index}_{result}" for index, result in plan_.kept]
+    returned = [f"t{index}_{result}" for index, result in spec.kept]
     lines.append(f"    return ({', '.join(returned)}{',' if len(returned) == 1 else ''})")
     return "\n".join(lines) + "\n"
 

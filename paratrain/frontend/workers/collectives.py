@@ -1,7 +1,7 @@
 """What a worker runs for sharded operations: paratrain's tensor-parallel autograd functions
 over a process group of the workers that share a tensor (made once, on the dispatcher's word).
 
-Every op here is named by the dispatcher only (see sharding.py for when it asks for which):
+Every op here is named by the dispatcher only (see sharding_rules.py for when it asks for which):
 
     make_group         a Group of exactly these workers (every worker takes part, in one order)
     tp_f / tp_g        Megatron's f (identity, all-reduce in backward) and g (all-reduce)

@@ -11,7 +11,7 @@ function between each two of its collectives. Frees that arrive while a run is h
 its end (a result the run makes and frees is then never materialised). A run of one operation
 (of fewer than GT_HOTPATH_MIN_SEQ, for a hot path) executes eagerly: there is nothing to fuse.
 
-A run executes by its signature (`codegen.plan`): the first time a signature is seen, one
+A run executes by its signature (`codegen.spec_of`): the first time a signature is seen, one
 instruction at a time, exactly as without compilation; the second time, as a generated
 function compiled with torch.compile; later runs with that signature reuse the function. A
 compile that fails prints one line, the run executes eagerly, and the signature is never tried
@@ -146,12 +146,12 @@ class Regions:
 
     def _execute(self, stream: _Stream, run: list, freed: set, timings: list | None) -> None:
         try:
-            plan, function, fresh = self._choose(stream, run, freed)
+            spec, function, fresh = self._choose(stream, run, freed)
         except Exception as error:  # noqa: BLE001 - a fault in compiling costs the compilation, never the worker
             self.failures += 1
             self._warn(f"preparing {stream.label()} ({len(run)} operations) failed, running it eagerly: "
                        f"{type(error).__name__}: {str(error)[:300]}")
-            plan, function, fresh = None, FAILED, False
+            spec, function, fresh = None, FAILED, False
         if function is FAILED or function is None:
             self._eagerly(stream, run, timings)
             return
@@ -159,9 +159,9 @@ class Regions:
         started, clock = time.time(), time.perf_counter()
         try:
             with torch.set_grad_enabled(not run[0].no_grad):
-                results = function(*plan.tensors)
+                results = function(*spec.tensors)
         except Exception as error:  # noqa: BLE001 - any failure: eager execution instead
-            self.functions[plan.key] = FAILED
+            self.functions[spec.key] = FAILED
             self.failures += 1
             reason = (str(error).strip().splitlines() or [""])[0][:300]
             self._warn(f"could not compile {stream.label()} ({len(run)} operations), running it eagerly: "
@@ -169,17 +169,17 @@ class Regions:
             self._eagerly(stream, run, timings)
             return
         seconds = time.perf_counter() - clock
-        self.functions[plan.key] = function
+        self.functions[spec.key] = function
         self.compiled_runs += 1
-        for handle, value in zip(plan.outputs, results):
+        for handle, value in zip(spec.outputs, results):
             executor.tensors[base + handle] = value
         self._time(run, started, seconds, timings)
         if fresh:
-            self._say(f"{stream.label()}: compiled {len(run)} operations ({len(plan.inputs)} inputs, "
-                      f"{len(plan.outputs)} results) in {seconds:.2f} s [{codegen.digest(plan.key)}]")
+            self._say(f"{stream.label()}: compiled {len(run)} operations ({len(spec.inputs)} inputs, "
+                      f"{len(spec.outputs)} results) in {seconds:.2f} s [{codegen.digest(spec.key)}]")
 
     def _choose(self, stream: _Stream, run: list, freed: set) -> tuple:
-        """(the run's plan, its function (None or FAILED: run it eagerly), whether the
+        """(the run's spec, its function (None or FAILED: run it eagerly), whether the
         function is new)."""
         executor, base = self.executor, stream.base
 
@@ -187,50 +187,50 @@ class Regions:
             return None if base + handle in executor.poisoned else executor.tensors.get(base + handle)
 
         shortest = SHORTEST_MARKED_RUN if stream.region is not None else self.settings.min_ops
-        plan = codegen.plan(run, freed, lookup) if len(run) >= shortest else None
-        if plan is None:
+        spec = codegen.spec_of(run, freed, lookup) if len(run) >= shortest else None
+        if spec is None:
             return None, None, False
-        function = self.functions.get(plan.key)
+        function = self.functions.get(spec.key)
         if function is not None:
-            return plan, function, False
-        return plan, self._new_function(stream, run, plan), True
+            return spec, function, False
+        return spec, self._new_function(stream, run, spec), True
 
     def _eagerly(self, stream: _Stream, run: list, timings: list | None) -> None:
         self.eager_runs += 1
         for instruction in run:
             self.executor.run_one(stream.slot, stream.base, instruction, [], timings)
 
-    def _new_function(self, stream: _Stream, run: list, plan: codegen.Plan):
+    def _new_function(self, stream: _Stream, run: list, spec: codegen.RunSpec):
         """A compiled function for a signature seen before; None the first time one is seen
         (and when no more functions are kept): the run then executes eagerly."""
-        if plan.key not in self.seen:
+        if spec.key not in self.seen:
             if len(self.seen) >= MAX_SEEN:
                 self.seen.clear()
-            self.seen.add(plan.key)
-            self._say(f"{stream.label()}: {len(run)} operations seen once, run eagerly [{codegen.digest(plan.key)}]")
+            self.seen.add(spec.key)
+            self._say(f"{stream.label()}: {len(run)} operations seen once, run eagerly [{codegen.digest(spec.key)}]")
             return None
         if len(self.functions) >= MAX_FUNCTIONS:
             if not self.said_full:
                 self.said_full = True
                 self._warn(f"{MAX_FUNCTIONS} compiled functions held; regions not seen before run eagerly")
             return None
-        return self._compile(stream, run, plan)
+        return self._compile(stream, run, spec)
 
-    def _compile(self, stream: _Stream, run: list, plan: codegen.Plan):
+    def _compile(self, stream: _Stream, run: list, spec: codegen.RunSpec):
         """The compiled function of a run (torch.compile compiles it at its first call)."""
         if not self.configured:
             self.configured = True
             import torch._inductor.config as inductor
 
             inductor.compile_threads = 1  # compile in this process: no pool of children to outlive it
-        name = f"region_{codegen.digest(plan.key)}"
-        text = codegen.source(run, plan, name)
-        self._save(name, text, stream, len(run), plan)
+        name = f"region_{codegen.digest(spec.key)}"
+        text = codegen.source(run, spec, name)
+        self._save(name, text, stream, len(run), spec)
         try:
             return torch.compile(codegen.function(text, name, run), dynamic=False, fullgraph=True,
                                  backend=self.settings.backend)
         except Exception as error:  # noqa: BLE001 - e.g. no compiler backend: eager execution instead
-            self.functions[plan.key] = FAILED
+            self.functions[spec.key] = FAILED
             self.failures += 1
             self._warn(f"could not compile {stream.label()}, running it eagerly: {type(error).__name__}: "
                        f"{str(error)[:300]}")
@@ -248,11 +248,11 @@ class Regions:
 
     # ---- telling ----------------------------------------------------------------------------------
 
-    def _save(self, name: str, text: str, stream: _Stream, operations: int, plan: codegen.Plan) -> None:
+    def _save(self, name: str, text: str, stream: _Stream, operations: int, spec: codegen.RunSpec) -> None:
         directory = self.settings.save_dir
         if directory is None:
             return
-        shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in plan.tensors)
+        shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in spec.tensors)
         path = os.path.join(directory, f"{name}.py")
         try:
             os.makedirs(directory, exist_ok=True)
