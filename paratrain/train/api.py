@@ -131,6 +131,21 @@ class Prepared:
             return float("inf")
         return clip_grad_norm_(self.dp, self.mesh, max_norm)
 
+    def communication(self) -> tuple[float, float]:
+        """(all, exposed) communication milliseconds since the last call: the step's, read once
+        it has ended."""
+        return self.dp.timer.take()
+
+    def evaluate(self, evaluator) -> dict[str, float]:
+        """The validation loss (train/evaluate.py), the same on every rank (a collective)."""
+        result = evaluator.run()
+        self.dp.timer.take()  # what evaluating communicated (FSDP's gathers): not the next step's
+        return result
+
+    def finish(self) -> None:
+        """After the last step: what the strategy owes the run's end (local SGD: one model)."""
+        self.dp.finish()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters under the single-device model's names, whole (tensor shards
         and FSDP's gathered); every rank calls it (collectives). The union over pipeline ranks is

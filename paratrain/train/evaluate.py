@@ -34,16 +34,16 @@ EVAL_BATCHES = 8
 class Evaluator:
     """What one rank needs to compute the validation loss at any step."""
 
-    def __init__(self, config, dataset, module: torch.nn.Module, loss_fn, dp_group, mesh=None,
-                 parallel=None, device=None):
+    def __init__(self, config, dataset, parallel, mesh, device=None):
+        """`parallel`: the ParallelModel that trains (train/parallel_model.py), on `mesh`."""
         self.every, self.last_step = config.eval_every, config.steps - 1
-        self.module, self.loss_fn, self.dp_group, self.mesh = module, loss_fn, dp_group, mesh
-        self.parallel, self.device = parallel, device or torch.device("cpu")
+        self.parallel, self.mesh, self.device = parallel, mesh, device or torch.device("cpu")
+        self.module, self.loss_fn, self.dp_group = parallel.module, parallel.loss_fn, mesh.dp
         self.batches = validation_batches(dataset, config.data.global_batch, EVAL_BATCHES) if self.every else []
         # Accuracy is argmax over the whole output: only classifiers, whose output is never sharded.
         self.classifier = dataset.task == "classification"
         self.autocast = autocast(config.parallel.precision, self.device)
-        self.pipelined = mesh is not None and mesh.shape["pp"] > 1
+        self.pipelined = parallel.schedule is not None
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.last_step)

@@ -82,6 +82,10 @@ class DataParallel:
         """What follows the optimizer's step (ZeRO gathers the updated shards, local SGD
         averages); a user's own `optimizer.step()` runs it through the library face (train/api.py)."""
 
+    def finish(self) -> None:
+        """After the run's last step: what the strategy still owes it (local SGD's replicas
+        have drifted apart since the last average)."""
+
     def zero_grad(self) -> None:
         for param in self.module.parameters():
             if param.grad is not None:

@@ -24,6 +24,10 @@ class LocalSGD(DataParallel):
         if self._steps % self.every == 0:
             self.average_parameters()
 
+    def finish(self) -> None:
+        if self._steps % self.every:
+            self.average_parameters()  # end with one model, not world-size slightly different ones
+
     def average_parameters(self) -> None:
         params = [p.data for p in self.module.parameters()]
         flat = torch.cat([p.reshape(-1) for p in params])
