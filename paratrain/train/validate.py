@@ -57,9 +57,15 @@ def _at_least(problems, label, value, low, kind="integer") -> bool:
 
 
 def problems_with(config: TrainConfig, world_size: int) -> list[str]:
+    """Every problem of `config` on `world_size` ranks, one line each, in the checks' order."""
     problems: list[str] = []
-    model, data, optim, par = config.model, config.data, config.optim, config.parallel
+    for check in _CHECKS:
+        check(problems, config, world_size)
+    return problems
 
+
+def _model_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
+    model = config.model
     if model.name not in MODEL_NAMES and not is_model_file(model.name):
         problems.append(f"model: unknown model {model.name!r}; valid: {', '.join(MODEL_NAMES)} or FILE.py:FUNCTION")
     else:
@@ -67,8 +73,10 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
             model_config(model.name, **model.overrides)
         except (ValueError, TypeError) as error:
             problems.append(f"model: {error}")
-    _data_problems(problems, config)
 
+
+def _run_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
+    """How long the run is, what it logs and writes, and what --compile needs."""
     if config.parallel.compile:
         problem = compile_backend_problem(Settings.resolve().compile_backend)
         problems += [problem] if problem else []
@@ -82,6 +90,9 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
         if reason:
             problems.append(f"metrics_out: cannot write {config.metrics_out}: {reason}")
 
+
+def _optimizer_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
+    optim = config.optim
     _choice(problems, "optim.name", optim.name, OPTIMIZERS)
     _choice(problems, "optim.schedule", optim.schedule, SCHEDULES)
     if not _is_number(optim.lr) or optim.lr <= 0:
@@ -97,6 +108,10 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     if not _is_number(optim.min_lr_ratio) or not 0 <= optim.min_lr_ratio <= 1:
         problems.append(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio!r}")
 
+
+def _layout_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
+    """The launch, and the options that shape the pipeline or the data-parallel strategy."""
+    par = config.parallel
     if par.nproc is not None:  # None: dp x pp x tp (see options.world_size_of)
         _at_least(problems, "parallel.nproc", par.nproc, 1)
     _choice(problems, "parallel.launcher", par.launcher, LAUNCHERS)
@@ -112,6 +127,11 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
                         "--grad-accum applies to pp = 1")
     tp_pp = par.pp * par.tp if _is_int(par.pp) and _is_int(par.tp) else 1
     problems += strategy_problems(par, tp_pp, algorithms_for("all_reduce"), algorithms_for)
+
+
+def _communication_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
+    """The data-parallel strategy's own options: compression, buckets, prefetch, timeout."""
+    par = config.parallel
     if str(par.compress).startswith("topk") and par.algo in algorithms_for("all_reduce") \
             and par.algo not in algorithms_for("all_gather"):  # top-k gathers the kept values
         problems.append(f"parallel.algo: {par.algo!r} has no all_gather (top-k compression uses it); "
@@ -121,7 +141,7 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
         problems.append(f"parallel.bucket_mb must be a finite number > 0, got {par.bucket_mb!r}")
     if not _is_number(par.first_bucket_mb) or par.first_bucket_mb <= 0:
         problems.append(f"parallel.first_bucket_mb must be a finite number > 0, got {par.first_bucket_mb!r}")
-    accum_ok = _at_least(problems, "parallel.grad_accum", par.grad_accum, 1)
+    _at_least(problems, "parallel.grad_accum", par.grad_accum, 1)
     _at_least(problems, "parallel.local_sgd", par.local_sgd, 0)
     _at_least(problems, "parallel.prefetch", par.prefetch, 0)
     if not isinstance(par.reshard_after_forward, bool):
@@ -133,25 +153,29 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
     except (ValueError, TypeError, AttributeError) as error:
         problems.append(f"parallel.compress: {error}")
 
+
+def _batch_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
+    """The mesh, and a global batch that splits over it (into micro-batches or accumulation)."""
+    data, par = config.data, config.parallel
     mesh_ok, dp_size = _mesh_problems(problems, config, world_size)
-    if _is_int(data.global_batch) and data.global_batch >= 1:
-        if mesh_ok and par.pp > 1 and _is_int(par.microbatches) and par.microbatches >= 1:
-            if data.global_batch % (dp_size * par.microbatches):
-                problems.append(
-                    f"data.global_batch {data.global_batch} is not divisible by dp x microbatches = "
-                    f"{dp_size} x {par.microbatches} = {dp_size * par.microbatches}"
-                )
-        elif mesh_ok and accum_ok and data.global_batch % (dp_size * par.grad_accum):
-            problems.append(
-                f"data.global_batch {data.global_batch} is not divisible by data-parallel size "
-                f"{dp_size} x grad_accum {par.grad_accum} = {dp_size * par.grad_accum}"
-            )
-    else:
+    if not (_is_int(data.global_batch) and data.global_batch >= 1):
         problems.append(f"data.global_batch must be an integer >= 1, got {data.global_batch!r}")
-    return problems
+        return
+    accum_ok = _is_int(par.grad_accum) and par.grad_accum >= 1  # else said among the communication problems
+    if mesh_ok and par.pp > 1 and _is_int(par.microbatches) and par.microbatches >= 1:
+        if data.global_batch % (dp_size * par.microbatches):
+            problems.append(
+                f"data.global_batch {data.global_batch} is not divisible by dp x microbatches = "
+                f"{dp_size} x {par.microbatches} = {dp_size * par.microbatches}"
+            )
+    elif mesh_ok and accum_ok and data.global_batch % (dp_size * par.grad_accum):
+        problems.append(
+            f"data.global_batch {data.global_batch} is not divisible by data-parallel size "
+            f"{dp_size} x grad_accum {par.grad_accum} = {dp_size * par.grad_accum}"
+        )
 
 
-def _data_problems(problems: list[str], config: TrainConfig) -> None:
+def _data_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
     """The data set must exist, suit the model and (text) its file be there and long enough."""
     name = config.data.name
     loss = config.data.loss
@@ -315,6 +339,11 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
             checked_reader(resolve(ckpt.resume, ckpt.dir), config)  # the whole checkpoint, before any rank reads it
         except CheckpointError as error:
             problems.append(f"checkpoint.resume: {error}")
+
+
+# Every check problems_with runs, in the order their lines are reported.
+_CHECKS = (_model_problems, _data_problems, _run_problems, _optimizer_problems, _layout_problems,
+           _communication_problems, _batch_problems)
 
 
 def validate(config: TrainConfig, world_size: int) -> None:
