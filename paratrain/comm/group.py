@@ -182,7 +182,8 @@ class Group:
                                 replay(link, chosen, algorithm, args)
                 except TRANSPORT_ERRORS as error:  # a native collective's own
                     raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
-                self._average(reduce_op, averaged)
+                if reduce_op == "avg" and averaged is not None:
+                    divide_(averaged, self.size)
                 self._retire(link.finished)
             except Exception as error:
                 self._failed(call, error)
@@ -197,16 +198,6 @@ class Group:
             # other's different calls: a blocking call queues behind the pending async ones.
             return self._executor.submit(execute).result()
         return execute()
-
-    def _average(self, reduce_op: str | None, tensor: torch.Tensor | None) -> None:
-        """Finish an `avg` (run as a sum) on the tensor that holds the result, if any."""
-        if reduce_op == "avg" and tensor is not None:
-            divide_(tensor, self.size)
-
-    def _may_go_straight(self, async_op: bool) -> bool:
-        """Whether a call may run straight from a replay: not on the communication thread, whose
-        calls keep their order, nor in debug mode, which checks every call."""
-        return not (async_op or self.debug or self._executor is not None)
 
     def _goes_straight(self, entry, op_name: str, algo: str) -> bool:
         """Whether a call that found `entry` (a replay, replays.py, or None) runs it."""
@@ -226,7 +217,8 @@ class Group:
         """A call made again from what an earlier one kept (replays.py): its `run` and nothing
         else, numbered, recorded and failed like any other call; an average is divided after.
         What `_run` and the op would do besides (check the arguments, describe the call) the call
-        that kept it has done for this one."""
+        that kept it has done for this one. Calls on the communication thread, whose order must
+        hold, and calls in debug mode, which checks every call, never come here."""
         self._collective_seq += 1
         seq = self._collective_seq
         call = self._recorder.start(self._key, "collective", seq, op_name, entry.signature, entry.algo)
@@ -245,7 +237,8 @@ class Group:
         except Exception as error:
             self._failed(call, error)
             raise
-        self._average(reduce_op, result)
+        if reduce_op == "avg":
+            divide_(result, self.size)
         if link is not None:
             self._retire(link.finished)
         call.complete()
@@ -288,7 +281,7 @@ class Group:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algo: str = "auto", async_op: bool = False):
         """Reduce `tensor` over all ranks, in place; every rank gets the result."""
-        if self._may_go_straight(async_op):
+        if not (async_op or self.debug or self._executor is not None):  # see _run_straight
             replay = self.replays.all_reduces.ready(tensor, op)
             if self._goes_straight(replay, "all_reduce", algo):
                 return self._run_straight("all_reduce", replay, tensor, op)
@@ -305,7 +298,7 @@ class Group:
         async_op: bool = False,
     ):
         """Reduce `input` over all ranks; rank r gets part r (torch.tensor_split's parts)."""
-        straight = self._may_go_straight(async_op)
+        straight = not (async_op or self.debug or self._executor is not None)  # see _run_straight
         if straight:
             repeat = self.replays.repeats.ready("reduce_scatter", output, input, op)
             if self._goes_straight(repeat, "reduce_scatter", algo):
@@ -327,7 +320,7 @@ class Group:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto", async_op: bool = False):
         """Concatenate every rank's `input` into `output` (rank r's input is part r)."""
-        straight = self._may_go_straight(async_op)
+        straight = not (async_op or self.debug or self._executor is not None)  # see _run_straight
         if straight:
             repeat = self.replays.repeats.ready("all_gather", output, input, "")
             if self._goes_straight(repeat, "all_gather", algo):
