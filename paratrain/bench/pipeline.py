@@ -49,6 +49,20 @@ def _torch_step_fn(chunk, rank, stages, microbatches, loss_fn, name):
 
 def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, warmup):
     """Runs on every rank; rank 0 returns one record per (implementation, schedule)."""
+    mine, runners = _runners(group, model_name, schedules, microbatches, global_batch)
+    measured = _timed(group, mine, runners, microbatches, steps, warmup)
+    # Per runner and rank, per step: its time, compute time, and mean time per F, B and W.
+    gathered = torch.tensor(measured, dtype=torch.float64)
+    everyone = torch.empty(group.size * gathered.numel(), dtype=torch.float64)
+    group.all_gather(everyone, gathered.view(-1), algo="native")
+    per_rank = everyone.view(group.size, len(runners), 5, steps)  # rank, runner, what, step
+    return [_record(impl, name, per_rank[:, index], group.size, microbatches, steps)
+            for index, (impl, name, _) in enumerate(runners)]
+
+
+def _runners(group, model_name, schedules, microbatches, global_batch):
+    """This rank's chunk, and (implementation, schedule, a step's call) for each runner: ours for
+    every schedule with one chunk per rank, PyTorch's for those it has."""
     model = build_seeded_model(model_name, {}, 0)
     dataset = dataset_for(model_name, {}, None, 0)
     chunks = split_layers(pipeline_layers(model), group.size)
@@ -65,6 +79,12 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
         if name in TORCH_SCHEDULES:
             step = _torch_step_fn(mine, group.rank, group.size, microbatches, dataset.loss, name)
             runners.append(("torch.pipelining", name, lambda s=step: s(inputs, targets)))
+    return mine, runners
+
+
+def _timed(group, mine, runners, microbatches, steps, warmup) -> list[list[float]]:
+    """Every runner's timed steps on this rank, runners alternating step by step: per runner, its
+    step times, compute times (-1 for PyTorch's, which does not say) and mean F, B, W times."""
     times = {(impl, name): [] for impl, name, _ in runners}
     busy = {(impl, name): [] for impl, name, _ in runners}  # this rank's compute seconds per step
     action_s = {(impl, name): [] for impl, name, _ in runners}  # per step: mean seconds per F, B and W
@@ -80,38 +100,35 @@ def bench_rank(group, model_name, schedules, microbatches, global_batch, steps, 
                 if stats:
                     busy[(impl, name)].append(stats["busy_s"])
                     action_s[(impl, name)].append([stats["op_s"][op] / microbatches for op in "FBW"])
-    # Per runner and rank, per step: its time, compute time, and mean time per F, B and W.
-    gathered = torch.tensor([[*times[k], *(busy[k] or [-1.0] * steps),
-                              *(step[op] for op in range(3) for step in (action_s[k] or [[-1.0] * 3] * steps))]
-                             for k in times], dtype=torch.float64)
-    everyone = torch.empty(group.size * gathered.numel(), dtype=torch.float64)
-    group.all_gather(everyone, gathered.view(-1), algo="native")
-    per_rank = everyone.view(group.size, len(times), 5, steps)  # rank, runner, what, step
-    records = []
-    for index, (impl, name) in enumerate(times):
-        step_s = per_rank[:, index, 0].max(dim=0).values  # a step lasts until its slowest rank ends
-        busy_s = per_rank[:, index, 1]
-        actions_s = per_rank[:, index, 2:]  # rank, F/B/W, step
-        ours = busy_s.min() >= 0
-        # The bubble as theory counts it: of p ranks x the step's time, the share not computing. (A
-        # rank's own time would flatter it: the last stage finishes a backward before the first.)
-        bubble = (1 - busy_s.sum(dim=0) / (group.size * step_s)).tolist()
-        # Medians over the timed steps, as `bench tp` reports: on a shared machine a few steps
-        # in which one rank's core ran slow would otherwise stand for the schedule. The means
-        # are kept beside them.
-        records.append({
-            "impl": impl, "schedule": name, "stages": group.size, "microbatches": microbatches,
-            "step_ms": statistics.median(step_s.tolist()) * 1e3,
-            "step_ms_mean": step_s.mean().item() * 1e3,
-            "bubble_measured": statistics.median(bubble) if ours else None,
-            "bubble_measured_mean": statistics.fmean(bubble) if ours else None,
-            "bubble_simulated": statistics.median(
-                _simulated_bubble(name, group.size, microbatches, actions_s[:, :, step]) for step in range(steps)
-            ) if ours else None,
-            "bubble_theoretical": theoretical_bubble(name, group.size, microbatches, 1),
-            "bubble_theoretical_costs": _balanced_bubble(name, group.size, microbatches, actions_s.mean(dim=2)) if ours else None,
-        })
-    return records
+    return [[*times[k], *(busy[k] or [-1.0] * steps),
+             *(step[op] for op in range(3) for step in (action_s[k] or [[-1.0] * 3] * steps))]
+            for k in times]
+
+
+def _record(impl: str, name: str, runner: torch.Tensor, stages: int, microbatches: int, steps: int) -> dict:
+    """One runner's record from every rank's measurements (runner[rank, what, step])."""
+    step_s = runner[:, 0].max(dim=0).values  # a step lasts until its slowest rank ends
+    busy_s = runner[:, 1]
+    actions_s = runner[:, 2:]  # rank, F/B/W, step
+    ours = busy_s.min() >= 0
+    # The bubble as theory counts it: of p ranks x the step's time, the share not computing. (A
+    # rank's own time would flatter it: the last stage finishes a backward before the first.)
+    bubble = (1 - busy_s.sum(dim=0) / (stages * step_s)).tolist()
+    # Medians over the timed steps, as `bench tp` reports: on a shared machine a few steps
+    # in which one rank's core ran slow would otherwise stand for the schedule. The means
+    # are kept beside them.
+    return {
+        "impl": impl, "schedule": name, "stages": stages, "microbatches": microbatches,
+        "step_ms": statistics.median(step_s.tolist()) * 1e3,
+        "step_ms_mean": step_s.mean().item() * 1e3,
+        "bubble_measured": statistics.median(bubble) if ours else None,
+        "bubble_measured_mean": statistics.fmean(bubble) if ours else None,
+        "bubble_simulated": statistics.median(
+            _simulated_bubble(name, stages, microbatches, actions_s[:, :, step]) for step in range(steps)
+        ) if ours else None,
+        "bubble_theoretical": theoretical_bubble(name, stages, microbatches, 1),
+        "bubble_theoretical_costs": _balanced_bubble(name, stages, microbatches, actions_s.mean(dim=2)) if ours else None,
+    }
 
 
 def _balanced_bubble(name: str, stages: int, microbatches: int, action_s: torch.Tensor) -> float:

@@ -145,13 +145,7 @@ def plan(model, layers, hidden, heads, kv_heads, seq, vocab, mlp, hardware, gpus
       paratrain plan --validate
     """
     if validate:
-        from paratrain.plan.validate import run_validation
-
-        records = run_validation(hardware if Path(hardware).suffix else None, steps, renice)
-        if json_path:
-            json_path.write_text(json.dumps(records, indent=1))
-            click.echo(f"wrote {len(records)} validation records to {json_path}")
-        return
+        return _validate(hardware, steps, renice, json_path)
     try:
         shape = build_shape(model, {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
                                     "seq": seq, "vocab": vocab, "mlp": mlp})
@@ -174,20 +168,38 @@ def plan(model, layers, hidden, heads, kv_heads, seq, vocab, mlp, hardware, gpus
     click.echo(f"hardware {profile.name}: {profile.description}")
     if explicit:
         results = [predict(shape, layout, profile, global_batch)]
-        for line in describe_prediction(results[0], shape, global_batch, profile):
-            click.echo(line)
+        _echo(describe_prediction(results[0], shape, global_batch, profile))
     else:
-        results, dropped = search(shape, gpus, global_batch, profile)
-        click.echo(f"searched layouts of {gpus} devices, fastest first:")
-        for line in search_lines(results, dropped, top):
-            click.echo(line)
-        if results:
-            click.echo("the fastest in detail:")
-            for line in describe_prediction(results[0], shape, global_batch, profile):
-                click.echo(line)
+        results = _search(shape, gpus, global_batch, profile, top)
     if json_path:
         json_path.write_text(json.dumps([p.to_json() for p in results], indent=1))
         click.echo(f"wrote {len(results)} layout(s) to {json_path}")
+
+
+def _validate(hardware: str, steps: int, renice: int, json_path) -> None:
+    """--validate: the cost model's predictions against measured training runs."""
+    from paratrain.plan.validate import run_validation
+
+    records = run_validation(hardware if Path(hardware).suffix else None, steps, renice)
+    if json_path:
+        json_path.write_text(json.dumps(records, indent=1))
+        click.echo(f"wrote {len(records)} validation records to {json_path}")
+
+
+def _search(shape, gpus: int, global_batch: int, profile, top: int) -> list:
+    """Every valid layout of `gpus` devices that fits, fastest first, printed; the fastest in detail."""
+    results, dropped = search(shape, gpus, global_batch, profile)
+    click.echo(f"searched layouts of {gpus} devices, fastest first:")
+    _echo(search_lines(results, dropped, top))
+    if results:
+        click.echo("the fastest in detail:")
+        _echo(describe_prediction(results[0], shape, global_batch, profile))
+    return results
+
+
+def _echo(lines) -> None:
+    for line in lines:
+        click.echo(line)
 
 
 def _layout(flags: dict, gpus: int | None) -> Layout:
