@@ -58,7 +58,8 @@ def check_instruction(raw, batch: str, index: int, from_client: bool) -> Instruc
 
     Batches hold hundreds of instructions, so the common case (plain values only) is checked in
     one pass without naming fields; anything else, and every refusal, takes the careful path
-    that names the field at fault. Both accept exactly the same instructions."""
+    that names the field at fault. The one-pass check accepts nothing the careful one refuses
+    (tests/test_frontend_instruction_checks.py holds them together)."""
     if type(raw) is list and len(raw) == FIELD_COUNT and _plainly_valid(raw, _BY_SENDER[from_client],
                                                                        _LIMITS[from_client]):
         return _new(Instruction, raw)

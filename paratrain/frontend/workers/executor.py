@@ -87,16 +87,11 @@ class Executor:
         if self.regions.watching(slot):
             self.regions.run_batch(slot, instructions, frames, timings)
         else:
-            for index, instruction in enumerate(instructions):  # run_one, inlined: the common path
+            for index, instruction in enumerate(instructions):
                 if instruction.op == "region_begin":  # the rest of the batch may be compiled
                     self.regions.run_batch(slot, instructions[index:], frames, timings)
                     break
-                if timings is not None and instruction.log is not None:
-                    started, clock = time.time(), time.perf_counter()
-                    self._run(slot, base, instruction, frames)
-                    timings.append(Timing(instruction.log, started, time.perf_counter() - clock))
-                else:
-                    self._run(slot, base, instruction, frames)
+                self.run_one(slot, base, instruction, frames, timings)
         self.executed += len(instructions)
         self.by_op.update([instruction.op for instruction in instructions])
 
