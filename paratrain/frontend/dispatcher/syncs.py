@@ -128,4 +128,4 @@ class Syncs:
         errors = sorted(client.errors, key=lambda error: error.seq)
         client.errors, client.sync = [], None
         stats = [sync.stats[rank] for rank in sorted(sync.stats)]
-        self.send(client.identity, messages.Synced(sync.token, errors, fetched, stats, frames))
+        self.send(client.identity, messages.Synced(sync.token, errors, fetched, stats, frames=frames))

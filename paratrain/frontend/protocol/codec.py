@@ -180,6 +180,6 @@ def decode(frames: list, accepted: dict, max_header: int = MAX_HEADER, max_part:
         if len(frames) > 1:
             raise MalformedMessage(f"a {kind} message carries no frames, got {len(frames) - 1}")
         return cls(*values)
-    message = cls(*values, list(frames[1:]))
+    message = cls(*values, frames=list(frames[1:]))
     message.check_frames()
     return message

@@ -32,9 +32,9 @@ def spec(check, *args):
     return field(metadata={"check": check, "args": args})
 
 
-def frames_field():
+def frames_field(kw_only: bool = False):
     """The raw frames after the header (tensor bytes); not part of the header."""
-    return field(default_factory=list, metadata={"frames": True})
+    return field(default_factory=list, kw_only=kw_only, metadata={"frames": True})
 
 
 # ---- checks of whole fields -----------------------------------------------------------------------
@@ -177,18 +177,25 @@ class Run:
 
 
 @dataclass(slots=True)
-class Synced:
-    """dispatcher -> client: everything up to the sync `token` has run. `errors`: what failed
-    since the last sync (by seq); `fetched`: the tensors asked for, their bytes in `frames`."""
-    KIND = "synced"
+class SyncAnswer:
+    """What answers a sync, a worker's to the dispatcher (Collected) and the dispatcher's to a
+    client (Synced): everything up to the sync `token` has run. `errors`: what failed since the
+    last sync (by seq); `fetched`: the tensors asked for, their bytes in `frames` (a keyword, so
+    that each answer's own fields follow these)."""
     token: int = spec(fields.integer, 0)
     errors: list = spec(error_reports)
     fetched: list = spec(fetched_list)
-    stats: list = spec(worker_times)
-    frames: list = frames_field()
+    frames: list = frames_field(kw_only=True)
 
     def check_frames(self) -> None:
         _check_fetched_frames(self.fetched, self.frames)
+
+
+@dataclass(slots=True)
+class Synced(SyncAnswer):
+    """dispatcher -> client: the answer to a Run's sync, with each worker's running times."""
+    KIND = "synced"
+    stats: list = spec(worker_times)
 
 
 @dataclass(slots=True)
@@ -312,21 +319,14 @@ class Collect:
 
 
 @dataclass(slots=True)
-class Collected:
-    """worker -> dispatcher: the answer to Collect; the fetched tensors' bytes in `frames`.
-    `busy_s`, `wait_s` and `compiled` are the worker's running totals (for the client's stats)."""
+class Collected(SyncAnswer):
+    """worker -> dispatcher: the answer to Collect for client `slot`. `busy_s`, `wait_s` and
+    `compiled` are the worker's running totals (for the client's stats)."""
     KIND = "collected"
     slot: int = spec(fields.integer, *SLOT)
-    token: int = spec(fields.integer, 0)
-    errors: list = spec(error_reports)
-    fetched: list = spec(fetched_list)
     busy_s: float = spec(fields.number)
     wait_s: float = spec(fields.number)
     compiled: list = spec(compile_counts)
-    frames: list = frames_field()
-
-    def check_frames(self) -> None:
-        _check_fetched_frames(self.fetched, self.frames)
 
 
 @dataclass(slots=True)

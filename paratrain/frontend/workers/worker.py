@@ -262,8 +262,8 @@ class _WorkerLoop:
             return []
         errors = [*self.executor.errors.pop(slot, []), report]
         fetched = [Fetched(handle, None, [], 0, None, text) for handle in message.fetch]
-        return [messages.Collected(slot, token, errors, fetched, self.busy_s, self.executor.wait_s,
-                                   list(self.executor.regions.counts), [])]
+        return [messages.Collected(token, errors, fetched, slot, self.busy_s, self.executor.wait_s,
+                                   list(self.executor.regions.counts))]
 
     def _leave(self, reason: str) -> None:
         print(f"paratrain worker {self.executor.rank}: leaving: {reason}", file=sys.stderr, flush=True)
@@ -281,8 +281,8 @@ class _WorkerLoop:
         self.busy_s += time.perf_counter() - started
         errors, fetched, frames = executor.collect(slot, fetch)
         replies = [messages.Timings(timings)] if timings else []
-        replies.append(messages.Collected(slot, token, errors, fetched, self.busy_s, executor.wait_s,
-                                          list(executor.regions.counts), frames))
+        replies.append(messages.Collected(token, errors, fetched, slot, self.busy_s, executor.wait_s,
+                                          list(executor.regions.counts), frames=frames))
         return replies
 
     def _send_replies(self) -> None:
