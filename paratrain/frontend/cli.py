@@ -58,7 +58,7 @@ def serve(ctx, host, port, workers, local_workers, spawn, token, instruction_log
     PARATRAIN_SERVER=HOST:PORT), workers with `paratrain worker --host HOST --port PORT`.
     GT's `python -m gt.server -p PORT --spawn_gpu_workers N` is `python -m paratrain.frontend.server`
     with the same flags (but the host stays loopback unless given)."""
-    from paratrain.frontend.dispatcher.dispatcher import CannotServe
+    from paratrain.frontend.dispatcher.listener import CannotServe
     from paratrain.frontend.dispatcher.serve import serve as run
     from paratrain.frontend.dispatcher.settings import DispatcherSettings
 

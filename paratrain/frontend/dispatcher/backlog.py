@@ -53,8 +53,8 @@ class Backlog:
         if self.bytes[identity] > self.limit_bytes:
             self.over.add(identity)
 
-    def not_reading(self, now: float) -> list[tuple[bytes, int]]:
-        """Send what waits, as far as each peer takes it; -> (peer, bytes that waited) for each
+    def not_reading(self, now: float) -> list[tuple[bytes, str]]:
+        """Send what waits, as far as each peer takes it; -> (peer, why it is dropped) for each
         peer that does not read (over the limit, or stuck), forgotten here."""
         for identity, queue in list(self.waiting.items()):
             while queue and self._try(identity, queue[0]):
@@ -64,7 +64,9 @@ class Backlog:
                 self._forget(identity)
             elif now - self.moved[identity] > STUCK_S:
                 self.over.add(identity)
-        found = [(identity, self.bytes.get(identity, 0)) for identity in self.over]
+        found = [(identity, f"it does not read what is sent to it: {self.bytes.get(identity, 0) / 2**20:.1f} MiB "
+                            f"waited for it (the bound: {self.limit_bytes >> 20} MiB, or {STUCK_S:g}s without taking any)")
+                 for identity in self.over]
         for identity in self.over:
             self._forget(identity)
         self.over.clear()

@@ -14,7 +14,6 @@ fails at once; a client that falls silent is dropped, its tensors freed, and tol
 
 from __future__ import annotations
 
-import errno
 import gc
 import sys
 import threading
@@ -25,19 +24,19 @@ import zmq
 
 from paratrain.frontend import signals
 from paratrain.frontend.dispatcher.admission import Admission
-from paratrain.frontend.dispatcher.backlog import SEND_QUEUE, STUCK_S, Backlog, least_limit_bytes
+from paratrain.frontend.dispatcher.backlog import Backlog, least_limit_bytes
 from paratrain.frontend.dispatcher.auto_shard import AutoShard
 from paratrain.frontend.dispatcher.complaints import Complaints
 from paratrain.frontend.dispatcher.connections import Connections
 from paratrain.frontend.dispatcher.descriptors import Descriptors
-from paratrain.frontend.dispatcher.log import LOGGED, InstructionLog
+from paratrain.frontend.dispatcher.listener import listen
+from paratrain.frontend.dispatcher.log import InstructionLog
 from paratrain.frontend.dispatcher.peers import ClientState, Peers, WorkerState
 from paratrain.frontend.dispatcher.reports import WorkerReports
 from paratrain.frontend.dispatcher.router import Router
 from paratrain.frontend.dispatcher.settings import DispatcherSettings
 from paratrain.frontend.dispatcher.syncs import Syncs
 from paratrain.frontend.protocol import MalformedMessage, codec, messages
-from paratrain.frontend.protocol.auth import secure_listener
 from paratrain.frontend.shapes import warm_up
 
 TICK_S = 1.0  # pings, liveness and expiry, this often
@@ -45,32 +44,13 @@ RECEIVE_SLICE_S = 0.2
 STALL_S = 1.0  # a loop turn this much later than it should come: the dispatcher itself was stalled
 DRAIN_MAX = 10_000  # messages read before judging a silent peer (its heartbeat may be among them)
 STRANGER_HEADER = 64 << 10  # bytes a peer may send before it has joined
-HANDSHAKE_S = 5.0  # for a connection to finish ZeroMQ's handshake (a local one takes milliseconds)
-
-
-class CannotServe(RuntimeError):
-    """The dispatcher cannot listen where it was asked to (a port in use, no such interface)."""
 
 
 class Dispatcher:
     def __init__(self, settings: DispatcherSettings):
         self.settings = settings
         self.context = zmq.Context()
-        self.sock = self.context.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises instead of dropping
-        self.sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)  # beyond: the Backlog, bounded (backlog.py)
-        # With a token, parts come cut into frames of at most a piece (codec.py): a piece is then all
-        # a stranger can make the dispatcher hold; --max-message-mb bounds whole tensors (_receive).
-        # (CURVE wraps each frame in a MESSAGE command: 33 bytes more on the wire, where libzmq checks.)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, codec.PIECE_BYTES + 1024 if codec.cuts(settings.token)
-                             else settings.max_message_mb << 20)
-        # A connection that has not finished ZeroMQ's handshake in this time is closed (libzmq's
-        # default, 30 s, let a stranger hold thousands of silent sockets, one descriptor each); the
-        # handshake is the first step of joining, so it never gets longer than joining does.
-        self.sock.setsockopt(zmq.HANDSHAKE_IVL, int(min(HANDSHAKE_S, settings.join_timeout) * 1000))
-        secure_listener(self.sock, settings.token)  # with a token, strangers end in the handshake
-        self.port = self._bind(settings.host, settings.port)
+        self.sock, self.port = listen(self.context, settings)
         self.started = time.time()
         # The log exists while it has a file to write, or a live capture to feed (see _trace).
         self.log = InstructionLog(settings.log_path, self.started) if settings.log_path else None
@@ -105,19 +85,6 @@ class Dispatcher:
             ("pending", messages.Hello): self.admission.hello,
             (None, messages.Hello): self.admission.hello,
         }
-
-    def _bind(self, host: str, port: int) -> int:
-        try:
-            if port == 0:
-                return self.sock.bind_to_random_port(f"tcp://{host}")
-            self.sock.bind(f"tcp://{host}:{port}")
-            return port
-        except zmq.ZMQError as error:
-            self.sock.close(linger=0)
-            self.context.term()
-            if error.errno == errno.EADDRINUSE:
-                raise CannotServe(f"port {port} on {host} is in use (another `paratrain serve`? try --port 0)") from None
-            raise CannotServe(f"cannot listen on {host}:{port}: {error.strerror}") from None
 
     @property
     def address(self) -> str:
@@ -199,18 +166,17 @@ class Dispatcher:
             message = codec.decode(body, self.accepts, codec.MAX_HEADER if joined else STRANGER_HEADER,
                                    self.settings.max_message_mb << 20, cut=codec.cuts(self.settings.token))
         except MalformedMessage as error:
-            who = f"{role} {self._name(identity, role)}" if joined else f"an unjoined peer {identity.hex()}"
+            who = f"{role} {self.peers.name(identity, role)}" if joined else f"an unjoined peer {identity.hex()}"
             self.complain(f"malformed {role}", f"dropped a malformed message from {who}: {error}")
             if joined:
                 self.send(identity, messages.Error(f"malformed message: {error}"))
             return
-        if self.log is not None and role in ("client", "worker") and isinstance(message, LOGGED):
-            self.log.message("RECV" if role == "client" else "WORKER_RECV", self._source(identity, role), message,
-                             sum(frame.nbytes for frame in body), time.time())
+        if self.log is not None and role in ("client", "worker"):
+            self.log.received(role, self.peers.name(identity, role), message, sum(f.nbytes for f in body), time.time())
         try:
             self._dispatch(identity, role, message)
         except Exception as error:  # noqa: BLE001 - one message's failure is its sender's, never the loop's
-            self.complain("handler", f"handling {message.KIND} from {role} {self._name(identity, role)} failed:\n"
+            self.complain("handler", f"handling {message.KIND} from {role} {self.peers.name(identity, role)} failed:\n"
                                      f"{traceback.format_exc(limit=6)}")
             if joined:
                 self.send(identity, messages.Error(f"the dispatcher could not handle your {message.KIND} "
@@ -240,17 +206,6 @@ class Dispatcher:
         elif self.peers.may_refuse(identity):  # a few times each: the replies to a flood would pile up unread
             reason = self.peers.dropped.get(identity) or "say hello (and authenticate) first"
             self.send(identity, messages.Refused(reason))
-
-    def _source(self, identity: bytes, role: str | None) -> str:
-        """A peer as the instruction log names it."""
-        return f"{role.upper()} {self._name(identity, role)}"
-
-    def _name(self, identity: bytes, role: str | None) -> str:
-        if role == "client":
-            return str(self.peers.clients[identity].table.slot)
-        if role == "worker":
-            return str(self.peers.worker_ids[identity].rank)
-        return identity.hex()
 
     # ---- clients -------------------------------------------------------------------------------
 
@@ -345,11 +300,8 @@ class Dispatcher:
             self.fail(f"worker {rank} was lost before every worker served ({reason})")
             return
         self.syncs.worker_lost(rank, reason)
-        live = [r for r, w in self.peers.workers.items() if w.alive]
-        for client in self.peers.clients.values():
-            if client.table.home == rank and live:
-                client.table.home = min(live, key=lambda r: sum(c.table.home == r for c in self.peers.clients.values()))
-        if not live:
+        self.peers.rehome_clients_of(rank)
+        if not any(w.alive for w in self.peers.workers.values()):
             self.fail("every worker is lost")
 
     # ---- time ---------------------------------------------------------------------------------
@@ -415,12 +367,8 @@ class Dispatcher:
 
     def _log_sent(self, identity: bytes, message, frames: list) -> None:
         role = self.peers.role_of(identity)
-        if role not in ("client", "worker") or not isinstance(message, (*LOGGED, messages.ClientWelcome)):
-            return
-        event = ("CONNECT" if isinstance(message, messages.ClientWelcome) else
-                 "SEND" if role == "client" else "WORKER_SEND")
-        size = sum(frame.nbytes if isinstance(frame, memoryview) else len(frame) for frame in frames)
-        self.log.message(event, self._source(identity, role), message, size, time.time())
+        if role in ("client", "worker"):
+            self.log.sent(role, self.peers.name(identity, role), message, frames, time.time())
 
     # ---- sending ------------------------------------------------------------------------------
 
@@ -438,9 +386,7 @@ class Dispatcher:
         whose backlog is over its bound or stuck, freeing what it holds."""
         if not self.backlog:
             return
-        for identity, waiting in self.backlog.not_reading(time.monotonic()):
-            why = (f"it does not read what is sent to it: {waiting / 2**20:.1f} MiB waited for it "
-                   f"(the bound: {self.backlog.limit_bytes >> 20} MiB, or {STUCK_S:g}s without taking any)")
+        for identity, why in self.backlog.not_reading(time.monotonic()):
             client = self.peers.clients.get(identity)
             worker = self.peers.worker_ids.get(identity)
             if client is not None:

@@ -63,6 +63,20 @@ class InstructionLog:
         """A message to or from a peer, `size` bytes in all; `now`: seconds since the epoch."""
         self._write(now - self.started, event, source, message.KIND, size, _counts(message))
 
+    def received(self, role: str, name: str, message, size: int, now: float) -> None:
+        """A message from a client or a worker, if it is one of the stream's (LOGGED)."""
+        if isinstance(message, LOGGED):
+            self.message("RECV" if role == "client" else "WORKER_RECV", f"{role.upper()} {name}", message, size, now)
+
+    def sent(self, role: str, name: str, message, frames: list, now: float) -> None:
+        """A message to a client or a worker, if it is one of the stream's or a client's welcome."""
+        if not isinstance(message, (*LOGGED, messages.ClientWelcome)):
+            return
+        event = ("CONNECT" if isinstance(message, messages.ClientWelcome) else
+                 "SEND" if role == "client" else "WORKER_SEND")
+        size = sum(frame.nbytes if isinstance(frame, memoryview) else len(frame) for frame in frames)
+        self.message(event, f"{role.upper()} {name}", message, size, now)
+
     def event(self, event: str, source: str, command: str, size: int, details: str, now: float) -> None:
         self._write(now - self.started, event, source, command, size, details)
 

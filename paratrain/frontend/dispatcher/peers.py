@@ -114,6 +114,22 @@ class Peers:
             return "pending"
         return None
 
+    def name(self, identity: bytes, role: str | None) -> str:
+        """A peer as lines name it: a client's slot, a worker's rank, else its identity."""
+        if role == "client":
+            return str(self.clients[identity].table.slot)
+        if role == "worker":
+            return str(self.worker_ids[identity].rank)
+        return identity.hex()
+
+    def rehome_clients_of(self, rank: int) -> None:
+        """The clients whose home worker `rank` was lost go home to the live worker that is
+        home to the fewest clients."""
+        live = [r for r, w in self.workers.items() if w.alive]
+        for client in self.clients.values():
+            if client.table.home == rank and live:
+                client.table.home = min(live, key=lambda r: sum(c.table.home == r for c in self.clients.values()))
+
     def forget(self, identity: bytes) -> None:
         """A peer not yet a client or worker (a stranger, a monitor) is forgotten."""
         self.pending.pop(identity, None)
