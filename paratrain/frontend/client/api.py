@@ -7,6 +7,7 @@ import contextlib
 
 import numpy as np
 
+from paratrain.frontend.client.arguments import shape_args
 from paratrain.frontend.client.defaults import DEFAULTS, session
 from paratrain.frontend.client.session import Session
 from paratrain.frontend.client.tensor import Tensor
@@ -59,8 +60,7 @@ def worker(index: int):
 # ---- making tensors ------------------------------------------------------------------------------
 
 def _create(name: str, shape, dtype: str | None, requires_grad: bool, **kwargs) -> Tensor:
-    args = list(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else list(shape)
-    (result,) = session().call(name, [int(s) for s in args], {"dtype": dtype, **kwargs}, requires_grad=requires_grad)
+    (result,) = session().call(name, shape_args(shape), {"dtype": dtype, **kwargs}, requires_grad=requires_grad)
     return result
 
 

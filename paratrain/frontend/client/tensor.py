@@ -15,6 +15,7 @@ import weakref
 
 import numpy as np
 
+from paratrain.frontend.client.arguments import dim_or_axis, keep_dims, shape_args
 from paratrain.frontend.client.autograd import Node, no_grad, run_backward
 from paratrain.frontend.client.dtypes import dtype_named, floating
 from paratrain.frontend.indexing import encode_index
@@ -287,19 +288,19 @@ class Tensor:
     def where(self, condition, other): return self._session.call("where", [condition, self, other])[0]
 
     def softmax(self, dim: int = -1, axis: int | None = None):
-        return self._call("softmax", _axis(dim, axis))
+        return self._call("softmax", dim_or_axis(dim, axis))
 
     def log_softmax(self, dim: int = -1, axis: int | None = None):
-        return self._call("log_softmax", _axis(dim, axis))
+        return self._call("log_softmax", dim_or_axis(dim, axis))
 
     def sum(self, dim=None, keepdim: bool = False, *, axis=None, keepdims=None):
-        return self._call("sum", dim=_axis(dim, axis), keepdim=_keep(keepdim, keepdims))
+        return self._call("sum", dim=dim_or_axis(dim, axis), keepdim=keep_dims(keepdim, keepdims))
 
     def mean(self, dim=None, keepdim: bool = False, *, axis=None, keepdims=None):
-        return self._call("mean", dim=_axis(dim, axis), keepdim=_keep(keepdim, keepdims))
+        return self._call("mean", dim=dim_or_axis(dim, axis), keepdim=keep_dims(keepdim, keepdims))
 
     def var(self, dim=None, keepdim: bool = False, *, correction: int = 1, axis=None, keepdims=None):
-        return self._call("var", dim=_axis(dim, axis), keepdim=_keep(keepdim, keepdims), correction=correction)
+        return self._call("var", dim=dim_or_axis(dim, axis), keepdim=keep_dims(keepdim, keepdims), correction=correction)
 
     def std(self, dim=None, keepdim: bool = False, *, correction: int = 1, axis=None, keepdims=None):
         return self.var(dim, keepdim, correction=correction, axis=axis, keepdims=keepdims).sqrt()
@@ -313,7 +314,7 @@ class Tensor:
         return self._extreme("min", dim, keepdim, axis, keepdims)
 
     def _extreme(self, name, dim, keepdim, axis, keepdims):
-        keep = _keep(keepdim, keepdims)
+        keep = keep_dims(keepdim, keepdims)
         if dim is None and axis is None:
             return self._call(f"{name}_all")
         if axis is not None:
@@ -324,7 +325,7 @@ class Tensor:
         return self._call("argmax", dim=dim, keepdim=keepdim)
 
     def reshape(self, *shape):
-        return self._call("reshape", *_shape_args(shape))
+        return self._call("reshape", *shape_args(shape))
 
     view = reshape
 
@@ -345,11 +346,11 @@ class Tensor:
     def mT(self):  # noqa: N802
         return self._call("transpose", -2, -1)
 
-    def permute(self, *dims): return self._call("permute", *_shape_args(dims))
+    def permute(self, *dims): return self._call("permute", *shape_args(dims))
     def unsqueeze(self, dim: int): return self._call("unsqueeze", dim)
     def squeeze(self, dim: int | None = None): return self._call("squeeze", dim=dim)
     def flatten(self, start_dim: int = 0, end_dim: int = -1): return self._call("flatten", start_dim=start_dim, end_dim=end_dim)
-    def expand(self, *shape): return self._call("expand", *_shape_args(shape))
+    def expand(self, *shape): return self._call("expand", *shape_args(shape))
     def contiguous(self): return self._call("contiguous")
     def clone(self): return self._call("clone")
 
@@ -385,20 +386,6 @@ class Tensor:
 
 _INPLACE_OF = {"add": "add_", "sub": "sub_", "mul": "mul_", "truediv": "div_"}
 _STATE = ("_handle", "_requires_grad", "_node", "_has_grad", "_grad_tensor")
-
-
-def _axis(dim, axis):
-    return axis if axis is not None else dim
-
-
-def _keep(keepdim, keepdims):
-    return bool(keepdims) if keepdims is not None else bool(keepdim)
-
-
-def _shape_args(shape) -> list:
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = shape[0]
-    return [int(s) for s in shape]
 
 
 def _values(value):
