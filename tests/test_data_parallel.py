@@ -158,6 +158,14 @@ def test_approximate_methods_train_close_to_exact(overrides, margin):
             assert torch.allclose(results[rank]["state"][name], value, atol=1e-6), f"rank {rank} {name}"
 
 
+def test_local_sgd_ends_with_one_model_when_the_run_ends_between_averages():
+    """6 steps averaged every 4: the last two drift apart on each rank, and the run's end
+    (Prepared.finish, the strategy's finish) averages them into one model again."""
+    results = run(train_and_return_state, 2, args=(make_config(steps=6, **{"parallel.local_sgd": 4}),))
+    for name, value in results[0]["state"].items():
+        assert torch.equal(results[1]["state"][name], value), name
+
+
 def test_summary_reports_the_communication_split():
     summary = run(train_rank, 2, args=(make_config(),))[0]["summary"]
     for key in ("final_loss", "steps", "samples_per_s", "step_ms", "compute_ms", "comm_ms", "exposed_comm_ms"):
