@@ -38,7 +38,7 @@ class Stashed:
     output: torch.Tensor | None  # the chunk's output, or the loss on the last chunk
     output_grad: torch.Tensor | None = None  # set by B: what W backpropagates when autograd re-traverses
     # F: each linear layer's (module, X, Y) as recorded; after a split B: the (module, X, dY) W needs
-    linear: list = field(default_factory=list)
+    linear: list | None = field(default_factory=list)
 
 
 @dataclass
