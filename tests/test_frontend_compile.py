@@ -24,7 +24,7 @@ from paratrain.frontend.protocol import Instruction
 from paratrain.frontend.signals import ConfigError, parse
 from paratrain.frontend.workers import codegen
 from paratrain.frontend.workers.hotpath import HotPaths
-from paratrain.frontend.workers.settings import CompileSettings, SettingsError
+from paratrain.frontend.workers.compile_settings import CompileSettings, SettingsError
 from paratrain.environment import Settings
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -101,7 +101,7 @@ def worker(host, port, token, threads, connect_timeout, backend, name, exit_with
     GT_SAVE_COMPILED_CODE, or their PARATRAIN_ names), read once here with every other setting."""
     from paratrain.frontend.errors import FrontendError
     from paratrain.frontend.protocol.addresses import AddressError
-    from paratrain.frontend.workers.settings import CompileSettings
+    from paratrain.frontend.workers.compile_settings import CompileSettings
     from paratrain.frontend.workers.worker import DeviceUnavailable, run_worker
     from paratrain.launch import init_process_group_from_env
     from paratrain.environment import Settings, SettingsError

@@ -33,7 +33,7 @@ import torch
 from paratrain.frontend.protocol.records import CompileCounts, Timing
 from paratrain.frontend.workers import codegen
 from paratrain.frontend.workers.hotpath import HotPaths
-from paratrain.frontend.workers.settings import CompileSettings
+from paratrain.frontend.workers.compile_settings import CompileSettings
 
 HANDLE_BITS = 32  # as the executor keys tensors: slot << 32 | handle
 MAX_FUNCTIONS = 256  # compiled functions kept; a program that makes more runs the rest eagerly

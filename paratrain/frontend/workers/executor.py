@@ -30,7 +30,7 @@ from paratrain.frontend.protocol.records import ErrorReport, Fetched, Timing
 from paratrain.frontend.workers import collectives, crossings, handlers
 from paratrain.frontend.workers.compiled import Regions
 from paratrain.frontend.workers.crossings import Links
-from paratrain.frontend.workers.settings import CompileSettings
+from paratrain.frontend.workers.compile_settings import CompileSettings
 
 HANDLE_BITS = 32
 MAX_ERRORS_KEPT = 64  # per client between two syncs: the first ones explain the rest

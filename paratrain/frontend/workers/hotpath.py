@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from paratrain.frontend.workers.settings import CompileSettings
+from paratrain.frontend.workers.compile_settings import CompileSettings
 
 MAX_COUNTED = 1 << 16  # distinct sequences remembered; a stream that never repeats starts over
 

@@ -27,7 +27,7 @@ from paratrain.frontend.protocol.handshake import ACCEPTS, join
 from paratrain.frontend.protocol.records import ErrorReport, Fetched
 from paratrain.frontend.workers.executor import Executor
 from paratrain.lifetime import process_alive
-from paratrain.frontend.workers.settings import CompileSettings
+from paratrain.frontend.workers.compile_settings import CompileSettings
 from paratrain.environment import Settings
 
 HEARTBEAT_S = 0.5
