@@ -43,7 +43,9 @@ def run_on(job, instruction: Instruction, signal) -> None:
     router, table = job.router, job.table
     name, outs, targs, where = instruction.op, instruction.outs, instruction.targs, table.where
     first = where[instruction.args[targs[0]]]
-    workers = _workers(router, where, instruction, signal, first)
+    workers = first.workers if signal is None or name in STAY else signal.workers
+    if signal is None and router.auto_shard is not None and name not in STAY:
+        workers = _split_input_workers(where, instruction.args, targs, workers)
     router.check_alive(workers)
     if len(workers) == 1 and _all_at(where, instruction.args, targs, first):
         _compute_here(job, instruction, first)  # the common case
@@ -70,18 +72,6 @@ def run_on(job, instruction: Instruction, signal) -> None:
         if not inplace:
             table.where[handle], table.meta[handle] = Placement(workers, split), meta
         router.add_crossings(table, handle, crossed)
-
-
-def _workers(router, where: dict, instruction: Instruction, signal, first: Placement) -> tuple:
-    """The signal's workers, or those of the first input (with auto-sharding: of the first
-    split input); an operation that acts on its input stays with it."""
-    if instruction.op in STAY:
-        return first.workers
-    if signal is not None:
-        return signal.workers
-    if router.auto_shard is not None:
-        return _split_input_workers(where, instruction.args, instruction.targs, first.workers)
-    return first.workers
 
 
 def _moved(job, instruction: Instruction, workers, inplace: bool) -> list:
