@@ -8,7 +8,8 @@ each element of the single-process vector is counted exactly once:
 
 - data parallelism: ddp, naive, local SGD and PyTorch's DDP hold the same whole (averaged)
   gradient on every replica, counted once (no sum over dp); ZeRO-1/2 and FSDP hold 1/n of it,
-  the shard their optimizer reads, summed over dp;
+  the shard their optimizer reads, summed over dp (dp x cp under context parallelism, whose
+  ranks hold the same parameters);
 - tensor parallelism: a split layer's gradient is split too (summed over tp); a replicated
   parameter (the norms, a row-parallel layer's bias) has the same gradient on every tp rank
   (sequence parallelism all-reduces the ones that see only a rank's tokens) and is counted on
@@ -47,8 +48,8 @@ def global_grad_norm(dp, mesh) -> torch.Tensor:
         if tp.size > 1 and tp.rank != 0 and id(param) not in split:
             continue  # replicated over tp: tp rank 0 counts it
         square_sum += grad.detach().float().pow(2).sum()
-    if dp.grads_sharded and mesh.dp.size > 1:
-        mesh.dp.all_reduce(square_sum, "sum")
+    if dp.grads_sharded and mesh.dp_cp.size > 1:  # sharded over every rank holding these parameters
+        mesh.dp_cp.all_reduce(square_sum, "sum")
     for group in (tp, mesh.pp):
         if group.size > 1:
             group.all_reduce(square_sum, "sum")

@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from paratrain.parallel.context.layout import shard
 from paratrain.parallel.data import build_data_parallel
 from paratrain.parallel.grad_norm import clip_grad_norm_
 from paratrain.parallel.plan import load_plan
@@ -49,7 +50,7 @@ from paratrain.train.recompute import recompute_in_backward
 from paratrain.train.setup import plan_for
 
 # ParallelConfig's fields that describe the world or the launch, not what prepare applies.
-_NOT_OPTIONS = {"nproc", "launcher", "dp", "pp", "tp", "timeout", "debug"}
+_NOT_OPTIONS = {"nproc", "launcher", "dp", "pp", "tp", "cp", "timeout", "debug"}
 OPTIONS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name not in _NOT_OPTIONS)
 
 
@@ -65,7 +66,7 @@ class Prepared:
         self.compiled = CompiledLayers(parallel.model, parallel.plan, Settings.resolve().compile_backend) \
             if par.compile else None
         self.dp = build_data_parallel(
-            parallel.module, mesh.dp, mode=par.dp_mode, zero=par.zero, local_sgd=par.local_sgd, algo=par.algo,
+            parallel.module, mesh.dp_cp, mode=par.dp_mode, zero=par.zero, local_sgd=par.local_sgd, algo=par.algo,
             naive_layout=par.naive_layout, bucket_mb=par.bucket_mb, first_bucket_mb=par.first_bucket_mb,
             compress=par.compress, model=parallel.model, plan=parallel.plan, roots=list(parallel.chunks.values()),
             reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch, precision=par.precision,
@@ -115,10 +116,17 @@ class Prepared:
         loss over the whole global batch, the same on every rank (a collective). With
         `global_loss=False`, this rank's part of it, for `global_loss()` later (the training loop
         leaves that all-reduce out of the step's time)."""
+        inputs, targets = self.context_share(inputs), self.context_share(targets)
         loss_sum, self.bubble = self._step(inputs.to(self.device), targets.to(self.device))
         self.dp.finish_gradients()
         self.finite = self.scaler.unscale(self.dp, self.mesh.world) if self.scaler is not None else True
         return self.global_loss(loss_sum) if global_loss else loss_sum
+
+    def context_share(self, batch: torch.Tensor) -> torch.Tensor:
+        """This context-parallel rank's part of every sequence of `batch` (B, T, ...), as the
+        model's position buffers were cut; the batch itself when cp = 1."""
+        cp = self.mesh.cp
+        return batch if cp.size == 1 else shard(batch, 1, cp.rank, cp.size, self.par.cp_layout)
 
     def global_loss(self, loss_sum: float) -> float:
         """The global batch's loss from every rank's part (a collective)."""
@@ -158,20 +166,24 @@ class Prepared:
 
 
 def prepare(model: nn.Module, mesh, loss_fn: Callable, *, plan=None, vocab_size: int | None = None,
-            sample: Callable | None = None, device: torch.device | None = None, **options) -> Prepared:
+            sample: Callable | None = None, device: torch.device | None = None, seq_len: int | None = None,
+            **options) -> Prepared:
     """Apply tensor parallelism (by `plan`: a YAML path, a dict or a Plan), the pipeline and
     data parallelism to `model` on `mesh`. `loss_fn(outputs, targets)` is the mean loss of a
-    batch; `vocab_size` is needed by a plan whose head is vocabulary-parallel. `options`:
+    batch; `vocab_size` is needed by a plan whose head is vocabulary-parallel; `seq_len`, the
+    sequence length, by a mesh with cp > 1 (give each step the replica's whole sequences: each
+    cp rank takes its part). `options`:
     ParallelConfig's fields (dp_mode, zero, schedule, microbatches, virtual_stages, grad_accum,
     precision, sequence_parallel, checkpoint_activations, algo, ...)."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"prepare: unknown option {', '.join(map(repr, unknown))}; valid: {', '.join(OPTIONS)}")
-    par = ParallelConfig(**{**options, "pp": mesh.shape["pp"], "tp": mesh.shape["tp"], "dp": mesh.shape["dp"]})
+    par = ParallelConfig(**{**options, "pp": mesh.shape["pp"], "tp": mesh.shape["tp"], "dp": mesh.shape["dp"],
+                            "cp": mesh.shape["cp"]})
     plan = load_plan(plan) if plan is not None else plan_for(None, model)  # else the model's own (GPT, Llama)
     if plan is None and (par.tp > 1 or par.pp > 1):
         raise ValueError(f"prepare: tensor or pipeline parallelism (tp {par.tp}, pp {par.pp}) needs a plan")
-    parallel = parallelize_model(model, plan, mesh, par, loss_fn, vocab_size, sample)
+    parallel = parallelize_model(model, plan, mesh, par, loss_fn, vocab_size, sample, seq_len)
     prepared = Prepared(parallel, mesh, par, device or mesh.world.transport.device)
     # No rank trains before every rank holds its weights: ranks that are threads share torch's
     # random generator, which activation checkpointing rewinds around each recompute.

@@ -116,7 +116,8 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
     progress_rtol = progress_rtol if progress_rtol is not None else default.progress_rtol
     par = config.parallel
     click.echo(
-        f"check: {config.model.name}, world {world} = dp {world // (par.pp * par.tp)} x pp {par.pp} x tp {par.tp}"
+        f"check: {config.model.name}, world {world} = dp {world // par.replica_ranks} x pp {par.pp}"
+        + (f" x cp {par.cp}" if par.cp > 1 else "") + f" x tp {par.tp}"
         + (f", {par.schedule} with {par.microbatches} microbatches" if par.pp > 1 else "")
         + f", {config.steps} steps, against one process"
     )

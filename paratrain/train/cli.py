@@ -81,10 +81,11 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     """What is about to run: the world, its mesh and transport, the schedule, and (GPT) memory
     per rank."""
     par = config.parallel
-    dp = world // (par.pp * par.tp)
+    dp = world // par.replica_ranks
     launcher = "torchrun" if settings.launch.in_torchrun else par.launcher
     strategy = strategy_of(par)
-    lines = [f"world {world} = dp {dp} x pp {par.pp} x tp {par.tp} ({launcher}), data parallelism {strategy.name} "
+    cp = f" x cp {par.cp} ({par.cp_method}, {par.cp_layout})" if par.cp > 1 else ""
+    lines = [f"world {world} = dp {dp} x pp {par.pp}{cp} x tp {par.tp} ({launcher}), data parallelism {strategy.name} "
              f"(shards {strategy.shards}), transport {expected_transport(par.launcher, world, settings)}"]
     if par.pp > 1:
         per_micro = config.data.global_batch // (dp * par.microbatches)
@@ -99,7 +100,7 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
         lines.append(f"global batch {config.data.global_batch} ({config.data.global_batch // dp} per replica"
                      + (f", {par.grad_accum} micro-batches" if par.grad_accum > 1 else "") + ")")
     shape = model_config(config.model.name, **config.model.overrides)
-    if isinstance(shape, CAUSAL_LM_CONFIGS) and par.pp * par.tp > 1:
+    if isinstance(shape, CAUSAL_LM_CONFIGS) and par.pp * par.tp > 1:  # (cp splits no layer)
         lines += describe_split(config)
     if strategy.zero == 3:
         lines += fsdp_units_note(config)

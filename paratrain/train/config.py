@@ -64,9 +64,12 @@ class ParallelConfig:
     zero: int = 0  # ZeRO stage: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP) sharded
     reshard_after_forward: bool = True  # zero 3: free a unit's gathered parameters after its forward
     prefetch: int = 1  # zero 3: units whose all-gather starts ahead of their use (0: none)
-    pp: int = 1  # pipeline stages; data-parallel size = world / (pp * tp)
+    pp: int = 1  # pipeline stages; data-parallel size = world / (pp * cp * tp)
     tp: int = 1  # tensor-parallel ranks per stage (adjacent ranks, as in Megatron)
-    dp: int | None = None  # if given, must equal world / (pp * tp): a check on the arithmetic
+    cp: int = 1  # context-parallel ranks: each holds 1/cp of every sequence (parallel/context)
+    cp_method: str = "ring"  # ring: K/V passed round the cp ranks; allgather: gathered once per layer
+    cp_layout: str = "zigzag"  # zigzag (balanced causal work) or contiguous
+    dp: int | None = None  # if given, must equal world / (pp * cp * tp): a check on the arithmetic
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v
     microbatches: int = 1  # per step, with pp > 1 (with pp = 1 use grad_accum)
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved-1f1b; zb-v uses 2)
@@ -78,6 +81,11 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard norms/dropout regions on the sequence dim (tp > 1)
     timeout: float | None = None  # seconds per blocking operation (None: PARATRAIN_TIMEOUT or 300)
     debug: bool = False  # check every collective is the same call on all ranks
+
+    @property
+    def replica_ranks(self) -> int:
+        """Ranks one data-parallel replica spans: pp x cp x tp (the world is dp of them)."""
+        return self.pp * self.cp * self.tp
 
 
 @dataclass

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from paratrain.data import validation_batches
+from paratrain.parallel.context.layout import shard
 from paratrain.parallel.pipeline.pp_comms import PipelineLink
 from paratrain.parallel.precision import autocast
 
@@ -39,6 +40,7 @@ class Evaluator:
         self.every, self.last_step = config.eval_every, config.steps - 1
         self.parallel, self.mesh, self.device = parallel, mesh, device or torch.device("cpu")
         self.module, self.loss_fn, self.dp_group = parallel.module, parallel.loss_fn, mesh.dp
+        self.cp_layout = config.parallel.cp_layout
         self.batches = validation_batches(dataset, config.data.global_batch, EVAL_BATCHES) if self.every else []
         # Accuracy is argmax over the whole output: only classifiers, whose output is never sharded.
         self.classifier = dataset.task == "classification"
@@ -62,7 +64,7 @@ class Evaluator:
                         totals += self._totals(self._forward(self.module, inputs), targets)
         if self.pipelined:
             self.mesh.pp.all_reduce(totals, "sum")  # only the last chunk's owner has counted
-        self.dp_group.all_reduce(totals, "sum")
+        self.mesh.dp_cp.all_reduce(totals, "sum")  # every replica's rows, every cp rank's tokens
         loss_sum, count, correct = totals.tolist()
         result = {"val_loss": loss_sum / count}
         if self.classifier:
@@ -72,8 +74,11 @@ class Evaluator:
     def _share(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This data-parallel rank's rows: tensor_split, so a short last batch (digits) still
         splits; its counts make the all-reduced mean exact."""
-        rank, size = self.dp_group.rank, self.dp_group.size
-        return (inputs.tensor_split(size)[rank].to(self.device), targets.tensor_split(size)[rank].to(self.device))
+        rank, size, cp = self.dp_group.rank, self.dp_group.size, self.mesh.cp
+        rows = [t.tensor_split(size)[rank] for t in (inputs, targets)]
+        if cp.size > 1:  # and this context-parallel rank's part of each sequence
+            rows = [shard(t, 1, cp.rank, cp.size, self.cp_layout) for t in rows]
+        return rows[0].to(self.device), rows[1].to(self.device)
 
     def _forward(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         with self.autocast():

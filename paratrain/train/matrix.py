@@ -43,16 +43,18 @@ class Layout:
     tp: int = 1
     pp: int = 1
     sp: bool = False
+    cp: int = 1
 
     def overrides(self) -> dict:
         pipeline = {"parallel.microbatches": 2, "parallel.schedule": "1f1b"} if self.pp > 1 else {}
-        return {"parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.sequence_parallel": self.sp, **pipeline}
+        return {"parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.sequence_parallel": self.sp,
+                "parallel.cp": self.cp, **pipeline}
 
 
 LAYOUTS = (
     Layout("dp 2", 2), Layout("tp 2", 2, tp=2), Layout("pp 2", 2, pp=2), Layout("sp 2", 2, tp=2, sp=True),
     Layout("dp 4", 4), Layout("tp 2 x dp 2", 4, tp=2), Layout("pp 2 x dp 2", 4, pp=2),
-    Layout("sp 2 x dp 2", 4, tp=2, sp=True),
+    Layout("sp 2 x dp 2", 4, tp=2, sp=True), Layout("cp 2", 2, cp=2), Layout("cp 2 x dp 2", 4, cp=2),
 )
 LAYOUT_NAMES = tuple(layout.name for layout in LAYOUTS)
 # Each cell: a few steps of SGD with momentum on a global batch every layout divides.

@@ -79,7 +79,7 @@ def estimate(config, world: int) -> list[StageMemory]:
     if not isinstance(gpt, (GPTConfig, LlamaConfig)):
         raise ValueError("the memory estimate covers GPT and Llama models")
     pp, tp = par.pp, par.tp
-    dp = world // (pp * tp)
+    dp = world // par.replica_ranks
     params = _layer_params(gpt, tp)
     if pp > 1:
         schedule = build_schedule(par.schedule, pp, par.microbatches, par.virtual_stages)

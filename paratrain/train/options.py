@@ -111,9 +111,13 @@ TRAINING_FLAGS = [
          help="zero 3: free each unit's gathered parameters after its forward (default) or keep them for backward."),
     Flag("parallel.prefetch", "--prefetch", type=int,
          help="zero 3: units whose all-gather starts ahead of their use, forward and backward (default 1; 0: off)."),
-    Flag("parallel.dp", "--dp", type=int, help="Data-parallel size (default: world / (pp x tp))."),
+    Flag("parallel.dp", "--dp", type=int, help="Data-parallel size (default: world / (pp x cp x tp))."),
     Flag("parallel.pp", "--pp", type=int, help="Pipeline stages (default 1)."),
     Flag("parallel.tp", "--tp", type=int, help="Tensor-parallel size (default 1; GPT models)."),
+    Flag("parallel.cp", "--cp", type=int, help="Context-parallel size: each rank holds 1/cp of every sequence, "
+                                                "attention by ring (default 1; language models with a plan)."),
+    Flag("parallel.cp_method", "--cp-method", help="ring (K/V passed round the cp ranks, default) or allgather."),
+    Flag("parallel.cp_layout", "--cp-layout", help="zigzag (every rank the same causal work, default) or contiguous."),
     Flag("parallel.schedule", "--schedule", help="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v."),
     Flag("parallel.microbatches", "--microbatches", type=int, help="Microbatches per step through the pipeline."),
     Flag("parallel.virtual_stages", "--virtual-stages", type=int, help="Model chunks per pipeline rank (interleaved-1f1b)."),
@@ -175,14 +179,14 @@ def build_config(config_path, flags: dict) -> TrainConfig:
 
 
 def world_size_of(config: TrainConfig, launch: LaunchEnvironment) -> int:
-    """Under torchrun, its world; else --nproc, which defaults to dp x pp x tp. Reads the
+    """Under torchrun, its world; else --nproc, which defaults to dp x pp x cp x tp. Reads the
     config, never changes it."""
     par = config.parallel
     if launch.in_torchrun:
         return launch.world_size
     if par.nproc is not None:
         return par.nproc
-    return (par.dp or (1 if par.pp * par.tp > 1 else 2)) * par.pp * par.tp
+    return (par.dp or (1 if par.replica_ranks > 1 else 2)) * par.replica_ranks
 
 
 def checkpoint_options(command):

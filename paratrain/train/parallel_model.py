@@ -1,8 +1,9 @@
 """Apply tensor and pipeline parallelism to a freshly built model, from outside it.
 
 Order matters, as in torchtitan's parallelize: the full model is built (every rank the same,
-from the seed), tensor parallelism shards its layers in place, then the pipeline cuts it into
-chunks and each rank keeps only its own. Data parallelism wraps whatever is left.
+from the seed), context parallelism captures its attention and cuts its position buffers,
+tensor parallelism shards its layers in place, then the pipeline cuts it into chunks and each
+rank keeps only its own. Data parallelism wraps whatever is left.
 
 Every run builds one, whatever its layout: with pp = tp = 1 it is the model itself, whole, with
 the data set's loss and no schedule. What differs between layouts is decided here, once: how a
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paratrain.parallel.context.apply import apply_context_parallel
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.precision import autocast
 from paratrain.parallel.pipeline.schedules import build_schedule
@@ -73,7 +75,7 @@ class ParallelModel:
         value = torch.tensor([loss_sum], dtype=torch.float64)
         if self.schedule is not None:
             mesh.pp.all_reduce(value, "sum")  # only the last chunk's owner computed a loss
-        mesh.dp.all_reduce(value, "avg")
+        mesh.dp_cp.all_reduce(value, "avg")  # every cp rank's loss is the mean over as many tokens
         return value.item()
 
     def pipeline_summary(self, log: list[dict]) -> dict:
@@ -89,18 +91,25 @@ def build_parallel_model(config, mesh, dataset) -> ParallelModel:
     """The configuration's model, built from its seed (every rank the same), parallelized."""
     model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
     micro = config.data.global_batch // (mesh.dp.size * config.parallel.microbatches)
-    vocab_size = getattr(model_config(config.model.name, **config.model.overrides), "vocab_size", None)
+    shape = model_config(config.model.name, **config.model.overrides)
     return parallelize_model(model, plan_for(config.model.plan, model), mesh, config.parallel, dataset.loss,
-                             getattr(dataset, "vocab_size", vocab_size), lambda: dataset.global_batch(0, micro)[0])
+                             getattr(dataset, "vocab_size", getattr(shape, "vocab_size", None)),
+                             lambda: dataset.global_batch(0, micro)[0], getattr(shape, "block_size", None))
 
 
 def parallelize_model(model: nn.Module, plan, mesh, par, loss_fn, vocab_size: int | None = None,
-                      sample=None) -> ParallelModel:
-    """Tensor parallelism by `plan` (in place), then this rank's pipeline chunks. `loss_fn`
-    (outputs, targets) -> mean loss; under a vocabulary-parallel head it is replaced by the
-    sharded cross-entropy over `vocab_size`. `sample()`: a micro-batch of inputs, for a plan
-    that balances the pipeline by measured time."""
+                      sample=None, seq_len: int | None = None) -> ParallelModel:
+    """Context parallelism by `plan` (sequences of `seq_len` split over cp), tensor parallelism
+    (in place), then this rank's pipeline chunks. `loss_fn` (outputs, targets) -> mean loss;
+    under a vocabulary-parallel head it is replaced by the sharded cross-entropy over
+    `vocab_size`. `sample()`: a micro-batch of inputs, for a plan that balances the pipeline by
+    measured time."""
     pp_size, tp_size = mesh.shape["pp"], mesh.shape["tp"]
+    if mesh.shape["cp"] > 1:  # first: it changes no parameter, and the pipeline's stages read its buffers
+        if plan is None or seq_len is None:
+            raise ValueError("context parallelism needs the model's plan (its context_parallel section) and the "
+                             "sequence length")
+        apply_context_parallel(model, plan, mesh.cp, seq_len, par.cp_layout, par.cp_method)
     schedule = counts = None
     if pp_size > 1:
         schedule = build_schedule(par.schedule, pp_size, par.microbatches, par.virtual_stages)

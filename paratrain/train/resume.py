@@ -17,7 +17,7 @@ from paratrain.train.train_state import TrainState, load_state, owned_state
 
 def train_state_for(parallel, mesh, dp, optimizer) -> TrainState:
     tp_group = mesh.tp if mesh.shape["tp"] > 1 else None
-    owner = mesh.coords.dp == 0 and mesh.coords.tp == 0
+    owner = mesh.dp_cp.rank == 0 and mesh.coords.tp == 0  # the first of the ranks sharing these parameters
     return TrainState(parallel.model, parallel.module, dp, optimizer, tp_group, owner)
 
 
@@ -79,6 +79,6 @@ def save_if_due(config: TrainConfig, group, state: TrainState, scheduler, steps_
 
 def layout_of(config: TrainConfig, world_size: int) -> dict:
     par = config.parallel
-    return {"world_size": world_size, "dp": world_size // (par.pp * par.tp), "pp": par.pp, "tp": par.tp,
+    return {"world_size": world_size, "dp": world_size // par.replica_ranks, "pp": par.pp, "tp": par.tp, "cp": par.cp,
             "zero": strategy_of(par).zero, "dp_mode": strategy_of(par).name}
 

@@ -17,6 +17,8 @@ import torch
 
 from paratrain.models import CAUSAL_LM_CONFIGS, MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, \
     is_model_file, model_config
+from paratrain.parallel.context.attention import METHODS as CONTEXT_METHODS
+from paratrain.parallel.context.layout import LAYOUTS as CONTEXT_LAYOUTS, length_problem
 from paratrain.parallel.precision import PRECISIONS
 from paratrain.parallel.data.strategy import StrategyError, strategy_of, strategy_problems
 from paratrain.parallel.data.compression import build_compressor
@@ -210,19 +212,19 @@ def _data_problems(problems: list[str], config: TrainConfig, world_size: int) ->
 def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) -> tuple[bool, int]:
     """Checks of the dp x pp x tp layout; returns (layout usable, data-parallel size)."""
     par, model = config.parallel, config.model
-    ok = _at_least(problems, "parallel.pp", par.pp, 1) & _at_least(problems, "parallel.tp", par.tp, 1)
+    ok = (_at_least(problems, "parallel.pp", par.pp, 1) & _at_least(problems, "parallel.tp", par.tp, 1)
+          & _at_least(problems, "parallel.cp", par.cp, 1))
     if not ok:
         return False, world_size
     layout_ok = True
-    if world_size % (par.pp * par.tp):
-        problems.append(f"world size {world_size} is not divisible by pp x tp = {par.pp} x {par.tp} = {par.pp * par.tp}")
+    names, sizes = ("pp x cp x tp", f"{par.pp} x {par.cp} x {par.tp}") if par.cp > 1 else ("pp x tp", f"{par.pp} x {par.tp}")
+    if world_size % par.replica_ranks:
+        problems.append(f"world size {world_size} is not divisible by {names} = {sizes} = {par.replica_ranks}")
         layout_ok = False
-    elif par.dp is not None and par.dp * par.pp * par.tp != world_size:
-        problems.append(
-            f"world size {world_size} != dp x pp x tp = {par.dp} x {par.pp} x {par.tp} = {par.dp * par.pp * par.tp}"
-        )
+    elif par.dp is not None and par.dp * par.replica_ranks != world_size:
+        problems.append(f"world size {world_size} != dp x {names} = {par.dp} x {sizes} = {par.dp * par.replica_ranks}")
         layout_ok = False
-    dp_size = max(world_size // (par.pp * par.tp), 1)
+    dp_size = max(world_size // par.replica_ranks, 1)
     _choice(problems, "parallel.precision", par.precision, PRECISIONS)
     if not _is_number(par.loss_scale) or not 1 <= par.loss_scale < 2.0**127:
         problems.append(f"parallel.loss_scale must be a number in [1, 2^127), got {par.loss_scale!r}")
@@ -342,8 +344,47 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
 
 
 # Every check problems_with runs, in the order their lines are reported.
+def _context_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
+    """Context parallelism: a language model whose plan names its attention, sequences that split
+    over cp, and a strategy that reduces gradients over every rank holding the parameters."""
+    par = config.parallel
+    _choice(problems, "parallel.cp_method", par.cp_method, tuple(CONTEXT_METHODS))
+    _choice(problems, "parallel.cp_layout", par.cp_layout, CONTEXT_LAYOUTS)
+    if not (_is_int(par.cp) and par.cp > 1) or par.cp_layout not in CONTEXT_LAYOUTS:
+        return  # cp itself is checked with the mesh
+    try:
+        shape = model_config(config.model.name, **config.model.overrides)
+    except (ValueError, TypeError):
+        return  # reported with the model's problems
+    if not isinstance(shape, CAUSAL_LM_CONFIGS):
+        problems.append(f"parallel.cp: context parallelism splits the sequences of language models (GPT, Llama, "
+                        f"FILE.py:FUNCTION with a plan); {config.model.name!r} is not one")
+        return
+    length = length_problem(shape.block_size, par.cp, par.cp_layout)
+    problems += [f"parallel.cp: {length} (the model's block_size)"] if length else []
+    if getattr(shape, "dropout", 0):
+        problems.append(f"parallel.cp: attention dropout ({shape.dropout}) is not supported under context "
+                        "parallelism; set the model's dropout to 0")
+    if par.compile:
+        problems.append("parallel.cp: --compile with context parallelism is not supported yet")
+    try:
+        strategy = strategy_of(par)
+        if not strategy.ours or strategy.name == "local-sgd":
+            problems.append(f"parallel.cp: data parallelism {strategy.name} cannot run with cp > 1 (use ddp, naive "
+                            "or zero 1/2/3: the cp ranks must reduce gradients every step, over dp x cp)")
+    except StrategyError:
+        pass  # reported with the strategy's problems
+    try:
+        _, plan = _meta_model_and_plan(config)
+    except (PlanError, ValueError):
+        return  # reported with the plan's problems
+    if plan is None or plan.context is None:
+        problems.append(f"model.plan: {config.model.name} has no context_parallel section (the attention modules "
+                        "and position buffers --cp needs; docs/context.md)")
+
+
 _CHECKS = (_model_problems, _data_problems, _run_problems, _optimizer_problems, _layout_problems,
-           _communication_problems, _batch_problems)
+           _communication_problems, _batch_problems, _context_problems)
 
 
 def validate(config: TrainConfig, world_size: int) -> None:
