@@ -36,7 +36,7 @@ from paratrain.environment import take_environment, threads_from_environment
 # torch.distributed and our communication layer; the rest is what a frontend dispatcher and its
 # workers run. torch._dynamo too: PyTorch imports it on the first operation on meta tensors (a
 # dispatcher's first shape inference), on the first compile and in a training rank's first steps,
-# 2.4 s of CPU each time here: once per server instead of once per child. (Its import makes torch's compile cache folder,
+# seconds of CPU each time: once per server instead of once per child. (Its import makes torch's compile cache folder,
 # torchinductor_<user>, in the temp directory, where torch would make it on a first compile.)
 PRELOAD = ("torch", "torch._dynamo", "paratrain.launch", "paratrain.cli", "paratrain.frontend.cli",
            "paratrain.frontend.dispatcher.serve", "paratrain.frontend.workers.worker")

@@ -1,6 +1,6 @@
 """docs/results.md, generated: run a set of benchmark sweeps, keep their JSON, render the page.
 
-    python -m paratrain.bench.results_page            # run every sweep (5 to 10 minutes on 2 cores)
+    python -m paratrain.bench.results_page            # run every sweep (minutes)
     python -m paratrain.bench.results_page --render   # only rewrite the page from the JSON already there
 
 `make results` runs the first. Each sweep is one `paratrain bench ... --json FILE` command; the

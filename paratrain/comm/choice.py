@@ -52,9 +52,9 @@ def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Cho
     return Choice("ring", "large message: the ring spreads the reduction over all ranks' threads")
 
 
-# Measured with `paratrain bench collectives --peer mpi` on 2 and 4 processes of one 2-core host:
-# through the group's shared segment (algorithms/shared.py) every op beat the same op as messages
-# through the rings (transport/shm.py), which in turn beat gloo's own at every size (1.5x to 13x).
+# On one host (`paratrain bench collectives --peer mpi`, docs/results.md): through the group's
+# shared segment every op beats the same op as messages through the rings (transport/shm.py),
+# which in turn beat gloo's own, because a copy into shared memory is all a message costs there.
 _SHM_WHY = "on one host every rank reads its peers' copies in the shared segment, no messages"
 
 

@@ -62,7 +62,7 @@ def matrix(models, strategies, layouts, json_path):
 
     A cell is PASS (the same losses and parameters as one process, fp32 tolerances), refused (the
     configuration's validation says why in one line, before any rank starts), or FAIL. Exits 1 if
-    any cell fails. The whole grid (432 cells) takes about 5 minutes on 2 cores; `make matrix` runs it and
+    any cell fails. The whole grid takes minutes (about a second a cell); `make matrix` runs it and
     rewrites its section of docs/results.md.
 
     \b

@@ -59,8 +59,8 @@ _FIRST_NAP_S = 20e-6
 _LEAST_POLL_S = 200e-6
 
 # What one group's arena may take of /dev/shm: 2 halves of a slot per rank. 1 MiB slots keep a
-# piece's copy-in and its peers' reads inside the caches of a core (measured: bench collectives),
-# and a 64 MiB all-reduce in 64 pieces pays 64 steps, 2-3% of its time on 2 processes.
+# piece's copy-in and its peers' reads inside the caches of a core (bench collectives shows it),
+# and a large all-reduce pays one step per piece, a small share of its time.
 _BUDGET_BYTES = 16 << 20
 _MOST_SLOT_BYTES = 1 << 20
 _LEAST_SLOT_BYTES = 64 << 10

@@ -8,10 +8,9 @@ length the number of workers divides, axis 0 (the batch) first. Everything small
 biases, scalars, most of what a program makes besides its data) stays whole on the client's home
 worker, exactly as without auto-sharding. The threshold is where splitting paid when measured:
 each split operation costs one instruction per worker instead of one, and a weight that meets a
-split activation costs a copy per worker and an all-reduce of its gradient, about 5 ms per
-training step of a two-layer MLP (width 128) on two CPU workers; a (B, 128) float32 batch of
-1 MiB lost to one worker (0.85x), one of 4 MiB won (1.4x), 64 MiB ran 2.0x as fast (a shared
-two-core machine: under other load the crossing point moved up to 16 MiB). Equal parts only (a
+split activation costs a copy per worker and an all-reduce of its gradient: a fixed cost per
+step that only a large enough batch repays (where the crossing lies depends on the machine and
+its load; `bench frontend` measures it, docs/results.md). Equal parts only (a
 length the workers divide) keep the work balanced and let reshapes stay split. Operations then follow the layouts (`sharding.decide`): an operation
 runs on the workers of its split input, so a small weight is copied to them and, through
 Megatron's f, its gradient is summed over the parts and sent home (data parallelism); a large

@@ -1,10 +1,10 @@
 """The dispatcher's connections, each known by its file descriptor, and the end of those that
 never join.
 
-ZeroMQ's ROUTER socket neither says when a connection opens nor lets its program close one, so a
-peer that connects and then says nothing (or only hello) used to hold a descriptor for as long
-as it liked: 10,000 of them cost 290 MB, and under `ulimit -n 1024` 1,100 locked every real
-client out. What ZeroMQ does offer: a monitor socket says when a connection is accepted and when
+ZeroMQ's ROUTER socket neither says when a connection opens nor lets its program close one, so
+left alone, a peer that connects and then says nothing (or only hello) holds a descriptor, and
+some memory, for as long as it likes: enough of them exhaust the descriptors (`ulimit -n`) and
+lock every real client out. What ZeroMQ does offer: a monitor socket says when a connection is accepted and when
 it ends (both events carry its descriptor), every message says which descriptor it came on
 (SRCFD), and shutting a descriptor down makes libzmq close that connection as if the peer had.
 

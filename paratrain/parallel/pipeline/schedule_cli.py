@@ -48,9 +48,8 @@ def bubble_line(schedule: Schedule, timeline: Timeline) -> str:
             f"1f1b at these sizes: {theoretical_bubble('1f1b', p, m):.1%})")
 
 
-# Each of p ranks runs v*m forward and backward parts: these bounds keep a timeline within a few
-# seconds and a few hundred MB (a million microbatches took 2.4 GB and did not finish in 2 minutes;
-# p*v*m = 16,384 draws in under 10 s on 2 cores).
+# Each of p ranks runs v*m forward and backward parts, and a timeline's time and memory grow
+# with them: these bounds keep one within seconds and a few hundred MB.
 MAX_STAGES, MAX_MICROBATCHES, MAX_VIRTUAL_STAGES = 64, 1024, 8
 MAX_PARTS = 16_384  # stages x virtual stages x microbatches
 
