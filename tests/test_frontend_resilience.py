@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from paratrain.frontend.dispatcher.dispatcher import Dispatcher
-from paratrain.frontend.dispatcher.settings import DispatcherSettings
+from paratrain.frontend.dispatcher.serve_options import DispatcherSettings
 from paratrain.frontend.protocol import codec, messages
 from paratrain.frontend.workers.executor import Executor
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paratrain.frontend.dispatcher.dispatcher import Dispatcher
-from paratrain.frontend.dispatcher.settings import DispatcherSettings
+from paratrain.frontend.dispatcher.serve_options import DispatcherSettings
 from paratrain.frontend.indexing import decode_index, encode_index
 from paratrain.frontend.ops import validate_kwargs
 from paratrain.frontend.protocol import Instruction, MalformedMessage, codec, messages

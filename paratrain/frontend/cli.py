@@ -60,7 +60,7 @@ def serve(ctx, host, port, workers, local_workers, spawn, token, instruction_log
     with the same flags (but the host stays loopback unless given)."""
     from paratrain.frontend.dispatcher.listener import CannotServe
     from paratrain.frontend.dispatcher.serve import serve as run
-    from paratrain.frontend.dispatcher.settings import DispatcherSettings
+    from paratrain.frontend.dispatcher.serve_options import DispatcherSettings
 
     if spawn:
         if ctx.get_parameter_source("workers") is not click.core.ParameterSource.DEFAULT and workers != spawn:

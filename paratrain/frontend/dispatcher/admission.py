@@ -11,7 +11,7 @@ import os
 import time
 
 from paratrain.frontend.dispatcher.peers import ClientState, Pending, Peers, WorkerState
-from paratrain.frontend.dispatcher.settings import DispatcherSettings
+from paratrain.frontend.dispatcher.serve_options import DispatcherSettings
 from paratrain.frontend.dispatcher.store import WorkerStore
 from paratrain.frontend.dispatcher.table import ClientTable
 from paratrain.frontend.protocol import VERSION, messages

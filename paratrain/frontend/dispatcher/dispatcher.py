@@ -34,7 +34,7 @@ from paratrain.frontend.dispatcher.log import InstructionLog
 from paratrain.frontend.dispatcher.peers import ClientState, Peers, WorkerState
 from paratrain.frontend.dispatcher.reports import WorkerReports
 from paratrain.frontend.dispatcher.router import Router
-from paratrain.frontend.dispatcher.settings import DispatcherSettings
+from paratrain.frontend.dispatcher.serve_options import DispatcherSettings
 from paratrain.frontend.dispatcher.syncs import Syncs
 from paratrain.frontend.protocol import MalformedMessage, codec, messages
 from paratrain.frontend.shapes import warm_up

@@ -9,7 +9,7 @@ import errno
 import zmq
 
 from paratrain.frontend.dispatcher.backlog import SEND_QUEUE
-from paratrain.frontend.dispatcher.settings import DispatcherSettings
+from paratrain.frontend.dispatcher.serve_options import DispatcherSettings
 from paratrain.frontend.protocol import codec
 from paratrain.frontend.protocol.auth import secure_listener
 

@@ -18,7 +18,7 @@ import sys
 
 from paratrain import forking
 from paratrain.frontend.dispatcher.dispatcher import Dispatcher
-from paratrain.frontend.dispatcher.settings import DispatcherSettings
+from paratrain.frontend.dispatcher.serve_options import DispatcherSettings
 from paratrain.frontend.processes import describe_exit
 from paratrain.lifetime import process_alive
 from paratrain.frontend.protocol.addresses import READY_MARK
