@@ -11,7 +11,7 @@ def test_bench_cp_times_each_row_and_writes_json(tmp_path):
     out = tmp_path / "cp.json"
     result = CliRunner().invoke(cp, ["--cp", "2", "--seq", "64", "--methods", "ring,allgather", "--layouts", "zigzag",
                                      "--steps", "1", "--warmup", "0", "--heads", "4", "--kv-heads", "2",
-                                     "--head-dim", "8", "--no-torch", "--json", str(out)])
+                                     "--head-dim", "8", "--launcher", "threads", "--json", str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["rows"]
     assert [(r["cp"], r["seq"], r["method"], r["layout"]) for r in rows] == [(2, 64, "ring", "zigzag"),

@@ -141,10 +141,12 @@ def _names(text: str, valid, name: str) -> list[str]:
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed first steps.")
 @click.option("--torch/--no-torch", "try_torch", default=True, show_default=True,
               help="Try PyTorch's context_parallel on the same processes.")
+@click.option("--launcher", type=click.Choice(["processes", "threads"]), default="processes", show_default=True,
+              help="cp gloo processes, or cp threads of this process (the in-process fabric; no PyTorch peer).")
 @click.option("--json", "json_path", type=OutputPath(), help="Write the rows as JSON here.")
-def cp(cps, seqs, methods, layouts, batch, heads, kv_heads, head_dim, steps, warmup, try_torch, json_path):
+def cp(cps, seqs, methods, layouts, batch, heads, kv_heads, head_dim, steps, warmup, try_torch, launcher, json_path):
     """Context-parallel attention (forward + backward): step time and exposed communication for
-    each cp, sequence length, method and layout, on cp gloo processes, and each rank's work."""
+    each cp, sequence length, method and layout, on cp ranks, and each rank's work."""
     cps, seqs = _ints(cps, "--cp"), _ints(seqs, "--seq")
     bad = [(s, c) for s in seqs for c in cps if s % (2 * c)]
     if bad:
@@ -153,16 +155,16 @@ def cp(cps, seqs, methods, layouts, batch, heads, kv_heads, head_dim, steps, war
         raise click.BadParameter(f"{heads} query heads do not divide into {kv_heads}", param_hint="--kv-heads")
     args = {"seqs": seqs, "methods": _names(methods, METHODS, "--methods"), "layouts": _names(layouts, LAYOUTS, "--layouts"),
             "batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "steps": steps,
-            "warmup": warmup, "torch": try_torch}
+            "warmup": warmup, "torch": try_torch and launcher == "processes"}
     rows, torch_said = [], None
     for size in cps:
         click.echo(f"# cp {size}: {size} process(es) ...", err=True)
-        result = run(bench_rank, size, launcher="processes" if size > 1 else "threads", args=(args,))[0]
+        result = run(bench_rank, size, launcher=launcher if size > 1 else "threads", args=(args,))[0]
         rows += result["rows"]
         torch_said = result["torch"] or torch_said
     for line in table_lines(rows) + balance_lines(cps, seqs[-1]):
         click.echo(line)
-    if try_torch and torch_said:
+    if args["torch"] and torch_said:
         click.echo(f"# PyTorch's context_parallel on the same processes: {torch_said}")
     if json_path:
         with open(json_path, "w") as out:
