@@ -146,3 +146,12 @@ def test_the_search_tries_context_parallelism_for_long_sequences_only():
     assert {layout.cp for layout in candidate_layouts(replace(long, seq=2048), 8, 8, profile)} == {1}
     problems = layout_problems(replace(long, seq=100), Layout(cp=4), 8, profile, gpus=4)
     assert problems == ["the sequence (100) must divide by 2·cp = 8 (zigzag context parallelism)"]
+
+
+def test_plan_predicts_a_context_parallel_layout_from_flags():
+    result = CliRunner().invoke(main, ["plan", "--model", "llama-small", "--layers", "32", "--hidden", "4096",
+                                       "--heads", "32", "--kv-heads", "8", "--seq", "32768", "--vocab", "32000",
+                                       "--mlp", "11008", "--tp", "2", "--cp", "4", "--gpus", "8", "--global-batch", "8"])
+    assert result.exit_code == 0, result.output
+    assert "layout tp2 pp1 cp4 dp1" in result.output
+    assert "cp comm" in result.output and "(the ring hides behind attention)" in result.output

@@ -18,7 +18,7 @@ from paratrain.plan.memory import GIB, Layout
 from paratrain.plan.search import layout_problems, reason, search
 from paratrain.plan.shapes import GPTShape, named_shape, shape_names
 
-LAYOUT_FLAGS = ("tp", "pp", "dp", "micro_batch", "virtual_stages", "schedule", "recompute",
+LAYOUT_FLAGS = ("tp", "pp", "cp", "dp", "micro_batch", "virtual_stages", "schedule", "recompute",
                 "sequence_parallel", "zero")
 
 
@@ -60,9 +60,13 @@ def describe_prediction(p: Prediction, shape: GPTShape, global_batch: int, profi
              f"  step time     {_seconds(p.step_s):>10}   ({global_batch / p.step_s:,.3g} samples/s, "
              f"{global_batch * shape.seq / p.step_s:,.0f} tokens/s)"]
     notes = {"bubble": f"({p.bubble:.1%} of the pipeline's time idle)" if layout.pp > 1 else "",
-             "dp_comm": "(not hidden by backward)" if layout.dp > 1 else ""}
-    for key, label in (("compute", "compute"), ("tp_comm", "tp comm"), ("pp_comm", "pp comm"),
+             "dp_comm": "(not hidden by backward)" if layout.replicas > 1 else "",
+             "cp_comm": ("(the ring hides behind attention)" if b["cp_comm"] == 0 else "(the ring's hops attention "
+                         "does not hide)") if layout.cp > 1 else ""}
+    for key, label in (("compute", "compute"), ("tp_comm", "tp comm"), ("pp_comm", "pp comm"), ("cp_comm", "cp comm"),
                        ("bubble", "bubble"), ("dp_comm", "dp comm"), ("optimizer", "optimizer")):
+        if key == "cp_comm" and layout.cp == 1:
+            continue
         lines.append(f"    {label:<11} {_seconds(b[key]):>10}  {b[key] / p.step_s:6.1%}  {notes.get(key, '')}".rstrip())
     m = p.memory
     usable = profile.usable_bytes / GIB
@@ -114,6 +118,8 @@ def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str
 @click.option("--schedule", help="gpipe, 1f1b (default), interleaved-1f1b, zb-h1 or zb-v.")
 @click.option("--recompute", type=click.Choice(RECOMPUTE), help="Activation recomputation (default none).")
 @click.option("--sequence-parallel", is_flag=True, default=None, help="Sequence parallelism (tp > 1).")
+@click.option("--cp", type=click.IntRange(min=1),
+              help="Context-parallel size: each rank holds 1/cp of every sequence (ring attention).")
 @click.option("--zero", type=click.IntRange(0, 3),
               help="ZeRO stage over dp: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to show when searching.")
@@ -206,7 +212,7 @@ def _layout(flags: dict, gpus: int | None) -> Layout:
     values = {name: flags[name] for name in LAYOUT_FLAGS if flags[name] is not None}
     values["sequence_parallel"] = bool(values.get("sequence_parallel"))
     layout = replace(Layout(), **{k: v for k, v in values.items() if k != "dp"})
-    dp = values.get("dp") or (gpus // (layout.tp * layout.pp) if gpus else 1)
+    dp = values.get("dp") or (gpus // (layout.tp * layout.pp * layout.cp) if gpus else 1)
     layout = replace(layout, dp=max(dp, 1))
     if layout.schedule == "zb-v":
         layout = replace(layout, virtual_stages=2)
