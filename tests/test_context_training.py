@@ -51,3 +51,19 @@ def test_what_cannot_split_over_cp_is_refused_in_one_line(flags, said):
     result = CliRunner().invoke(main, ["train", "--nproc", "2", *flags])
     assert result.exit_code != 0 and said in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_cp_ranks_hold_their_share_of_the_activations_counted_from_what_autograd_saves(tmp_path):
+    """`memory.activations_bytes`: the peak of the tensors saved for backward, per rank."""
+    def activations(cp: int, block_size: int) -> int:
+        metrics = tmp_path / f"cp{cp}-{block_size}.json"
+        result = CliRunner().invoke(main, ["train", "--model", "llama-tiny", "--block-size", str(block_size),
+                                           "--global-batch", "4", "--steps", "1", "--nproc", str(cp), "--cp", str(cp),
+                                           "--metrics-out", str(metrics)])
+        assert result.exit_code == 0, result.output
+        assert "activations saved for backward" in result.output
+        return max(json.loads(metrics.read_text())["summary"]["memory"]["activations_bytes"])
+
+    alone, two, four = activations(1, 256), activations(2, 256), activations(4, 256)
+    assert two <= 0.55 * alone and four <= 0.3 * alone, (alone, two, four)
+    assert abs(activations(2, 512) - alone) <= 0.05 * alone  # the same tokens per rank: the same memory

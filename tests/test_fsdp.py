@@ -270,7 +270,7 @@ def test_held_memory_per_rank_shrinks_with_each_zero_stage():
     the gradients too, ZeRO-3 the parameters too (1/4 each on 4 ranks, to within uneven parts)."""
     ddp, zero1, zero2, zero3 = (_memory(4, **{"parallel.zero": z, **SMALL_BUCKETS}) for z in (0, 1, 2, 3))
     for memory in (ddp, zero1, zero2, zero3):
-        assert set(memory) == {"params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes"}
+        assert set(memory) == {"params_bytes", "grads_bytes", "optimizer_bytes", "peak_bytes", "activations_bytes"}
         assert all(len(values) == 4 for values in memory.values())
     # AdamW: two moments per parameter, and a 4-byte step count per tensor
     assert max(ddp["optimizer_bytes"]) == pytest.approx(2 * max(ddp["params_bytes"]), rel=1e-3)

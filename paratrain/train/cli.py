@@ -74,7 +74,8 @@ def _memory_line(memory: dict[str, list[int]]) -> str:
     their peak during a step."""
     mib = lambda key: f"{max(memory[key]) / 2**20:.2f}"  # noqa: E731
     return (f"per rank, MiB: params {mib('params_bytes')}, grads {mib('grads_bytes')}, optimizer "
-            f"{mib('optimizer_bytes')} at rest; peak in a step {mib('peak_bytes')} (largest over ranks)")
+            f"{mib('optimizer_bytes')} at rest; peak in a step {mib('peak_bytes')}, activations saved for "
+            f"backward {mib('activations_bytes')} at their peak (largest over ranks)")
 
 
 def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[str]:

@@ -9,8 +9,8 @@ optimizer's are the tensors in its state.
 
 The peak is the largest total seen while one step runs, sampled as every module's forward
 begins and ends and every gradient is written: the moments a unit is gathered or a gradient
-bucket is complete. Activations, and the temporary buffers of a collective in flight, are not
-held by the model and are not counted here.
+bucket is complete. The temporary buffers of a collective in flight are not counted; the
+activations are, apart, from the tensors autograd saves (saved_activations.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from contextlib import contextmanager
 import sys
 
 import torch
+
+from paratrain.train.saved_activations import SavedActivations
 
 KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
 
@@ -51,6 +53,7 @@ class HeldMemory:
         step would recompile them)."""
         self.module, self.optimizer = module, optimizer
         self.peak_bytes = 0
+        self.activations = SavedActivations(module)  # the watched step's, at their peak
         self._watching = False
         inside = {id(sub) for layer in opaque for sub in layer.modules() if sub is not layer}
         for submodule in module.modules():
@@ -81,7 +84,8 @@ class HeldMemory:
         self.peak_bytes = sum(self.measure().values())
         self._watching = True
         try:
-            yield
+            with self.activations:
+                yield
         finally:
             self._sample()
             self._watching = False

@@ -85,7 +85,8 @@ def run_summary(log: list[dict], config: TrainConfig, group, parallel, held, dat
     params = sum(p.numel() for p in parallel.model.parameters())
     summary = summarize(log, config, group.size, params, tokens_per_sample(dataset)) \
         | parallel.pipeline_summary(log) | compile_summary(log)
-    summary["memory"] = per_rank({**held.measure(), "peak_bytes": held.peak_bytes}, group)
+    summary["memory"] = per_rank({**held.measure(), "peak_bytes": held.peak_bytes,
+                                  "activations_bytes": held.activations.peak}, group)
     if group.rank == 0:  # counting runs the model once on the meta device
         flops = model_flops_per_step(config.model.name, config.model.overrides, dataset, config.data.global_batch)
         summary.update(utilization(flops, summary["step_ms"], group.size, config.peak_tflops))
