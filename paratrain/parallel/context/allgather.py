@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.parallel.context.blocks import Accumulator, Chunks, GradientAccumulator, WaitClock, grouped
+from paratrain.parallel.context.blocks import (
+    Accumulator, Chunks, WaitClock, grouped, keep_for_backward, start_backward,
+)
 from paratrain.parallel.context.layout import chunk_ids
 
 
@@ -33,23 +35,19 @@ class AllGatherAttention(torch.autograd.Function):
         result = Accumulator(grouped(q, k.shape[1]), scale)
         for source, block in enumerate(_gather_blocks(group, k, v, clock)):
             result.add_block(mine, block[0], block[1], Chunks(chunk_ids(source, cp, layout), k.shape[2]), causal)
-        out = result.out.view(q.shape).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, result.lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.scale, ctx.clock = group, layout, causal, scale, clock
-        return out
+        return keep_for_backward(ctx, q, k, v, result, group=group, layout=layout, causal=causal, scale=scale,
+                                 clock=clock)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, layout, causal = ctx.group, ctx.layout, ctx.causal
-        cp, rank, heads = group.size, group.rank, k.shape[1]
-        grads = GradientAccumulator(grouped(q, heads), grouped(out, heads), grouped(dout.contiguous(), heads),
-                                    lse, ctx.scale)
+        q, k, v, grads, call = start_backward(ctx, dout)
+        group, layout, clock = call["group"], call["layout"], call["clock"]
+        cp, rank = group.size, group.rank
         mine = Chunks(chunk_ids(rank, cp, layout), q.shape[2])
         dkv_everyone = torch.stack([
-            grads.block(mine, block[0], block[1], Chunks(chunk_ids(source, cp, layout), k.shape[2]), causal)
-            for source, block in enumerate(_gather_blocks(group, k, v, ctx.clock))])
+            grads.block(mine, block[0], block[1], Chunks(chunk_ids(source, cp, layout), k.shape[2]), call["causal"])
+            for source, block in enumerate(_gather_blocks(group, k, v, clock))])
         dkv = torch.empty_like(dkv_everyone[0])
-        ctx.clock.call(group.reduce_scatter, dkv, dkv_everyone)  # each block's dK/dV summed over every query's rank
+        clock.call(group.reduce_scatter, dkv, dkv_everyone)  # each block's dK/dV summed over every query's rank
         dq = grads.dq.view(q.shape).to(q.dtype)
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None

@@ -85,6 +85,24 @@ def _scores(q_BKGCD, k_BKCD, kind: str, scale: float) -> torch.Tensor:
     return s_BKGCC
 
 
+def keep_for_backward(ctx, q, k, v, result: "Accumulator", **call) -> torch.Tensor:
+    """End a forward: save only q, k, v, the output and the log-sum-exp, and how it was called
+    (`call`: group, layout, causal, scale, clock); -> the output in q's dtype."""
+    out = result.out.view(q.shape).to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, result.lse)
+    ctx.call = call
+    return out
+
+
+def start_backward(ctx, dout) -> tuple:
+    """-> (q, k, v, a GradientAccumulator for them, how forward was called)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    heads = k.shape[1]
+    grads = GradientAccumulator(grouped(q, heads), grouped(out, heads), grouped(dout.contiguous(), heads),
+                                lse, ctx.call["scale"])
+    return q, k, v, grads, ctx.call
+
+
 class Accumulator:
     """A rank's running output and log-sum-exp, merged block by block (forward)."""
 

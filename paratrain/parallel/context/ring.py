@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.parallel.context.blocks import Accumulator, Chunks, GradientAccumulator, WaitClock, grouped
+from paratrain.parallel.context.blocks import (
+    Accumulator, Chunks, WaitClock, grouped, keep_for_backward, start_backward,
+)
 from paratrain.parallel.context.layout import chunk_ids
 
 # This group's point-to-point tags: a block and a block's gradient never share one.
@@ -54,19 +56,14 @@ class RingAttention(torch.autograd.Function):
             result.add_block(mine, block[0], block[1], theirs, causal)
             clock.wait(*moving)
             block, spare = spare, block
-        out = result.out.view(q.shape).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, result.lse)
-        ctx.group, ctx.layout, ctx.causal, ctx.scale, ctx.clock = group, layout, causal, scale, clock
-        return out
+        return keep_for_backward(ctx, q, k, v, result, group=group, layout=layout, causal=causal, scale=scale,
+                                 clock=clock)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, layout, causal, clock = ctx.group, ctx.layout, ctx.causal, ctx.clock
+        q, k, v, grads, call = start_backward(ctx, dout)
+        group, layout, causal, clock = call["group"], call["layout"], call["causal"], call["clock"]
         cp, rank, ring = group.size, group.rank, Ring(group)
-        heads = k.shape[1]
-        grads = GradientAccumulator(grouped(q, heads), grouped(out, heads), grouped(dout.contiguous(), heads),
-                                    lse, ctx.scale)
         mine = Chunks(chunk_ids(rank, cp, layout), q.shape[2])
         block = torch.stack([k, v])
         spare = torch.empty_like(block)
