@@ -147,3 +147,12 @@ def test_the_ring_sends_the_bytes_its_docstring_says(cp):
     for forward, backward in paratrain.run(rank, cp, launcher="threads").values():
         assert forward == (cp - 1) * block
         assert backward == (cp - 1) * block + cp * block
+
+
+def test_fp32_and_fp64_blocks_on_cpu_run_through_pytorchs_fused_kernel_and_bf16_through_the_plain_one():
+    """The fused kernel is what makes long sequences fast on CPU; the tests above prove both paths
+    (fp64, fp32: fused; bf16: plain) against full attention."""
+    from paratrain.parallel.context.blocks import fused_kernel_for
+
+    assert fused_kernel_for(torch.zeros(1)) and fused_kernel_for(torch.zeros(1, dtype=torch.float64))
+    assert not fused_kernel_for(torch.zeros(1, dtype=torch.bfloat16))

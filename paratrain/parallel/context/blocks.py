@@ -27,6 +27,30 @@ import torch
 
 FULL, DIAGONAL = "full", "diagonal"
 
+# PyTorch's fused CPU attention, which returns the log-sum-exp a merge needs and whose backward
+# takes the final output and log-sum-exp (so it gives exactly one block's share of the gradients):
+# tiled, it never holds a block's C x C scores, and at a small head dimension it runs an order of
+# magnitude faster than the plain arithmetic below, which stays for other devices and dtypes.
+_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def fused_kernel_for(x: torch.Tensor) -> bool:
+    """Whether a block of `x`'s device and dtype runs through the fused CPU kernel (fp32, fp64:
+    bf16 stays on the plain path, whose partial results are fp32 before they merge)."""
+    return (_FUSED is not None and _FUSED_BACKWARD is not None and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.float64))
+
+
+def _heads(x_BKGCD: torch.Tensor) -> torch.Tensor:
+    B, K, G, C, D = x_BKGCD.shape
+    return x_BKGCD.reshape(B, K * G, C, D)
+
+
+def _expanded(x_BKCD: torch.Tensor, per_head: int) -> torch.Tensor:
+    """K/V heads repeated for the fused kernel, which has no grouped-query form (transient)."""
+    return x_BKCD.repeat_interleave(per_head, dim=1)
+
 
 class WaitClock:
     """Seconds a rank spent waiting for communication it could not hide (`bench cp` reads it)."""
@@ -115,14 +139,22 @@ class Accumulator:
 
     def add_block(self, q_chunks: Chunks, k_BKSD, v_BKSD, k_chunks: Chunks, causal: bool) -> None:
         k, v = k_BKSD.to(self.q.dtype), v_BKSD.to(self.q.dtype)
+        fused = fused_kernel_for(self.q)
         for q_id, q_part in q_chunks:
             for k_id, k_part in k_chunks:
                 kind = pair_kind(q_id, k_id, causal)
                 if kind is None:
                     continue
-                s = _scores(self.q[..., q_part, :], k[..., k_part, :], kind, self.scale)
-                lse_b = torch.logsumexp(s, dim=-1)
-                out_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), v[..., k_part, :].unsqueeze(2))
+                q = self.q[..., q_part, :]
+                if fused:
+                    B, K, G, C, D = q.shape
+                    out_b, lse_b = _FUSED(_heads(q), _expanded(k[..., k_part, :], G), _expanded(v[..., k_part, :], G),
+                                          0.0, kind == DIAGONAL, scale=self.scale)
+                    out_b, lse_b = out_b.view(B, K, G, C, D), lse_b.view(B, K, G, C).to(self.lse.dtype)
+                else:
+                    s = _scores(q, k[..., k_part, :], kind, self.scale)
+                    lse_b = torch.logsumexp(s, dim=-1)
+                    out_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), v[..., k_part, :].unsqueeze(2))
                 self._merge(q_part, out_b, lse_b)
 
     def _merge(self, part: slice, out_b, lse_b) -> None:
@@ -139,19 +171,31 @@ class GradientAccumulator:
     def __init__(self, q_BKGSD, out_BKGSD, dout_BKGSD, lse_BKGS, scale: float):
         dtype = lse_BKGS.dtype
         self.q, self.dout, self.lse, self.scale = q_BKGSD.to(dtype), dout_BKGSD.to(dtype), lse_BKGS, scale
-        self.delta = (self.dout * out_BKGSD.to(dtype)).sum(-1)  # δ: rowsum(dout ∘ out)
+        self.out = out_BKGSD.to(dtype)
+        self.delta = (self.dout * self.out).sum(-1)  # δ: rowsum(dout ∘ out)
         self.dq = torch.zeros_like(self.q)
 
     def block(self, q_chunks: Chunks, k_BKSD, v_BKSD, k_chunks: Chunks, causal: bool) -> torch.Tensor:
         """dQ += this block's share; -> the block's (dK, dV) stacked as (2, B, K, S, D)."""
         k, v = k_BKSD.to(self.q.dtype), v_BKSD.to(self.q.dtype)
         dkv = torch.zeros((2, *k.shape), dtype=self.q.dtype, device=k.device)
+        fused = fused_kernel_for(self.q)
         for q_id, q_part in q_chunks:
             for k_id, k_part in k_chunks:
                 kind = pair_kind(q_id, k_id, causal)
                 if kind is None:
                     continue
                 q, dout = self.q[..., q_part, :], self.dout[..., q_part, :]
+                if fused:  # given the final output and log-sum-exp: exactly this block's share
+                    B, K, G, C, D = q.shape
+                    dq, dk, dv = _FUSED_BACKWARD(
+                        _heads(dout), _heads(q), _expanded(k[..., k_part, :], G), _expanded(v[..., k_part, :], G),
+                        _heads(self.out[..., q_part, :]), self.lse[..., q_part].reshape(B, K * G, C), 0.0,
+                        kind == DIAGONAL, scale=self.scale)
+                    self.dq[..., q_part, :] += dq.view(B, K, G, C, D)
+                    dkv[0][..., k_part, :] += dk.view(B, K, G, C, D).sum(2)
+                    dkv[1][..., k_part, :] += dv.view(B, K, G, C, D).sum(2)
+                    continue
                 k_c, v_c = k[..., k_part, :].unsqueeze(2), v[..., k_part, :].unsqueeze(2)
                 p = torch.exp(_scores(q, k[..., k_part, :], kind, self.scale) - self.lse[..., q_part].unsqueeze(-1))
                 dkv[1][..., k_part, :] += torch.matmul(p.transpose(-1, -2), dout).sum(2)
