@@ -98,6 +98,11 @@ def _fixture(folder: Path) -> None:
                 "ours_ms": 13.7, "torch_ms": 43.1, "ratio": 0.318, "max_loss_diff": 0.0}],
         "frontend": [{"batch": 256, "hidden": 1024, "workers": 1, "frontend_ms": 10.64, "torch_ms": 8.22,
                       "ratio": 1.294, "streamed_instruction_us": 18.0, "round_trip_ms": 0.17}],
+        "cp": {"rows": [{"cp": 1, "seq": 1024, "method": "ring", "layout": "contiguous", "step_ms": 100.0,
+                         "exposed_ms": 0.0},
+                        {"cp": 4, "seq": 1024, "method": "ring", "layout": "zigzag", "step_ms": 40.0, "exposed_ms": 4.0}],
+               "torch_context_parallel": "NotImplementedError: no sharding strategy",
+               "args": {"seqs": [1024], "batch": 1, "heads": 8, "kv_heads": 2, "head_dim": 64, "steps": 3}},
     }
     for name, rows in records.items():
         (folder / f"{name}.json").write_text(json.dumps(rows))
@@ -136,6 +141,8 @@ def test_results_page_is_rendered_from_the_benchmarks_json(tmp_path):
     assert "| paratrain | 1f1b | 230.0 | 0.95x | 15.3% | 14.0% | 11.1% | 11.1% |" in page
     assert "| 2 | 13.7 | 43.1 | 0.32x | 0.0e+00 |" in page
     assert "| 256 x 1024 | 12.4 |" not in page and "| 256 x 1024 | 10.6 | 8.22 | 1.29x |" in page
+    assert "| 4 | 1024 | ring | zigzag | 40.0 | 4.00 | 10% | 0.40 |" in page
+    assert "at cp 4: zigzag 1.00, contiguous 1.75" in page and "NotImplementedError: no sharding strategy" in page
 
     # links to each JSON relative to the page; failures said, not hidden
     assert "[ddp.json](results/ddp.json)" in page

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.parallel.context.layout import LAYOUTS, attention_work
 from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.provenance import code_commit, utc_now
 from paratrain.environment import child_environment
@@ -80,6 +81,8 @@ SWEEPS = (
           ("--nprocs", "2,4", "--rounds", "3")),
     Sweep("frontend", "frontend", "The single-controller frontend (1 worker) against plain PyTorch",
           ("--repeats", "3",)),
+    Sweep("cp", "cp", "Context-parallel attention: ring and all-gather, zigzag and contiguous, cp 1, 2 and 4",
+          ("--cp", "1,2,4", "--seq", "1024,2048", "--steps", "3")),
 )
 SWEEP_TIMEOUT_S = 300  # one sweep that hangs must not hold `make results` forever
 
@@ -277,9 +280,29 @@ def render_frontend(records: list[dict]) -> list[str]:
         ["batch x hidden", "frontend ms", "PyTorch ms", "ratio"], rows)
 
 
+def render_cp(record: dict) -> list[str]:
+    rows, args = record["rows"], record["args"]
+    alone = {r["seq"]: r["step_ms"] for r in rows if r["cp"] == 1}
+    table = [[str(r["cp"]), str(r["seq"]), r["method"], r["layout"], _ms(r["step_ms"]), _ms(r["exposed_ms"]),
+              f"{r['exposed_ms'] / r['step_ms']:.0%}", f"{r['step_ms'] / alone[r['seq']]:.2f}" if r["seq"] in alone else "-"]
+             for r in rows]
+    cps = sorted({r["cp"] for r in rows if r["cp"] > 1})
+    balance = [f"{layout} {max(w) / (sum(w) / len(w)):.2f}" for layout in LAYOUTS
+               for w in [[attention_work(rank, cps[-1], args["seqs"][-1], layout) for rank in range(cps[-1])]]] if cps else []
+    head = [f"Attention forward and backward, batch {args['batch']}, {args['heads']} query and {args['kv_heads']} "
+            f"key/value heads of {args['head_dim']}, causal; median of {args['steps']} steps, the slowest rank's. "
+            "Exposed: the time a rank waited on a transfer or a collective."]
+    if balance:
+        head.append(f"Largest rank's attention work over the mean at cp {cps[-1]}: {', '.join(balance)}.")
+    if record.get("torch_context_parallel"):
+        head.append(f"PyTorch's context_parallel on the same processes: {record['torch_context_parallel']}")
+    return [" ".join(head), ""] + _table(
+        ["cp", "sequence", "method", "layout", "step ms", "exposed ms", "exposed", "vs cp 1"], table)
+
+
 RENDERERS = {
     "collectives": render_collectives, "p2p": render_p2p, "ddp": render_ddp, "scaling": render_scaling,
-    "pipeline": render_pipeline, "tp": render_tp, "frontend": render_frontend,
+    "pipeline": render_pipeline, "tp": render_tp, "frontend": render_frontend, "cp": render_cp,
 }
 
 
