@@ -89,6 +89,15 @@ def grouped(q_BHSD: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q_BHSD.view(B, kv_heads, H // kv_heads, S, D)
 
 
+def scored_pairs(q_chunks: "Chunks", k_chunks: "Chunks", causal: bool):
+    """(kind, query slice, key slice) of every chunk pair scored at all."""
+    for q_id, q_part in q_chunks:
+        for k_id, k_part in k_chunks:
+            kind = pair_kind(q_id, k_id, causal)
+            if kind is not None:
+                yield kind, q_part, k_part
+
+
 class Chunks:
     """A local sequence seen as its chunks: slices along S with their global chunk ids."""
 
@@ -139,23 +148,20 @@ class Accumulator:
 
     def add_block(self, q_chunks: Chunks, k_BKSD, v_BKSD, k_chunks: Chunks, causal: bool) -> None:
         k, v = k_BKSD.to(self.q.dtype), v_BKSD.to(self.q.dtype)
-        fused = fused_kernel_for(self.q)
-        for q_id, q_part in q_chunks:
-            for k_id, k_part in k_chunks:
-                kind = pair_kind(q_id, k_id, causal)
-                if kind is None:
-                    continue
-                q = self.q[..., q_part, :]
-                if fused:
-                    B, K, G, C, D = q.shape
-                    out_b, lse_b = _FUSED(_heads(q), _expanded(k[..., k_part, :], G), _expanded(v[..., k_part, :], G),
-                                          0.0, kind == DIAGONAL, scale=self.scale)
-                    out_b, lse_b = out_b.view(B, K, G, C, D), lse_b.view(B, K, G, C).to(self.lse.dtype)
-                else:
-                    s = _scores(q, k[..., k_part, :], kind, self.scale)
-                    lse_b = torch.logsumexp(s, dim=-1)
-                    out_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), v[..., k_part, :].unsqueeze(2))
-                self._merge(q_part, out_b, lse_b)
+        attend = self._fused if fused_kernel_for(self.q) else self._plain
+        for kind, q_part, k_part in scored_pairs(q_chunks, k_chunks, causal):
+            out_b, lse_b = attend(self.q[..., q_part, :], k[..., k_part, :], v[..., k_part, :], kind)
+            self._merge(q_part, out_b, lse_b)
+
+    def _fused(self, q, k, v, kind: str):
+        B, K, G, C, D = q.shape
+        out_b, lse_b = _FUSED(_heads(q), _expanded(k, G), _expanded(v, G), 0.0, kind == DIAGONAL, scale=self.scale)
+        return out_b.view(B, K, G, C, D), lse_b.view(B, K, G, C).to(self.lse.dtype)
+
+    def _plain(self, q, k, v, kind: str):
+        s = _scores(q, k, kind, self.scale)
+        lse_b = torch.logsumexp(s, dim=-1)
+        return torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), v.unsqueeze(2)), lse_b
 
     def _merge(self, part: slice, out_b, lse_b) -> None:
         lse = self.lse[..., part]
@@ -179,27 +185,27 @@ class GradientAccumulator:
         """dQ += this block's share; -> the block's (dK, dV) stacked as (2, B, K, S, D)."""
         k, v = k_BKSD.to(self.q.dtype), v_BKSD.to(self.q.dtype)
         dkv = torch.zeros((2, *k.shape), dtype=self.q.dtype, device=k.device)
-        fused = fused_kernel_for(self.q)
-        for q_id, q_part in q_chunks:
-            for k_id, k_part in k_chunks:
-                kind = pair_kind(q_id, k_id, causal)
-                if kind is None:
-                    continue
-                q, dout = self.q[..., q_part, :], self.dout[..., q_part, :]
-                if fused:  # given the final output and log-sum-exp: exactly this block's share
-                    B, K, G, C, D = q.shape
-                    dq, dk, dv = _FUSED_BACKWARD(
-                        _heads(dout), _heads(q), _expanded(k[..., k_part, :], G), _expanded(v[..., k_part, :], G),
-                        _heads(self.out[..., q_part, :]), self.lse[..., q_part].reshape(B, K * G, C), 0.0,
-                        kind == DIAGONAL, scale=self.scale)
-                    self.dq[..., q_part, :] += dq.view(B, K, G, C, D)
-                    dkv[0][..., k_part, :] += dk.view(B, K, G, C, D).sum(2)
-                    dkv[1][..., k_part, :] += dv.view(B, K, G, C, D).sum(2)
-                    continue
-                k_c, v_c = k[..., k_part, :].unsqueeze(2), v[..., k_part, :].unsqueeze(2)
-                p = torch.exp(_scores(q, k[..., k_part, :], kind, self.scale) - self.lse[..., q_part].unsqueeze(-1))
-                dkv[1][..., k_part, :] += torch.matmul(p.transpose(-1, -2), dout).sum(2)
-                ds = p * (torch.matmul(dout, v_c.transpose(-1, -2)) - self.delta[..., q_part].unsqueeze(-1))
-                self.dq[..., q_part, :] += torch.matmul(ds, k_c) * self.scale
-                dkv[0][..., k_part, :] += torch.matmul(ds.transpose(-1, -2), q).sum(2) * self.scale
+        share = self._fused if fused_kernel_for(self.q) else self._plain
+        for kind, q_part, k_part in scored_pairs(q_chunks, k_chunks, causal):
+            dq, dk, dv = share(q_part, k[..., k_part, :], v[..., k_part, :], kind)
+            self.dq[..., q_part, :] += dq
+            dkv[0][..., k_part, :] += dk
+            dkv[1][..., k_part, :] += dv
         return dkv
+
+    def _fused(self, part: slice, k, v, kind: str):
+        """Given the final output and log-sum-exp, the fused backward gives exactly this block's share."""
+        q = self.q[..., part, :]
+        B, K, G, C, D = q.shape
+        dq, dk, dv = _FUSED_BACKWARD(_heads(self.dout[..., part, :]), _heads(q), _expanded(k, G), _expanded(v, G),
+                                     _heads(self.out[..., part, :]), self.lse[..., part].reshape(B, K * G, C), 0.0,
+                                     kind == DIAGONAL, scale=self.scale)
+        return dq.view(B, K, G, C, D), dk.view(B, K, G, C, D).sum(2), dv.view(B, K, G, C, D).sum(2)
+
+    def _plain(self, part: slice, k, v, kind: str):
+        q, dout = self.q[..., part, :], self.dout[..., part, :]
+        p = torch.exp(_scores(q, k, kind, self.scale) - self.lse[..., part].unsqueeze(-1))
+        dv = torch.matmul(p.transpose(-1, -2), dout).sum(2)
+        ds = p * (torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2)) - self.delta[..., part].unsqueeze(-1))
+        dq = torch.matmul(ds, k.unsqueeze(2)) * self.scale
+        return dq, torch.matmul(ds.transpose(-1, -2), q).sum(2) * self.scale, dv
