@@ -9,12 +9,14 @@ gets an error naming the ranks that differ.
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
 
 from paratrain.comm.errors import CollectiveMismatchError
 from paratrain.comm.link import Link
+from paratrain.comm.ops import Splits
 from paratrain.comm.transport.base import P2POp
 
 _OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "barrier")
@@ -26,6 +28,7 @@ _DTYPES = (
 )
 _MAX_DIMS = 8
 _WIDTH = 6 + _MAX_DIMS  # op, algo, dtype, reduce op, root, ndim, dims...
+ANY_ROWS = -2  # a dimension 0 that differs from rank to rank (the missing dims are -1)
 
 
 def tensor_arg(op: str, name: str, value) -> None:
@@ -45,6 +48,46 @@ def numel(op: str, name: str, tensor: torch.Tensor, expected: int, what: str) ->
         raise ValueError(
             f"{op}: {name!r} has {tensor.numel()} elements, expected {expected} ({what})"
         )
+
+
+def row_splits(op: str, output: torch.Tensor, input: torch.Tensor, output_split_sizes, input_split_sizes,
+               size: int) -> Splits:
+    """An uneven all-to-all's split sizes, rows of dimension 0 as torch.distributed's
+    all_to_all_single takes them (None: equal parts), as element counts of the flat buffers."""
+    for name, tensor in (("output", output), ("input", input)):
+        if tensor.dim() == 0:
+            raise ValueError(f"{op}: split sizes count rows of dimension 0, and {name!r} has no dimensions")
+    if output.shape[1:] != input.shape[1:]:
+        raise ValueError(f"{op}: a row of 'output' has shape {list(output.shape[1:])} and a row of 'input' "
+                         f"{list(input.shape[1:])}; they must be the same")
+    row = input.shape[1:].numel()  # elements of a row
+    receive = _split_sizes(op, "output", output, output_split_sizes, size)
+    send = _split_sizes(op, "input", input, input_split_sizes, size)
+    return Splits(tuple(rows * row for rows in send), tuple(rows * row for rows in receive))
+
+
+def _split_sizes(op: str, name: str, tensor: torch.Tensor, sizes, ranks: int) -> list[int]:
+    rows = tensor.shape[0]
+    option = f"{name}_split_sizes"
+    if sizes is None:
+        if rows % ranks:
+            raise ValueError(f"{op}: {option} left out, so {name!r}'s {rows} rows must split evenly over "
+                             f"{ranks} ranks; give {option}")
+        return [rows // ranks] * ranks
+    if isinstance(sizes, (str, bytes, torch.Tensor)) or not hasattr(sizes, "__len__"):
+        raise TypeError(f"{op}: {option} must be a list of ints, one per rank, got {type(sizes).__name__}")
+    if len(sizes) != ranks:
+        raise ValueError(f"{op}: {option} has {len(sizes)} entries, expected {ranks} (one per rank)")
+    try:
+        counts = [operator.index(count) for count in sizes]
+    except TypeError:
+        raise TypeError(f"{op}: {option} must hold ints, got {list(sizes)!r}") from None
+    if any(count < 0 for count in counts):
+        raise ValueError(f"{op}: {option} {counts} holds a negative size")
+    if sum(counts) != rows:
+        raise ValueError(f"{op}: {option} {counts} sum to {sum(counts)} rows, but {name!r} has {rows} "
+                         f"(its dimension 0)")
+    return counts
 
 
 def root(op: str, value, size: int) -> None:
@@ -87,6 +130,12 @@ class CallSignature(NamedTuple):
             return cls(op, None, (), reduce_op, root)
         return cls(op, tensor.dtype, tuple(tensor.shape), reduce_op, root)
 
+    @classmethod
+    def of_rows(cls, op: str, tensor: torch.Tensor):
+        """A call whose ranks pass as many rows as each has (an all-to-all with split sizes):
+        the dtype and a row's shape must agree, dimension 0 (written ANY_ROWS) need not."""
+        return cls(op, tensor.dtype, (ANY_ROWS, *tensor.shape[1:]))
+
     def with_algo(self, algo: str) -> CallSignature:
         return self._replace(algo=algo)
 
@@ -102,7 +151,8 @@ class CallSignature(NamedTuple):
         text = _OPS[op]
         if _OPS[op] != "barrier":
             name = str(_DTYPES[dtype]).replace("torch.", "") if dtype < len(_DTYPES) else "other"
-            text += f"({name}{list(code[6 : 6 + min(ndim, _MAX_DIMS)])}"
+            dims = ["*" if dim == ANY_ROWS else dim for dim in code[6 : 6 + min(ndim, _MAX_DIMS)]]
+            text += f"({name}[{', '.join(map(str, dims))}]"
             text += f", op={_REDUCE[reduce_op]}" if reduce_op else ""
             text += f", root={root}" if root >= 0 else ""
             text += ")"

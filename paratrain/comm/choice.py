@@ -52,6 +52,14 @@ def default_choice(op: str, nbytes: int, world_size: int, transport: str) -> Cho
     return Choice("ring", "large message: the ring spreads the reduction over all ranks' threads")
 
 
+def uneven_all_to_all_choice(world_size: int, transport: str) -> Choice:
+    """`auto` for an all_to_all with split sizes. Its ranks pass buffers of different sizes, and
+    a pick by size (a measured table's) could differ from rank to rank, which would leave them
+    waiting on each other's different calls; so the transport's default, which takes no size."""
+    choice = default_choice("all_to_all", 0, world_size, transport)
+    return Choice(choice.algo, f"{choice.reason}; split sizes differ from rank to rank, so picked by transport alone")
+
+
 # On one host (`paratrain bench collectives --peer mpi`, docs/results.md): through the group's
 # shared segment every op beats the same op as messages through the rings (transport/shm.py),
 # which in turn beat gloo's own, because a copy into shared memory is all a message costs there.

@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from paratrain.comm import checks
-from paratrain.comm.algorithms import ALGORITHMS, OPS, SHARED_ALGORITHMS, algorithms_for
-from paratrain.comm.choice import AlgorithmTable
+from paratrain.comm.algorithms import ALGORITHMS, OPS, SHARED_ALGORITHMS, algorithms_for, check_takes_splits
+from paratrain.comm.choice import AlgorithmTable, uneven_all_to_all_choice
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from paratrain.comm.flight import Call, named_range
 from paratrain.comm.handles import CollectiveHandle, Done, P2PHandle, timed
@@ -358,15 +358,26 @@ class Group:
                          moves=buf.numel() > 0, averaged=buf if self.rank == root else None,
                          written=(tensor, buf), async_op=async_op)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto", async_op: bool = False):
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto", async_op: bool = False, *,
+                   output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None):
         """Part j of rank i's `input` becomes part i of rank j's `output`.
 
-        Parts follow torch.tensor_split, so rank r receives `size` pieces of
+        With split sizes (rows of dimension 0, one per rank, as all_to_all_single takes them; one
+        left out means equal rows) the parts are as long as they say. Without, parts follow
+        torch.tensor_split of the flat buffers: rank r receives `size` pieces of
         part_sizes(input.numel(), size)[r] elements each.
         """
         checks.tensor_arg("all_to_all", "output", output)
         checks.tensor_arg("all_to_all", "input", input)
         checks.same_dtype("all_to_all", output, input)
+        if output_split_sizes is not None or input_split_sizes is not None:
+            splits = checks.row_splits("all_to_all", output, input, output_split_sizes, input_split_sizes, self.size)
+            chosen = uneven_all_to_all_choice(self.size, self.kind).algo if algo == "auto" else algo
+            check_takes_splits(chosen, self.kind)
+            flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
+            # every rank takes part, whatever it sends: its peers may send it something
+            return self._run("all_to_all", chosen, _nbytes(input), checks.CallSignature.of_rows("all_to_all", input),
+                             (flat_in, flat_out, splits), written=(output, flat_out), async_op=async_op)
         expected = self.size * part_size(input.numel(), self.size, self.rank)
         checks.numel("all_to_all", "output", output, expected, f"{self.size} pieces of rank {self.rank}'s part")
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)

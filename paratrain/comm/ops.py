@@ -6,6 +6,8 @@ threads and gloo's own collective agree on which rank owns which elements.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -72,3 +74,35 @@ def part_bounds(count: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, start + size))
         start += size
     return bounds
+
+
+class Splits(NamedTuple):
+    """An all-to-all's parts when they are uneven, in elements of the flat buffers: send[j]
+    elements of the input go to rank j, receive[i] elements of the output come from rank i
+    (row counts times the elements of a row: the algorithms see flat buffers only)."""
+
+    send: tuple[int, ...]
+    receive: tuple[int, ...]
+
+
+def all_to_all_parts(input: torch.Tensor, output: torch.Tensor, parts: int,
+                     splits: Splits | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Views of the input's part for each rank and of the output's part from each rank:
+    `splits`' sizes, or without them the equal parts of torch.tensor_split's rule (rank r
+    receives `parts` pieces of part r of an input)."""
+    if splits is None:
+        return split_parts(input, parts), split_parts(output, parts)
+    return input.split(splits.send), output.split(splits.receive)
+
+
+def splits_mismatch(every: list[Splits]) -> str:
+    """What is wrong with every rank's splits (every[i] is rank i's) taken together, in one
+    line; "" when each rank receives from each peer what that peer sends it."""
+    for source, theirs in enumerate(every):
+        for target, count in enumerate(theirs.send):
+            expected = every[target].receive[source]
+            if count != expected:
+                return (f"rank {source} sends {count} elements to rank {target}, which expects "
+                        f"{expected} from it (input_split_sizes[{target}] on rank {source} and "
+                        f"output_split_sizes[{source}] on rank {target} must count the same rows)")
+    return ""

@@ -52,6 +52,18 @@ ALGORITHMS = {
 
 OPS = tuple(ALGORITHMS)
 
+# The all_to_all algorithms that take split sizes (uneven parts, as mixture-of-experts routing
+# makes them); the ring's shifts pass equal parts along.
+UNEVEN_ALL_TO_ALL = ("direct", "oneshot", "native")
+
+
+def check_takes_splits(algo: str, kind: str | None) -> None:
+    """Raise where `algo` is an all_to_all algorithm of equal parts only (an unknown name is
+    left to the Group's usual check, which lists the valid ones)."""
+    if algo in ALGORITHMS["all_to_all"] and algo not in UNEVEN_ALL_TO_ALL:
+        valid = ", ".join(name for name in algorithms_for("all_to_all", kind) if name in UNEVEN_ALL_TO_ALL + ("auto",))
+        raise ValueError(f"all_to_all: algorithm {algo!r} takes equal parts only; with split sizes, valid: {valid}")
+
 
 def algorithms_for(op: str, kind: str | None = None) -> tuple[str, ...]:
     """Every algorithm name valid for `op` on a transport of `kind`, auto included. The

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.comm.link import Link
+from paratrain.comm.ops import Splits
 
 
 def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
@@ -31,8 +32,8 @@ def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
     link.transport.native_reduce(buf, root, op, link.timeout)
 
 
-def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
-    link.transport.native_all_to_all(output, input, link.timeout)
+def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Splits | None = None) -> None:
+    link.transport.native_all_to_all(output, input, link.timeout, splits)
 
 
 def barrier(link: Link, token: torch.Tensor, op: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.comm.link import Link
-from paratrain.comm.ops import combine_, split_parts
+from paratrain.comm.ops import Splits, all_to_all_parts, combine_, split_parts
 from paratrain.comm.transport.base import P2POp
 
 
@@ -57,8 +57,10 @@ def all_gather(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
     link.wait(link.start(ops))
 
 
-def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
-    send_parts, receive_parts = split_parts(input, link.size), split_parts(output, link.size)
+def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Splits | None = None) -> None:
+    """Every part posted at once; an empty part is no message at all (its peer posts no receive
+    for it either: both ends know its size)."""
+    send_parts, receive_parts = all_to_all_parts(input, output, link.size, splits)
     receive_parts[link.rank].copy_(send_parts[link.rank])
     ops = [P2POp("send", send_parts[p], p) for p in _others(link) if send_parts[p].numel()]
     ops += [P2POp("recv", receive_parts[p], p) for p in _others(link) if receive_parts[p].numel()]

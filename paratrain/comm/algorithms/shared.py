@@ -31,8 +31,8 @@ import torch
 from paratrain.comm.algorithms import direct
 from paratrain.comm.algorithms.shared_kernels import all_reduce_natively
 from paratrain.comm.link import Link
-from paratrain.comm.ops import combine_, part_bounds, part_sizes
-from paratrain.comm.transport.shm_arena import Rows
+from paratrain.comm.ops import Splits, combine_, part_bounds, part_sizes, splits_mismatch
+from paratrain.comm.transport.shm_arena import LINE, Rows
 
 SHARED_ALGORITHMS = ("oneshot", "twoshot")
 
@@ -223,9 +223,12 @@ def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
 
 
 @_on_cpu(direct.all_to_all)
-def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
+def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Splits | None = None) -> None:
     """Each rank copies its input into its slot, block by destination; rank r copies block r of
     every slot into its output, part by source."""
+    if splits is not None:
+        _all_to_all_split(link, input, output, splits)
+        return
     arena, size, n = arena_of(link), input.element_size(), link.size
     sizes = part_sizes(input.numel(), n)
     starts = [low for low, _ in part_bounds(input.numel(), n)]
@@ -242,6 +245,53 @@ def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor) -> None:
         for peer in range(n):  # part `peer` of the output is what rank `peer` sent us
             memmove(address + (peer * mine + offset) * size,
                     arena.slot_address(half, peer) + link.rank * per_block * size, count * size)
+
+
+def _all_to_all_split(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Splits) -> None:
+    """Uneven parts. Blocks of a fixed size per destination, as for equal parts, would leave most
+    of a slot empty when one destination takes most of the input, and a rank does not know how
+    long its peers' parts are. So each slot holds a header, the rank's send and receive sizes,
+    then a piece of its input as it lies (its parts one after another); after the first step
+    every rank knows every rank's sizes, so where its part lies in each peer's input and how
+    many pieces the longest input takes (every rank takes as many steps), and it copies out of
+    each piece what falls in its parts. No step more than for equal parts."""
+    arena, size, n, me = arena_of(link), input.element_size(), link.size, link.rank
+    header = -(-2 * n * 8 // LINE) * LINE  # whole lines, so the data after it is aligned for any dtype
+    per_piece = (arena.slot_bytes - header) // size
+    mine = torch.tensor(splits.send + splits.receive, dtype=torch.int64)
+    source, address, total = input.data_ptr(), output.data_ptr(), input.numel()
+    piece, pieces, every = 0, 1, None
+    while piece < pieces:
+        half, start = arena.next_half(), piece * per_piece
+        slot = arena.slot_address(half, me)
+        memmove(slot, mine.data_ptr(), 2 * n * 8)
+        memmove(slot + header, source + start * size, max(0, min(per_piece, total - start)) * size)
+        arena.arrive_and_wait(link.timeout)
+        if every is None:
+            headers = arena.rows(half, torch.int64, 0, 2 * n).every.tolist()
+            every = [Splits(tuple(row[:n]), tuple(row[n:])) for row in headers]
+            mismatch = splits_mismatch(every)
+            if mismatch:  # every rank read the same headers, so every rank raises here
+                raise ValueError(f"{link.op_name}: {mismatch}")
+            pieces = max(1, *(-(-sum(theirs.send) // per_piece) for theirs in every))
+            wanted = _parts_for(every, me)
+        for peer, (low, high, into) in enumerate(wanted):  # elements [low, high) of peer's input land at `into`
+            first, last = max(low, start), min(high, start + per_piece)
+            if last > first:
+                memmove(address + (into + first - low) * size,
+                        arena.slot_address(half, peer) + header + (first - start) * size, (last - first) * size)
+        piece += 1
+
+
+def _parts_for(every: list[Splits], rank: int) -> list[tuple[int, int, int]]:
+    """For each peer: where `rank`'s part lies in the peer's input (start, end), and where it
+    goes in `rank`'s output."""
+    parts, into = [], 0
+    for theirs in every:
+        low = sum(theirs.send[:rank])
+        parts.append((low, low + theirs.send[rank], into))
+        into += theirs.send[rank]
+    return parts
 
 
 def barrier(link: Link, token: torch.Tensor, op: str) -> None:

@@ -7,6 +7,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from paratrain.comm.ops import Splits
+
 
 @dataclass(slots=True)
 class P2POp:
@@ -67,6 +69,7 @@ class Transport(Protocol):
 
     def native_reduce(self, tensor: torch.Tensor, root: int, op: str, timeout: float) -> None: ...
 
-    def native_all_to_all(self, output: torch.Tensor, input: torch.Tensor, timeout: float) -> None: ...
+    def native_all_to_all(self, output: torch.Tensor, input: torch.Tensor, timeout: float,
+                          splits: Splits | None = None) -> None: ...
 
     def native_barrier(self, timeout: float) -> None: ...

@@ -20,7 +20,7 @@ import torch
 
 from paratrain.comm.errors import FabricAborted, TransportTimeout
 from paratrain.comm.flight import FlightRecords
-from paratrain.comm.ops import combine_, part_bounds, part_sizes
+from paratrain.comm.ops import Splits, combine_, part_bounds, part_sizes, splits_mismatch
 from paratrain.comm.transport.base import P2POp
 
 
@@ -296,7 +296,10 @@ class FabricTransport:
             self._fold_into(tensor, inputs, 0, tensor.numel(), op, skip=root)
         self._everyone(None, timeout)
 
-    def native_all_to_all(self, output, input, timeout):
+    def native_all_to_all(self, output, input, timeout, splits=None):
+        if splits is not None:
+            self._all_to_all_split(output, input, splits, timeout)
+            return
         inputs = self._everyone(input, timeout)
         pieces = []
         for source in inputs:
@@ -306,6 +309,23 @@ class FabricTransport:
         if output.numel() != expected:
             raise ValueError(f"all_to_all output needs {expected} elements, got {output.numel()}")
         torch.cat(pieces, out=output)
+        self._everyone(None, timeout)
+
+    def _all_to_all_split(self, output, input, splits: Splits, timeout):
+        """Uneven parts: each rank hands in its input with its splits, so every rank sees the
+        whole matrix of sizes and finds a mismatch the same way (all raise, none waits), then
+        copies its part out of each peer's input."""
+        everyone = self._everyone((input, splits), timeout)
+        mismatch = splits_mismatch([theirs for _, theirs in everyone])
+        if mismatch:
+            self._everyone(None, timeout)
+            raise ValueError(f"all_to_all: {mismatch}")
+        start = 0
+        for source, theirs in everyone:
+            offset = sum(theirs.send[: self.rank])
+            count = theirs.send[self.rank]
+            output[start : start + count].copy_(source[offset : offset + count])
+            start += count
         self._everyone(None, timeout)
 
     def describe(self) -> str:

@@ -94,8 +94,8 @@ class SharedMemoryTransport:
     def native_reduce(self, tensor, root, op, timeout):
         self.inner.native_reduce(tensor, root, op, timeout)
 
-    def native_all_to_all(self, output, input, timeout):
-        self.inner.native_all_to_all(output, input, timeout)
+    def native_all_to_all(self, output, input, timeout, splits=None):
+        self.inner.native_all_to_all(output, input, timeout, splits)
 
     def native_barrier(self, timeout):
         self.inner.native_barrier(timeout)

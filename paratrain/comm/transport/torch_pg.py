@@ -308,13 +308,16 @@ class TorchTransport:
         self._run(work, timeout)
 
     @_native
-    def native_all_to_all(self, output, input, timeout):
-        send_sizes = part_sizes(input.numel(), self.size)
-        receive_size = send_sizes[self.rank]
+    def native_all_to_all(self, output, input, timeout, splits=None):
+        if splits is None:
+            send_sizes = part_sizes(input.numel(), self.size)
+            receive_sizes = [send_sizes[self.rank]] * self.size
+        else:
+            send_sizes, receive_sizes = list(splits.send), list(splits.receive)
         work = dist.all_to_all_single(
             output,
             input,
-            output_split_sizes=[receive_size] * self.size,
+            output_split_sizes=receive_sizes,
             input_split_sizes=send_sizes,
             group=self.pg,
             async_op=True,
