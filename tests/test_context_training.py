@@ -67,3 +67,19 @@ def test_cp_ranks_hold_their_share_of_the_activations_counted_from_what_autograd
     alone, two, four = activations(1, 256), activations(2, 256), activations(4, 256)
     assert two <= 0.55 * alone and four <= 0.3 * alone, (alone, two, four)
     assert abs(activations(2, 512) - alone) <= 0.05 * alone  # the same tokens per rank: the same memory
+
+
+def test_cp_method_auto_is_the_planners_choice_printed_before_any_rank_starts(tmp_path):
+    """--plan-only prints the race between the ring and the all-gather; a run with `auto` trains
+    with the method the banner names (the planner's cost model on the local profile)."""
+    planned = CliRunner().invoke(main, ["train", "--model", "llama-tiny", "--nproc", "2", "--cp", "2",
+                                        "--cp-method", "auto", "--plan-only"])
+    assert planned.exit_code == 0, planned.output
+    assert "context parallel, per layer and microbatch on profile cpu-2core" in planned.output
+    assert "exposed: ring" in planned.output and "all-gather" in planned.output
+    picked = planned.output.split("auto picks ")[1].split()[0]
+    assert picked in ("ring", "allgather") and f"cp 2 ({picked}, zigzag)" in planned.output
+    ran = CliRunner().invoke(main, ["train", "--model", "llama-tiny", "--nproc", "2", "--cp", "2", "--cp-method", "auto",
+                                    "--steps", "2", "--metrics-out", str(tmp_path / "m.json")])
+    assert ran.exit_code == 0, ran.output
+    assert f"cp 2 ({picked}, zigzag)" in ran.output

@@ -12,7 +12,7 @@ from paratrain.cli import main
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.simulate import simulate
 from paratrain.plan.comm_model import collective_seconds
-from paratrain.plan.cost_model import predict
+from paratrain.plan.cost_model import context_choice, predict
 from paratrain.plan.hardware import PROFILE_DIR, Link, load_profile, shipped_profiles
 from paratrain.plan.memory import Layout
 from paratrain.plan.search import candidate_layouts, layout_problems, search
@@ -155,3 +155,33 @@ def test_plan_predicts_a_context_parallel_layout_from_flags():
     assert result.exit_code == 0, result.output
     assert "layout tp2 pp1 cp4 dp1" in result.output
     assert "cp comm" in result.output and "(the ring hides behind attention)" in result.output
+
+
+def test_auto_picks_the_all_gather_where_the_ring_cannot_hide_and_the_ring_where_it_hides():
+    """The ring's hops each race one block of attention; the all-gather is exposed whole. At 64
+    tokens per rank on an H100 node the backward's hops (K/V and the fp32 dK/dV one behind) cost
+    more than one gather and one reduce-scatter; at 4096 tokens per rank the ring hides."""
+    profile = load_profile("h100-80gb-ndr")
+    short = GPTShape(layers=8, hidden=128, heads=8, seq=512, vocab=512, mlp=384, kv_heads=2, gated=True)
+    choice = context_choice(short, Layout(cp=8), profile)
+    assert choice.method == "allgather" and not choice.ring_hides
+    block = 2 * 1 * (512 // 8) * (128 * 2 // 8) * profile.software.activation_bytes  # K and V, kv heads only
+    gather = collective_seconds(profile, "all_gather", 8 * block, 8, False)
+    scatter = collective_seconds(profile, "reduce_scatter", 8 * block * 4 / profile.software.activation_bytes, 8, False)
+    assert choice.allgather == pytest.approx((gather, gather + scatter))
+    assert predict(short, Layout(cp=8), profile, 8).layout.cp_method == "allgather"  # auto, resolved
+    assert predict(short, Layout(cp=8, cp_method="ring"), profile, 8).breakdown["cp_comm"] > 0
+    long = replace(short, seq=32768)
+    assert context_choice(long, Layout(cp=8), profile).method == "ring"
+    assert context_choice(long, Layout(cp=8), profile).ring_hides
+
+
+def test_plan_prints_the_race_between_the_ring_and_the_all_gather():
+    result = CliRunner().invoke(main, ["plan", "--model", "llama-small", "--seq", "512", "--hardware", "h100-80gb-ndr",
+                                       "--cp", "8", "--global-batch", "8"])
+    assert result.exit_code == 0, result.output
+    assert "layout tp1 pp1 cp8ag dp1" in result.output
+    assert "the ring does not hide behind attention; auto picks allgather" in result.output
+    forced = CliRunner().invoke(main, ["plan", "--model", "llama-small", "--seq", "512", "--hardware", "h100-80gb-ndr",
+                                       "--cp", "8", "--cp-method", "ring", "--global-batch", "8"])
+    assert "auto picks allgather, this run uses ring" in forced.output and "(the ring's hops" in forced.output

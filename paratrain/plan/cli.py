@@ -11,14 +11,14 @@ import click
 from paratrain.cli_types import OutputPath
 from paratrain.errors import Problems
 from paratrain.models import format_count
-from paratrain.plan.cost_model import Prediction, predict
+from paratrain.plan.cost_model import Prediction, context_choice, predict
 from paratrain.plan.flops import RECOMPUTE, step_flops
 from paratrain.plan.hardware import load_profile, shipped_profiles
 from paratrain.plan.memory import GIB, Layout
 from paratrain.plan.search import layout_problems, reason, search
 from paratrain.plan.shapes import GPTShape, named_shape, shape_names
 
-LAYOUT_FLAGS = ("tp", "pp", "cp", "dp", "micro_batch", "virtual_stages", "schedule", "recompute",
+LAYOUT_FLAGS = ("tp", "pp", "cp", "cp_method", "dp", "micro_batch", "virtual_stages", "schedule", "recompute",
                 "sequence_parallel", "zero")
 
 
@@ -53,6 +53,12 @@ def _seconds(s: float) -> str:
     return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
 
 
+def _context_note(layout: Layout, exposed_s: float) -> str:
+    if layout.cp_method == "allgather":
+        return "(the all-gather: nothing hides it)"
+    return "(the ring hides behind attention)" if exposed_s == 0 else "(the ring's hops attention does not hide)"
+
+
 def describe_prediction(p: Prediction, shape: GPTShape, global_batch: int, profile) -> list[str]:
     layout, b = p.layout, p.breakdown
     lines = [f"layout {layout.describe()}: {layout.microbatches(global_batch)} microbatches of "
@@ -61,13 +67,14 @@ def describe_prediction(p: Prediction, shape: GPTShape, global_batch: int, profi
              f"{global_batch * shape.seq / p.step_s:,.0f} tokens/s)"]
     notes = {"bubble": f"({p.bubble:.1%} of the pipeline's time idle)" if layout.pp > 1 else "",
              "dp_comm": "(not hidden by backward)" if layout.replicas > 1 else "",
-             "cp_comm": ("(the ring hides behind attention)" if b["cp_comm"] == 0 else "(the ring's hops attention "
-                         "does not hide)") if layout.cp > 1 else ""}
+             "cp_comm": _context_note(layout, b["cp_comm"]) if layout.cp > 1 else ""}
     for key, label in (("compute", "compute"), ("tp_comm", "tp comm"), ("pp_comm", "pp comm"), ("cp_comm", "cp comm"),
                        ("bubble", "bubble"), ("dp_comm", "dp comm"), ("optimizer", "optimizer")):
         if key == "cp_comm" and layout.cp == 1:
             continue
         lines.append(f"    {label:<11} {_seconds(b[key]):>10}  {b[key] / p.step_s:6.1%}  {notes.get(key, '')}".rstrip())
+    if layout.cp > 1:
+        lines += ["  " + line for line in context_choice(shape, layout, profile).describe(layout.cp_method, profile.name)]
     m = p.memory
     usable = profile.usable_bytes / GIB
     lines += [
@@ -120,6 +127,9 @@ def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str
 @click.option("--sequence-parallel", is_flag=True, default=None, help="Sequence parallelism (tp > 1).")
 @click.option("--cp", type=click.IntRange(min=1),
               help="Context-parallel size: each rank holds 1/cp of every sequence (ring attention).")
+@click.option("--cp-method", type=click.Choice(("auto", "ring", "allgather")),
+              help="How keys and values reach every cp rank: ring (passed round, hidden behind attention), "
+                   "allgather (gathered once per layer), or auto (default: the one whose exposed time is smaller).")
 @click.option("--zero", type=click.IntRange(0, 3),
               help="ZeRO stage over dp: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to show when searching.")

@@ -106,24 +106,81 @@ def tp_exchange(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> fl
     return collective_seconds(profile, "all_reduce", activation, t, across)
 
 
+def _context_block(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> tuple[float, bool]:
+    """Bytes of one rank's K/V block (kv heads only, this tp rank's), and whether the cp group
+    spans nodes."""
+    kv_width = shape.hidden * shape.kv_heads // shape.heads // layout.tp
+    block = 2 * layout.micro_batch * (shape.seq // layout.cp) * kv_width * profile.software.activation_bytes
+    return block, spans_nodes(profile, layout.tp, layout.pp * layout.cp, 1)["pp"]
+
+
 def ring_exposed(shape: GPTShape, layout: Layout, profile: HardwareProfile, attention_s: tuple[float, float]
                  ) -> tuple[float, float]:
     """Seconds of one layer's context ring that attention's compute does not hide, forward and
     backward (parallel/context/ring.py): each of the cp steps scores one block while the next
-    block's K/V (kv heads only, this tp rank's) travel; backward sends K/V again and the dK/dV
-    (fp32) one hop behind. `attention_s`: the layer's attention compute, forward and backward."""
+    block's K/V travel; backward sends K/V again and the dK/dV (fp32) one hop behind.
+    `attention_s`: the layer's attention compute, forward and backward."""
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
-    local = shape.seq // cp
-    kv_width = shape.hidden * shape.kv_heads // shape.heads // layout.tp
-    block = 2 * layout.micro_batch * local * kv_width * profile.software.activation_bytes
-    across = spans_nodes(profile, layout.tp, layout.pp * cp, 1)["pp"]
+    block, across = _context_block(shape, layout, profile)
     hop = collective_seconds(profile, "p2p", block, 2, across)
     gradient_hop = collective_seconds(profile, "p2p", block * 4 / profile.software.activation_bytes, 2, across)
     forward_step, backward_step = attention_s[0] / cp, attention_s[1] / cp
     return ((cp - 1) * max(0.0, hop - forward_step),
             (cp - 1) * max(0.0, hop + gradient_hop - backward_step) + max(0.0, gradient_hop - backward_step))
+
+
+def allgather_exposed(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> tuple[float, float]:
+    """Seconds of one layer's context all-gather, forward and backward (parallel/context/allgather.py):
+    nothing computes while it runs, so all of it is exposed. Forward gathers every rank's K/V;
+    backward gathers them again and reduce-scatters the fp32 dK/dV."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    block, across = _context_block(shape, layout, profile)
+    gather = collective_seconds(profile, "all_gather", cp * block, cp, across)
+    scatter = collective_seconds(profile, "reduce_scatter", cp * block * 4 / profile.software.activation_bytes, cp, across)
+    return gather, gather + scatter
+
+
+@dataclass(frozen=True)
+class ContextChoice:
+    """Ring against all-gather for one layout: each one's exposed seconds per layer (forward,
+    backward), attention's compute they race, and the method `auto` picks (the smaller exposed
+    total; the ring on a tie, since it never holds every rank's K/V at once)."""
+
+    ring: tuple[float, float]
+    allgather: tuple[float, float]
+    attention: tuple[float, float]
+
+    @property
+    def method(self) -> str:
+        return "allgather" if sum(self.allgather) < sum(self.ring) else "ring"
+
+    @property
+    def ring_hides(self) -> bool:
+        return sum(self.ring) == 0.0
+
+    def describe(self, used: str, profile_name: str) -> list[str]:
+        """Two lines: each method's exposed time beside attention's, and what runs."""
+        ms = lambda pair: f"{pair[0] * 1e3:.3g} / {pair[1] * 1e3:.3g} ms"  # noqa: E731
+        picked = f"auto picks {self.method}" + ("" if used in ("auto", self.method) else f", this run uses {used}")
+        return [f"context parallel, per layer and microbatch on {profile_name} (forward / backward): attention "
+                f"{ms(self.attention)}; exposed: ring {ms(self.ring)}, all-gather {ms(self.allgather)}",
+                f"  the ring {'hides behind attention' if self.ring_hides else 'does not hide behind attention'}; "
+                f"{picked}"]
+
+
+def context_choice(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> ContextChoice:
+    """The ring and the all-gather priced for one layer of one microbatch on this layout."""
+    t, b, cp = layout.tp, layout.micro_batch, layout.cp
+    software = context_local(shape, profile.software, cp)[1]
+    att = layer_attention_flops(shape, b) / t / cp
+    flash = flash_backward_flops(shape, b) / shape.layers / t / cp if software.flash_attention else 0.0
+    attention = (_compute_seconds(0, att, 0, 0, profile), _compute_seconds(0, 2 * att + flash, 0, 0, profile))
+    return ContextChoice(ring_exposed(shape, layout, profile, attention), allgather_exposed(shape, layout, profile),
+                         attention)
 
 
 def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> dict[str, Pass]:
@@ -143,8 +200,8 @@ def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> d
         input_grad += _compute_seconds(0, att, 0, 0, profile)
     two = 2 * tp_exchange(local, layout, profile)
     recomputed = two if layout.recompute == "full" else 0.0
-    ring_forward, ring_backward = ring_exposed(shape, layout, profile, (
-        _compute_seconds(0, att, 0, 0, profile), _compute_seconds(0, 2 * att + flash, 0, 0, profile)))
+    choice = context_choice(shape, layout, profile)
+    ring_forward, ring_backward = choice.allgather if layout.cp_method == "allgather" else choice.ring
     if layout.recompute == "full":
         ring_backward += ring_forward
     return {"F": Pass(forward, two, cp_comm=ring_forward), "B": Pass(input_grad, two + recomputed, cp_comm=ring_backward),
@@ -203,7 +260,15 @@ def _cpu_slowdown(profile: HardwareProfile, layout: Layout, schedule) -> float:
     return max(1.0, layout.gpus * busy_share / profile.cores)
 
 
+def resolve_context_method(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> Layout:
+    """The layout with cp_method "auto" replaced by what context_choice picks."""
+    if layout.cp_method != "auto":
+        return layout
+    return replace(layout, cp_method=context_choice(shape, layout, profile).method if layout.cp > 1 else "ring")
+
+
 def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_batch: int) -> Prediction:
+    layout = resolve_context_method(shape, layout, profile)
     m = layout.microbatches(global_batch)
     software = profile.software
     schedule = cached_schedule(layout.schedule, layout.pp, m, layout.virtual_stages) if layout.pp > 1 else None

@@ -46,6 +46,7 @@ class Layout:
     sequence_parallel: bool = False
     zero: int = 0                # ZeRO stage 0-3 (3: FSDP), over dp x cp
     cp: int = 1                  # context parallel: each rank holds 1/cp of every sequence
+    cp_method: str = "auto"      # ring | allgather | auto (the cheaper, cost_model.context_choice): how K/V reach every cp rank
 
     @property
     def gpus(self) -> int:
@@ -60,7 +61,7 @@ class Layout:
         return global_batch // (self.dp * self.micro_batch)
 
     def describe(self) -> str:
-        text = f"tp{self.tp} pp{self.pp}" + (f" cp{self.cp}" if self.cp > 1 else "") + f" dp{self.dp} mb{self.micro_batch}"
+        text = f"tp{self.tp} pp{self.pp}" + (f" cp{self.cp}" + ("ag" if self.cp_method == "allgather" else "") if self.cp > 1 else "") + f" dp{self.dp} mb{self.micro_batch}"
         if self.pp > 1:
             text += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         text += f" rc:{self.recompute}" + (" sp" if self.sequence_parallel else "") + (f" zero{self.zero}" if self.zero else "")

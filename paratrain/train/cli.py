@@ -19,6 +19,7 @@ from paratrain.parallel.pipeline.timeline import format_timeline
 from paratrain.environment import Settings
 from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.config_reference import config_yaml
+from paratrain.train.context_method import context_plan
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate, format_estimate
 from paratrain.train.options import checkpoint_options, training_options, validated_config
@@ -85,7 +86,7 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     dp = world // par.replica_ranks
     launcher = "torchrun" if settings.launch.in_torchrun else par.launcher
     strategy = strategy_of(par)
-    cp = f" x cp {par.cp} ({par.cp_method}, {par.cp_layout})" if par.cp > 1 else ""
+    cp = f" x cp {par.cp} ({context_plan(config, world).method}, {par.cp_layout})" if par.cp > 1 else ""
     lines = [f"world {world} = dp {dp} x pp {par.pp}{cp} x tp {par.tp} ({launcher}), data parallelism {strategy.name} "
              f"(shards {strategy.shards}), transport {expected_transport(par.launcher, world, settings)}"]
     if par.pp > 1:
@@ -103,6 +104,8 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     shape = model_config(config.model.name, **config.model.overrides)
     if isinstance(shape, CAUSAL_LM_CONFIGS) and par.pp * par.tp > 1:  # (cp splits no layer)
         lines += describe_split(config)
+    if par.cp > 1:
+        lines += context_plan(config, world).lines
     if strategy.zero == 3:
         lines += fsdp_units_note(config)
     if isinstance(shape, (GPTConfig, LlamaConfig)) and (par.pp * par.tp > 1 or strategy.zero) and not config.model.plan:

@@ -67,7 +67,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages; data-parallel size = world / (pp * cp * tp)
     tp: int = 1  # tensor-parallel ranks per stage (adjacent ranks, as in Megatron)
     cp: int = 1  # context-parallel ranks: each holds 1/cp of every sequence (parallel/context)
-    cp_method: str = "ring"  # ring: K/V passed round the cp ranks; allgather: gathered once per layer
+    cp_method: str = "ring"  # ring: K/V passed round the cp ranks; allgather: gathered once per layer; auto: the planner picks
     cp_layout: str = "zigzag"  # zigzag (balanced causal work) or contiguous
     dp: int | None = None  # if given, must equal world / (pp * cp * tp): a check on the arithmetic
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v

@@ -116,7 +116,8 @@ TRAINING_FLAGS = [
     Flag("parallel.tp", "--tp", type=int, help="Tensor-parallel size (default 1; GPT models)."),
     Flag("parallel.cp", "--cp", type=int, help="Context-parallel size: each rank holds 1/cp of every sequence, "
                                                 "attention by ring (default 1; language models with a plan)."),
-    Flag("parallel.cp_method", "--cp-method", help="ring (K/V passed round the cp ranks, default) or allgather."),
+    Flag("parallel.cp_method", "--cp-method", help="ring (K/V passed round the cp ranks, default), allgather (gathered once per layer), or auto "
+                                                       "(the planner's cost model picks; --plan-only shows why)."),
     Flag("parallel.cp_layout", "--cp-layout", help="zigzag (every rank the same causal work, default) or contiguous."),
     Flag("parallel.schedule", "--schedule", help="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v."),
     Flag("parallel.microbatches", "--microbatches", type=int, help="Microbatches per step through the pipeline."),

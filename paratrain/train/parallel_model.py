@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, p
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratrain.parallel.tensor.parallelize import gather_full_state, parallelize
 from paratrain.models import model_config
+from paratrain.train.context_method import context_plan
 from paratrain.train.setup import build_seeded_model, plan_for
 
 
@@ -92,7 +93,10 @@ def build_parallel_model(config, mesh, dataset) -> ParallelModel:
     model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
     micro = config.data.global_batch // (mesh.dp.size * config.parallel.microbatches)
     shape = model_config(config.model.name, **config.model.overrides)
-    return parallelize_model(model, plan_for(config.model.plan, model), mesh, config.parallel, dataset.loss,
+    par = config.parallel
+    if par.cp > 1 and par.cp_method == "auto":
+        par = replace(par, cp_method=context_plan(config, mesh.world.size).method)
+    return parallelize_model(model, plan_for(config.model.plan, model), mesh, par, dataset.loss,
                              getattr(dataset, "vocab_size", getattr(shape, "vocab_size", None)),
                              lambda: dataset.global_batch(0, micro)[0], getattr(shape, "block_size", None))
 
@@ -109,7 +113,10 @@ def parallelize_model(model: nn.Module, plan, mesh, par, loss_fn, vocab_size: in
         if plan is None or seq_len is None:
             raise ValueError("context parallelism needs the model's plan (its context_parallel section) and the "
                              "sequence length")
-        apply_context_parallel(model, plan, mesh.cp, seq_len, par.cp_layout, par.cp_method)
+        # "auto" is resolved from a run's config (train/context_method.py); a model prepared from
+        # Python, with no config to price, keeps the ring.
+        method = "ring" if par.cp_method == "auto" else par.cp_method
+        apply_context_parallel(model, plan, mesh.cp, seq_len, par.cp_layout, method)
     schedule = counts = None
     if pp_size > 1:
         schedule = build_schedule(par.schedule, pp_size, par.microbatches, par.virtual_stages)

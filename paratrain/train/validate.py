@@ -348,7 +348,7 @@ def _context_problems(problems: list[str], config: TrainConfig, world_size: int)
     """Context parallelism: a language model whose plan names its attention, sequences that split
     over cp, and a strategy that reduces gradients over every rank holding the parameters."""
     par = config.parallel
-    _choice(problems, "parallel.cp_method", par.cp_method, tuple(CONTEXT_METHODS))
+    _choice(problems, "parallel.cp_method", par.cp_method, (*CONTEXT_METHODS, "auto"))
     _choice(problems, "parallel.cp_layout", par.cp_layout, CONTEXT_LAYOUTS)
     if not (_is_int(par.cp) and par.cp > 1) or par.cp_layout not in CONTEXT_LAYOUTS:
         return  # cp itself is checked with the mesh
