@@ -53,8 +53,20 @@ def axis_partition(grid: torch.Tensor, axis: str | tuple[str, ...]) -> list[list
     return [row.tolist() for row in moved]
 
 
+def expert_partitions(grid: torch.Tensor, ep: int) -> dict[str, list[list[int]]]:
+    """The ep groups (each dp x cp group cut into blocks of `ep` consecutive ranks, as torchtitan
+    and Megatron take the experts' ranks from the data axis) and the edp groups (the ranks at the
+    same place in every block: they hold the same experts)."""
+    ep_groups, edp_groups = [], []
+    for data_ranks in axis_partition(grid, ("dp", "cp")):
+        blocks = [data_ranks[i:i + ep] for i in range(0, len(data_ranks), ep)]
+        ep_groups += blocks
+        edp_groups += [list(column) for column in zip(*blocks)]
+    return {"ep": sorted(ep_groups), "edp": sorted(edp_groups)}
+
+
 class Mesh:
-    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1):
+    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1, *, cp: int = 1, ep: int = 1):
         for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"mesh: {name} must be a positive integer, got {value!r}")
@@ -67,10 +79,15 @@ class Mesh:
         self.coords = Coordinates(*index)
         # Every rank makes the groups in the same order: process groups need that.
         made: dict[tuple, object] = {}
-        self.groups = {name: self._group_along(axes, made) for name, axes in GROUPS.items()}
+        if not isinstance(ep, int) or ep < 1 or (dp * cp) % ep:
+            raise ValueError(f"mesh: ep ({ep!r}) must divide dp x cp = {dp * cp}: the experts' ranks are data ranks")
+        self.ep_size = ep
+        partitions = {name: axis_partition(self.grid, axes) for name, axes in GROUPS.items()}
+        if ep > 1:  # with ep 1 every rank holds every expert: edp is dp_cp, and no group of one is made
+            partitions.update(expert_partitions(self.grid, ep))
+        self.groups = {name: self._group_of(partition, made) for name, partition in partitions.items()}
 
-    def _group_along(self, axes: tuple[str, ...], made: dict):
-        partition = axis_partition(self.grid, axes)
+    def _group_of(self, partition: list[list[int]], made: dict):
         key = tuple(map(tuple, partition))
         if key not in made:
             whole = partition == [list(range(self.world.size))]
@@ -97,6 +114,17 @@ class Mesh:
     def dp_cp(self):
         """The ranks holding the same parameters: gradients are reduced over them."""
         return self.groups["dp_cp"]
+
+    @property
+    def ep(self):
+        """Expert parallelism: the ranks that split the experts between them (consecutive data
+        ranks); None when ep is 1."""
+        return self.groups.get("ep")
+
+    @property
+    def edp(self):
+        """The ranks that hold the same experts: the experts' gradients are reduced over them."""
+        return self.groups.get("edp", self.dp_cp)
 
     def rank_at(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
         return int(self.grid[dp, pp, cp, tp])
