@@ -19,7 +19,8 @@ from paratrain.models.gpt import GPT
 
 def test_registry_names_every_preset():
     assert MODEL_NAMES == ("mlp", "mlp16", "cnn", "gpt-tiny", "gpt-small", "gpt-seed",
-                           "llama-tiny", "llama-small", "tinyllama-1.1b")
+                           "llama-tiny", "llama-small", "tinyllama-1.1b", "moe-tiny", "moe-small", "mixtral-8x7b",
+                           "olmoe-1b-7b")
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from paratrain.models.cnn import CNN, CNNConfig
 from paratrain.models.gpt import GPT, GPTConfig, gpt_parameter_count
 from paratrain.models.llama import Llama, LlamaConfig, llama_parameter_count
 from paratrain.models.mlp import MLP, DeepMLP, DeepMLPConfig, MLPConfig
+from paratrain.models.moe_llama import MoEConfig, MoELlama, moe_parameter_count, moe_parameter_counts
 from paratrain.models.user_model import CausalLMFile, file_model_config, is_model_file
 
 PRESETS = {
@@ -44,14 +45,36 @@ PRESETS = {
     # untied: 1,100,048,384 parameters, its published count (llama_parameter_count).
     "tinyllama-1.1b": LlamaConfig(n_layer=22, d_model=2048, n_head=32, n_kv_head=4, d_mlp=5632,
                                   vocab_size=32000, block_size=2048),
+    # Llamas with mixture-of-experts feed-forward layers (moe_llama.py). llama-tiny's size with 8
+    # experts of width 64, 2 per token, and one shared expert: trains in seconds.
+    "moe-tiny": MoEConfig(n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_mlp=192, vocab_size=256, block_size=64,
+                          n_experts=8, top_k=2, d_expert=64, n_shared_experts=1),
+    # llama-small's size, 16 experts of width 96 (2 per token, one shared): the activated
+    # width, 3 x 96, is about llama-small's SwiGLU (384).
+    "moe-small": MoEConfig(n_layer=8, d_model=128, n_head=8, n_kv_head=2, d_mlp=384, vocab_size=512, block_size=64,
+                           n_experts=16, top_k=2, d_expert=96, n_shared_experts=1),
+    # Mixtral-8x7B's published shape (mistralai/Mixtral-8x7B-v0.1 config): 32 layers, 4096 wide,
+    # 32 query and 8 key/value heads, 8 experts of width 14336, 2 per token, softmax then
+    # renormalised, no shared expert, vocabulary 32000, context 32768, rope base 1e6, untied:
+    # 46.70B parameters, 12.88B active (published: 46.7B / 12.9B).
+    "mixtral-8x7b": MoEConfig(n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_mlp=14336, vocab_size=32000,
+                              block_size=32768, rope_theta=1e6, n_experts=8, top_k=2, d_expert=14336,
+                              n_shared_experts=0, aux_loss_coef=0.02),
+    # OLMoE-1B-7B-0924 (allenai config): 16 layers, 2048 wide, 16 heads (no grouping), 64 experts
+    # of width 1024, 8 per token, softmax not renormalised, vocabulary 50304, context 4096,
+    # untied; its QK-norm (65,536 weights in all) is left out. 6.92B parameters, 1.28B active
+    # (published: 6.9B / 1.3B, rounded).
+    "olmoe-1b-7b": MoEConfig(n_layer=16, d_model=2048, n_head=16, n_kv_head=16, d_mlp=1024, vocab_size=50304,
+                             block_size=4096, n_experts=64, top_k=8, d_expert=1024, n_shared_experts=0,
+                             renormalize=False, aux_loss_coef=0.01),
 }
 MODEL_NAMES = tuple(PRESETS)
 
 _BUILDERS = {MLPConfig: MLP, DeepMLPConfig: DeepMLP, CNNConfig: CNN, GPTConfig: GPT, LlamaConfig: Llama,
-             CausalLMFile: CausalLMFile.build}
+             MoEConfig: MoELlama, CausalLMFile: CausalLMFile.build}
 # Models of token ids (B, T) -> logits (B, T, V), with vocab_size and block_size: they train on
 # tokens or text, and tensor/pipeline parallelism applies to them through a plan.
-CAUSAL_LM_CONFIGS = (GPTConfig, LlamaConfig, CausalLMFile)
+CAUSAL_LM_CONFIGS = (GPTConfig, LlamaConfig, MoEConfig, CausalLMFile)
 
 
 def model_config(name: str, **overrides):
@@ -82,7 +105,7 @@ def build_model(name: str, **overrides) -> nn.Module:
 
 def parameter_count(config) -> int | None:
     """Parameters of the model `config` builds, computed without building it (None: unknown)."""
-    counts = {GPTConfig: gpt_parameter_count, LlamaConfig: llama_parameter_count}
+    counts = {GPTConfig: gpt_parameter_count, LlamaConfig: llama_parameter_count, MoEConfig: moe_parameter_count}
     return counts[type(config)](config) if type(config) in counts else None
 
 
@@ -100,6 +123,7 @@ def format_count(n: int) -> str:
 
 __all__ = [
     "CAUSAL_LM_CONFIGS", "CNN", "CNNConfig", "CausalLMFile", "DeepMLP", "DeepMLPConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP",
-    "MLPConfig", "MODEL_NAMES", "PRESETS", "build_model", "count_parameters", "format_count",
-    "gpt_parameter_count", "llama_parameter_count", "is_model_file", "model_config", "parameter_count",
+    "MLPConfig", "MODEL_NAMES", "MoEConfig", "MoELlama", "PRESETS", "build_model", "count_parameters", "format_count",
+    "gpt_parameter_count", "llama_parameter_count", "is_model_file", "model_config", "moe_parameter_counts",
+    "parameter_count",
 ]

@@ -61,10 +61,30 @@ LLAMA_PLAN = {
     "context_parallel": {"attention": ["layers.*.attn"], "positions": ["layers.*.attn.positions"]},
 }
 
+# The MoE Llama: tensor parallelism splits the attention only; the experts stay whole here (how
+# tp or expert parallelism divides them is the expert-parallel plan's to say). Sequence
+# parallelism gathers before the whole mlp, router included: routing needs whole sequences for
+# its per-sequence capacity and balance loss.
+MOE_PLAN = {
+    "tensor_parallel": {
+        "tok_emb": "vocab_embed",
+        "layers.*.attn.wq": "colwise",
+        "layers.*.attn.wk": "colwise",
+        "layers.*.attn.wv": "colwise",
+        "layers.*.attn.wo": "rowwise",
+        "output": "vocab_head",
+    },
+    "head_counts": {"layers.*.attn": ["n_heads", "n_kv_heads"]},
+    "sequence_parallel": {"gather_inputs": ["layers.*.attn", "layers.*.mlp", "output"]},
+    "pipeline": {"blocks": "layers", "before": ["tok_emb"], "after": ["norm", "output"]},
+    "context_parallel": {"attention": ["layers.*.attn"], "positions": ["layers.*.attn.positions"]},
+}
+
 
 def default_plan(model: nn.Module) -> dict | None:
     """Our model's own plan, or None for a model that has none (the MLPs, the CNN)."""
     from paratrain.models.gpt import GPT
     from paratrain.models.llama import Llama
+    from paratrain.models.moe_llama import MoELlama
 
-    return {GPT: GPT_PLAN, Llama: LLAMA_PLAN}.get(type(model))
+    return {GPT: GPT_PLAN, Llama: LLAMA_PLAN, MoELlama: MOE_PLAN}.get(type(model))

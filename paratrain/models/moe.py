@@ -1,0 +1,168 @@
+"""A mixture-of-experts feed-forward layer (single device; parallelism is applied from outside).
+
+    route -> sort the (token, expert) pairs by expert -> dispatcher.dispatch -> experts
+          -> dispatcher.combine -> back to token order, weighted by the gates, summed per token
+    (+ the shared experts, run on every token)
+
+The routing rules (top-k choice, tie-break, capacity dropping) are in moe_router.py, the
+experts and the identity dispatcher in moe_experts.py.
+
+Seams for expert parallelism:
+- `layer.dispatcher`: an object with `dispatch(tokens_SD, counts_E) -> Dispatched` and
+  `combine(out_SD, dispatched) -> out_SD`. dispatch gets every kept pair's row sorted by global
+  expert and the rows per global expert (`counts_E`, length n_experts); it returns the rows for
+  the experts this rank holds, sorted by local expert, their counts (`counts_e`, length
+  local_experts) and any state combine needs. combine returns the results in the order dispatch
+  was given. The default, `LocalDispatcher`, is the identity.
+- `layer.experts` (`GroupedExperts`) may hold a contiguous slice of the experts:
+  `first_expert`, `local_experts`, weights w1/w3 (e, D, F) and w2 (e, F, D); `n_experts` is the
+  layer's total. The router (`layer.router.gate`, `expert_bias`) stays whole on every rank.
+- `layer.global_sequences`: the divisor of the balance loss (None: this call's batch size). Its
+  gradient is applied with weight 1 whatever the loop does to its own loss, so set it to the
+  number of sequences the step's gradient is the mean over as this rank's gradient is summed:
+  the global batch where ranks' gradients are summed, global batch / dp where they are averaged.
+- `update_router_bias(model, reduce)`: `reduce` sums the step's counts over ranks.
+- Statistics: `layer.tokens_per_expert` (E,) and `layer.dropped_pairs`, summed over the
+  training forwards since the last `update_router_bias`; `layer.last_aux_loss`. A forward re-run
+  by activation checkpointing counts again (every count doubles: the bias rule's signs do not
+  change).
+
+Shape legend:
+    B batch   T sequence position   N tokens (B T)   D d_model   E experts   K experts per token
+    P pairs (N K)   S kept pairs, sorted by expert
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from paratrain.models.llama import SwiGLU
+from paratrain.models.moe_experts import GroupedExperts, LocalDispatcher
+from paratrain.models.moe_router import Routing, TopKRouter, sequence_balance_loss
+
+if TYPE_CHECKING:
+    from paratrain.models.moe_llama import MoEConfig
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """The layer's output unchanged; in backward, the output's gradient passes through and the
+    attached loss gets gradient 1: the loss is trained without the loop ever adding it."""
+
+    @staticmethod
+    def forward(ctx, out_BTD: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype, ctx.aux_device = aux_loss.dtype, aux_loss.device
+        return out_BTD
+
+    @staticmethod
+    def backward(ctx, grad_BTD: torch.Tensor):
+        return grad_BTD, torch.ones((), dtype=ctx.aux_dtype, device=ctx.aux_device)
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.n_experts, self.top_k = config.n_experts, config.top_k
+        self.aux_loss_coef, self.bias_update_rate = config.aux_loss_coef, config.bias_update_rate
+        self.router = TopKRouter(config.d_model, config.n_experts, config.top_k, config.score_func,
+                                 config.renormalize, config.capacity_factor)
+        self.experts = GroupedExperts(config.d_model, config.d_expert, config.n_experts, config.expert_compute)
+        width = config.n_shared_experts * config.d_expert
+        self.shared = SwiGLU(dataclasses.replace(config.dense_config(), d_mlp=width)) if width else None
+        self.dispatcher = LocalDispatcher()
+        self.global_sequences: int | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.register_buffer("tokens_per_expert", torch.zeros(config.n_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("dropped_pairs", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        routing = self.router(x_BTD)
+        out_BTD = self.routed(x_BTD.reshape(B * T, D), routing).view(B, T, D)
+        if self.shared is not None:
+            out_BTD = out_BTD + self.shared(x_BTD)
+        if self.training:
+            self._count(routing)
+            if self.aux_loss_coef and torch.is_grad_enabled():
+                out_BTD = _AttachAuxLoss.apply(out_BTD, self.aux_loss(routing))
+        return out_BTD
+
+    def routed(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The routed experts' weighted sum for each token."""
+        N, D = x_ND.shape
+        pairs_S, counts_E = self._expert_order(routing)
+        tokens_S = pairs_S // self.top_k
+        dispatched = self.dispatcher.dispatch(x_ND[tokens_S], counts_E)
+        out_SD = self.dispatcher.combine(self.experts(dispatched.tokens_SD, dispatched.counts_e), dispatched)
+        weights_S1 = routing.weights_BTK.reshape(-1)[pairs_S].unsqueeze(1).to(out_SD.dtype)
+        # Each pair written to its own row, then each token's K rows summed: the same order of
+        # addition on every device (a scatter-add's is its kernel's); dropped pairs stay zero.
+        out_PD = out_SD.new_zeros(N * self.top_k, D).index_copy(0, pairs_S, out_SD * weights_S1)
+        return out_PD.view(N, self.top_k, D).sum(1)
+
+    def _expert_order(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept pairs (indices into the (N K) flattened choice) sorted by expert, stably (so
+        in token order within an expert), and the kept pairs per expert."""
+        experts_P = routing.experts_BTK.reshape(-1)
+        if experts_P.is_meta:
+            return self._even_order(experts_P)
+        kept_S = routing.kept_BTK.reshape(-1).nonzero().squeeze(1)
+        experts_S = experts_P[kept_S]
+        pairs_S = kept_S[torch.sort(experts_S, stable=True).indices]
+        counts_E = torch.zeros(self.n_experts, dtype=torch.long, device=experts_S.device)
+        return pairs_S, counts_E.scatter_add_(0, experts_S, torch.ones_like(experts_S))
+
+    def _even_order(self, experts_P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the meta device (the MFU count, shape checks) a choice has no values: every pair
+        kept and spread evenly over the experts, the FLOPs of a balanced dropless step. The
+        counts are on the CPU, where the expert loop can read them."""
+        P, E = experts_P.numel(), self.n_experts
+        counts_E = torch.tensor([P // E + (i < P % E) for i in range(E)], dtype=torch.long)
+        return torch.arange(P, device=experts_P.device), counts_E
+
+    def aux_loss(self, routing: Routing) -> torch.Tensor:
+        """coef x the mean over the batch's sequences of the sequence-wise balance loss (the
+        divisor is global_sequences when set); its value is kept, detached, for the log."""
+        per_sequence_B = sequence_balance_loss(routing, self.n_experts)
+        sequences = self.global_sequences or per_sequence_B.shape[0]
+        loss = self.aux_loss_coef * per_sequence_B.sum() / sequences
+        self.last_aux_loss = loss.detach()
+        return loss
+
+    def _count(self, routing: Routing) -> None:
+        with torch.no_grad():
+            experts_P = routing.experts_BTK.reshape(-1)
+            self.tokens_per_expert.scatter_add_(0, experts_P, torch.ones_like(experts_P))
+            self.dropped_pairs += routing.dropped
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def update_router_bias(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """After the optimizer step: each MoE layer's expert_bias += rate x sign(mean(counts) -
+    counts) (under-loaded experts rise, over-loaded ones fall), then its counts and dropped
+    pairs start again from zero. `reduce` sums a tensor over the ranks that share the step (None:
+    this process's counts are the step's)."""
+    with torch.no_grad():
+        for layer in moe_layers(model):
+            counts_E = layer.tokens_per_expert.clone()
+            if reduce is not None:
+                counts_E = reduce(counts_E)
+            if layer.bias_update_rate:
+                counts_E = counts_E.to(layer.router.expert_bias.dtype)
+                layer.router.expert_bias += layer.bias_update_rate * torch.sign(counts_E.mean() - counts_E)
+            layer.tokens_per_expert.zero_()
+            layer.dropped_pairs.zero_()
+
+
+def moe_statistics(model: nn.Module) -> list[dict]:
+    """Per MoE layer, for the log: tokens per expert and dropped pairs since the last bias
+    update (the step so far), and the last balance loss (None when off)."""
+    return [{"tokens_per_expert": layer.tokens_per_expert.tolist(), "dropped_pairs": int(layer.dropped_pairs),
+             "aux_loss": None if layer.last_aux_loss is None else float(layer.last_aux_loss)}
+            for layer in moe_layers(model)]
