@@ -13,13 +13,18 @@ Hypothesis sees, so it shrinks a failure found on any rank. One launch serves ma
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import paratrain
+from paratrain.bench import collectives_cli
+from paratrain.cli import main
 from paratrain.comm import CollectiveMismatchError, Group
 from paratrain.comm.transport.fabric import Fabric
 from paratrain.comm.transport.shm_arena import slot_bytes_for
@@ -337,3 +342,34 @@ def _gradcheck_dispatch(group) -> bool:
 def test_all_to_all_rows_backward_is_the_swapped_all_to_all(world_size):
     results = paratrain.run(_gradcheck_dispatch, world_size, timeout=RUN_TIMEOUT_S)
     assert all(results.values())
+
+
+# ---- the benchmark ---------------------------------------------------------------------------
+
+
+def _bench(monkeypatch, *args: str):
+    monkeypatch.setattr(collectives_cli, "copy_bandwidth_gbps", lambda device: 12.5)  # not measured here
+    return CliRunner().invoke(main, ["bench", "collectives", "--launcher", "threads", "--nproc", "3",
+                                     "--warmup", "0", "--iters", "1", *args])
+
+
+def test_bench_times_uneven_parts_beside_even_ones_and_states_them(tmp_path, monkeypatch):
+    path = tmp_path / "out.json"
+    result = _bench(monkeypatch, "--ops", "all_to_all", "--splits", "both", "--min-bytes", "4K",
+                    "--max-bytes", "4K", "--json", str(path))
+    assert result.exit_code == 0, result.output
+    assert "ring takes equal parts only: skipped for all_to_all_uneven" in result.output
+    records = json.loads(path.read_text())
+    even = [r for r in records if r["op"] == "all_to_all"]
+    uneven = [r for r in records if r["op"] == "all_to_all_uneven"]
+    assert {r["algo"] for r in even} == {"ring", "direct", "native", "auto(native)"}
+    assert {r["algo"] for r in uneven} == {"direct", "native", "auto(native)"}
+    assert all(r["splits"] == [586, 292, 146] and "2^(n-1-j)" in r["split_rule"] for r in uneven)  # 4/7, 2/7, 1/7
+    assert all(r["wrong"] == 0 for r in records)
+
+
+def test_bench_refuses_splits_without_an_all_to_all_or_with_tuning(monkeypatch):
+    result = _bench(monkeypatch, "--ops", "all_reduce", "--splits", "uneven")
+    assert result.exit_code == 2 and "splits apply to all_to_all alone: add it to --ops" in result.output
+    result = _bench(monkeypatch, "--ops", "all_to_all", "--splits", "both", "--tune")
+    assert result.exit_code == 2 and "--splits uneven or both measures; it takes no --tune" in result.output

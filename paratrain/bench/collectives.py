@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from paratrain.comm.choice import AlgorithmTable
+from paratrain.comm.algorithms import UNEVEN_ALL_TO_ALL
+from paratrain.comm.choice import AlgorithmTable, uneven_all_to_all_choice
 from paratrain.comm.ops import part_bounds
 
 DTYPES = {
@@ -41,6 +42,43 @@ ROOT = 0  # nccl-tests' default root
 
 BURSTS = 10  # timed bursts per algorithm and size, interleaved across algorithms
 
+# The all-to-all with split sizes, as the sweep names it (--splits uneven): every rank sends the
+# same buffer size as the even all_to_all, cut by UNEVEN_RULE.
+UNEVEN_OP = "all_to_all_uneven"
+UNEVEN_RULE = ("every rank sends part j of its buffer to rank j, part j's size in proportion to 2^(n-1-j) "
+               "(rank 0 receives the most, as a popular expert does): 2/3 and 1/3 on 2 ranks, 4/7, 2/7 and "
+               "1/7 on 3; rounded down, the rest to part 0")
+
+
+SPLITS = ("even", "uneven", "both")
+
+
+def with_splits(plan: list[tuple[str, tuple[str, ...]]], splits: str) -> tuple[list, list[str]]:
+    """The plan's all_to_all in equal parts, in UNEVEN_RULE's (UNEVEN_OP, with the algorithms that
+    take split sizes), or both; and a note for each algorithm the uneven one lacks."""
+    if splits == "even":
+        return plan, []
+    result, notes = [], []
+    for op, algos in plan:
+        if op != "all_to_all":
+            result.append((op, algos))
+            continue
+        if splits == "both":
+            result.append((op, algos))
+        takes = tuple(a for a in algos if a in UNEVEN_ALL_TO_ALL or a == "auto")
+        notes += [f"{a} takes equal parts only: skipped for {UNEVEN_OP}" for a in algos if a not in takes]
+        if takes:
+            result.append((UNEVEN_OP, takes))
+    return result, notes
+
+
+def uneven_splits(count: int, world_size: int) -> list[int]:
+    """UNEVEN_RULE's part sizes of a buffer of `count` elements (the same on every rank)."""
+    weights = [1 << (world_size - 1 - j) for j in range(world_size)]
+    sizes = [count * weight // sum(weights) for weight in weights]
+    sizes[0] += count - sum(sizes)
+    return sizes
+
 
 def bus_factor(op: str, world_size: int) -> float | None:
     """busbw / algbw for `op` (PERFORMANCE.md's table); None for the barrier, which moves no data."""
@@ -49,7 +87,7 @@ def bus_factor(op: str, world_size: int) -> float | None:
         return None
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all", UNEVEN_OP):
         return (n - 1) / n
     return 1.0  # broadcast, reduce: all data leaves (or reaches) the root through one link
 
@@ -190,10 +228,17 @@ def _measure(group, case: _Case, op: str, algo: str, bursts: list[float], sweep:
     factor = bus_factor(op, group.size)
     algbw = None if factor is None else case.nbytes / seconds / 1e9
     return Measurement(
-        op=op, algo=algo, resolved=group.resolve(op, algo, case.nbytes), bytes=case.nbytes,
+        op=op, algo=algo, resolved=_resolved(group, op, algo, case.nbytes), bytes=case.nbytes,
         count=case.count, dtype=sweep.dtype, time_us=seconds * 1e6, algbw_gbps=algbw,
         busbw_gbps=None if factor is None else algbw * factor, wrong=wrong, bursts_us=slowest_bursts,
     )
+
+
+def _resolved(group, op: str, algo: str, nbytes: int) -> str:
+    """What `algo` runs as: the Group's pick for `auto` (with split sizes, by transport alone)."""
+    if op != UNEVEN_OP:
+        return group.resolve(op, algo, nbytes)
+    return uneven_all_to_all_choice(group.size, group.kind).algo if algo == "auto" else algo
 
 
 def _time_interleaved(group, case: _Case, algos, warmup: int, iters: int, device) -> dict[str, list[float]]:
@@ -322,4 +367,24 @@ def _build_case(group, op: str, count: int, dtype, device) -> _Case:
         case.inputs = [(inp, data(rank))]
         case.expected = torch.cat([data(r, mine_start, mine_end - mine_start) for r in range(n)])
         return case
+    if op == UNEVEN_OP:
+        return _uneven_all_to_all_case(group, count, dtype, device, data)
     raise ValueError(f"unknown op {op!r}")
+
+
+def _uneven_all_to_all_case(group, count: int, dtype, device, data) -> _Case:
+    """UNEVEN_RULE's all-to-all: part r of every rank's buffer comes to rank r."""
+    n, rank = group.size, group.rank
+    send = uneven_splits(count, n)
+    start, mine = sum(send[:rank]), send[rank]
+    inp = torch.empty(count, dtype=dtype, device=device)
+    out = torch.empty(n * mine, dtype=dtype, device=device)
+    nbytes = count * inp.element_size()
+
+    def call(algo: str) -> None:
+        group.all_to_all(out, inp, algo=algo, output_split_sizes=[mine] * n, input_split_sizes=send)
+
+    case = _Case(call, nbytes, count, result=out)
+    case.inputs = [(inp, data(rank))]
+    case.expected = torch.cat([data(r, start, mine) for r in range(n)])
+    return case

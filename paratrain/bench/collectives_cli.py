@@ -15,7 +15,9 @@ import torch
 
 from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.bench import report
-from paratrain.bench.collectives import DTYPES, Sweep, element_counts, run_sweep
+from paratrain.bench.collectives import (
+    DTYPES, SPLITS, UNEVEN_OP, UNEVEN_RULE, Sweep, element_counts, run_sweep, with_splits,
+)
 from paratrain.bench.explain import print_explain
 from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.bench.overhead import overhead_lines, run_overhead
@@ -164,8 +166,12 @@ def _thread_devices(nproc: int):
                    "in rounds alternating with ours, and print ours / MPI per size. [default --algos: auto]")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="With --peer: rounds of each side, alternating (ours, the peer, ours, ...).")
+@click.option("--splits", type=click.Choice(SPLITS), default="even", show_default=True,
+              help=f"all_to_all in equal parts, in uneven ones (rows '{UNEVEN_OP}', with split sizes; with --peer, "
+                   f"MPI's Alltoallv) or both. Uneven: {UNEVEN_RULE}. The JSON gives each size's parts.")
 def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype,
-                json_path, plot_path, tune, explain, overhead, table_path, timeout, debug, peer, rounds) -> None:
+                json_path, plot_path, tune, explain, overhead, table_path, timeout, debug, peer, rounds,
+                splits) -> None:
     """Measure collectives like nccl-tests: time, algbw, busbw and #wrong per op, algorithm, size.
 
     Our algorithms (ring, hd = halving-doubling, tree, direct) run beside the backend's own
@@ -185,8 +191,11 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
     if max_bytes < min_bytes:
         raise _bad("--max-bytes", f"{max_bytes} is smaller than --min-bytes ({min_bytes})")
     mode = _mode_of(tune, explain, overhead, peer, dtype, json_path, plot_path)
+    if splits != "even" and mode not in ("sweep", "peer") or splits != "even" and tune:
+        raise click.UsageError("--splits uneven or both measures; it takes no --tune, --explain or --overhead")
     request = _request(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype,
-                       json_path, plot_path, tune, explain, overhead, peer, table_path, timeout, debug, rounds)
+                       json_path, plot_path, tune, explain, overhead, peer, table_path, timeout, debug, rounds,
+                       splits)
     MODES[mode](request)
 
 
@@ -231,11 +240,15 @@ def _mode_of(tune, explain, overhead, peer, dtype, json_path, plot_path) -> str:
 
 
 def _request(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype, json_path,
-             plot_path, tune, explain, overhead, peer, table_path, timeout, debug, rounds) -> Request:
+             plot_path, tune, explain, overhead, peer, table_path, timeout, debug, rounds, splits) -> Request:
     settings = Settings.resolve(timeout=timeout, debug=debug or None)
     transport = expected_transport(launcher, nproc, settings)
     plan, notes = plan_sweep(ops or ("all_reduce" if overhead else None), algos or ("auto" if peer else None),
                              tune or overhead, transport)
+    if splits != "even" and not any(op == "all_to_all" for op, _ in plan):
+        raise _bad("--splits", "splits apply to all_to_all alone: add it to --ops")
+    plan, split_notes = with_splits(plan, splits)
+    notes += split_notes
     if table_path is not None:
         settings = settings.with_flags(algo_table=str(table_path))
     world = settings.launch.world_size if settings.launch.in_torchrun else nproc

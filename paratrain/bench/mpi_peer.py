@@ -202,7 +202,11 @@ class MpiGroup:
         else:
             self.comm.Reduce(self._array(buf), None, op=self.ops[op], root=root)
 
-    def all_to_all(self, out, inp, algo: str = ALGO) -> None:
+    def all_to_all(self, out, inp, algo: str = ALGO, output_split_sizes=None, input_split_sizes=None) -> None:
+        if input_split_sizes is not None:  # 1-D buffers in the benchmarks: a row is an element
+            self.comm.Alltoallv([self._array(inp), (input_split_sizes, _starts(input_split_sizes))],
+                                [self._array(out), (output_split_sizes, _starts(output_split_sizes))])
+            return
         if self._even(inp.numel()):
             self.comm.Alltoall(self._array(inp), self._array(out))
             return
@@ -220,6 +224,11 @@ class MpiGroup:
     def sendrecv(self, send, dst: int, recv, src: int, tag: int = 0):
         self.comm.Sendrecv(self._array(send), dest=dst, sendtag=tag, recvbuf=self._array(recv), source=src, recvtag=tag)
         return recv
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    """Where each part starts: MPI's displacements."""
+    return [sum(sizes[:j]) for j in range(len(sizes))]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.bench.collectives import REDUCING_OPS, ROOT, ROOTED_OPS, Measurement
+from paratrain.bench.collectives import (
+    REDUCING_OPS, ROOT, ROOTED_OPS, UNEVEN_OP, UNEVEN_RULE, Measurement, uneven_splits,
+)
 
 JSON_KEYS = (
     "op", "algo", "launcher", "transport", "world_size", "bytes", "count", "dtype",
@@ -15,7 +17,7 @@ JSON_KEYS = (
 )
 _FACTOR_TEXT = {
     "all_reduce": "2(n-1)/n", "reduce_scatter": "(n-1)/n", "all_gather": "(n-1)/n",
-    "all_to_all": "(n-1)/n", "broadcast": "1", "reduce": "1",
+    "all_to_all": "(n-1)/n", UNEVEN_OP: "(n-1)/n", "broadcast": "1", "reduce": "1",
 }
 
 
@@ -150,6 +152,8 @@ def json_records(measurements: list[Measurement], launcher: str, world_size: int
             "algbw_gbps": m.algbw_gbps, "busbw_gbps": m.busbw_gbps, "wrong": m.wrong,
         }
         record = {key: values[key] for key in JSON_KEYS}
+        if m.op == UNEVEN_OP:  # the parts, as the rule made them for this size
+            record.update(splits=uneven_splits(m.count, world_size), split_rule=UNEVEN_RULE)
         if m.rounds_us:  # with --peer
             record["rounds_us"] = list(m.rounds_us)
         records.append(record)

@@ -54,38 +54,41 @@ def row_splits(op: str, output: torch.Tensor, input: torch.Tensor, output_split_
                size: int) -> Splits:
     """An uneven all-to-all's split sizes, rows of dimension 0 as torch.distributed's
     all_to_all_single takes them (None: equal parts), as element counts of the flat buffers."""
-    for name, tensor in (("output", output), ("input", input)):
-        if tensor.dim() == 0:
+    out_shape, in_shape = output.shape, input.shape
+    for name, shape in (("output", out_shape), ("input", in_shape)):
+        if not shape:
             raise ValueError(f"{op}: split sizes count rows of dimension 0, and {name!r} has no dimensions")
-    if output.shape[1:] != input.shape[1:]:
-        raise ValueError(f"{op}: a row of 'output' has shape {list(output.shape[1:])} and a row of 'input' "
-                         f"{list(input.shape[1:])}; they must be the same")
-    row = input.shape[1:].numel()  # elements of a row
-    receive = _split_sizes(op, "output", output, output_split_sizes, size)
-    send = _split_sizes(op, "input", input, input_split_sizes, size)
-    return Splits(tuple(rows * row for rows in send), tuple(rows * row for rows in receive))
+    row = in_shape[1:]
+    if out_shape[1:] != row:
+        raise ValueError(f"{op}: a row of 'output' has shape {list(out_shape[1:])} and a row of 'input' "
+                         f"{list(row)}; they must be the same")
+    receive = _split_sizes(op, "output", out_shape[0], output_split_sizes, size)
+    send = _split_sizes(op, "input", in_shape[0], input_split_sizes, size)
+    elements = row.numel()  # of a row
+    if elements == 1:
+        return Splits(send, receive)
+    return Splits(tuple(rows * elements for rows in send), tuple(rows * elements for rows in receive))
 
 
-def _split_sizes(op: str, name: str, tensor: torch.Tensor, sizes, ranks: int) -> list[int]:
-    rows = tensor.shape[0]
+def _split_sizes(op: str, name: str, rows: int, sizes, ranks: int) -> tuple[int, ...]:
     option = f"{name}_split_sizes"
     if sizes is None:
         if rows % ranks:
             raise ValueError(f"{op}: {option} left out, so {name!r}'s {rows} rows must split evenly over "
                              f"{ranks} ranks; give {option}")
-        return [rows // ranks] * ranks
+        return (rows // ranks,) * ranks
     if isinstance(sizes, (str, bytes, torch.Tensor)) or not hasattr(sizes, "__len__"):
         raise TypeError(f"{op}: {option} must be a list of ints, one per rank, got {type(sizes).__name__}")
     if len(sizes) != ranks:
         raise ValueError(f"{op}: {option} has {len(sizes)} entries, expected {ranks} (one per rank)")
     try:
-        counts = [operator.index(count) for count in sizes]
+        counts = tuple(map(operator.index, sizes))
     except TypeError:
         raise TypeError(f"{op}: {option} must hold ints, got {list(sizes)!r}") from None
-    if any(count < 0 for count in counts):
-        raise ValueError(f"{op}: {option} {counts} holds a negative size")
+    if min(counts) < 0:
+        raise ValueError(f"{op}: {option} {list(counts)} holds a negative size")
     if sum(counts) != rows:
-        raise ValueError(f"{op}: {option} {counts} sum to {sum(counts)} rows, but {name!r} has {rows} "
+        raise ValueError(f"{op}: {option} {list(counts)} sum to {sum(counts)} rows, but {name!r} has {rows} "
                          f"(its dimension 0)")
     return counts
 

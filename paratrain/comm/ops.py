@@ -98,6 +98,8 @@ def all_to_all_parts(input: torch.Tensor, output: torch.Tensor, parts: int,
 def splits_mismatch(every: list[Splits]) -> str:
     """What is wrong with every rank's splits (every[i] is rank i's) taken together, in one
     line; "" when each rank receives from each peer what that peer sends it."""
+    if [theirs.send for theirs in every] == list(zip(*(theirs.receive for theirs in every))):
+        return ""  # every call that is right (all but a bug's) takes only this one comparison
     for source, theirs in enumerate(every):
         for target, count in enumerate(theirs.send):
             expected = every[target].receive[source]

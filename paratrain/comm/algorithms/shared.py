@@ -258,18 +258,17 @@ def _all_to_all_split(link: Link, input: torch.Tensor, output: torch.Tensor, spl
     arena, size, n, me = arena_of(link), input.element_size(), link.size, link.rank
     header = -(-2 * n * 8 // LINE) * LINE  # whole lines, so the data after it is aligned for any dtype
     per_piece = (arena.slot_bytes - header) // size
-    mine = torch.tensor(splits.send + splits.receive, dtype=torch.int64)
+    mine = [*splits.send, *splits.receive]
     source, address, total = input.data_ptr(), output.data_ptr(), input.numel()
     piece, pieces, every = 0, 1, None
     while piece < pieces:
         half, start = arena.next_half(), piece * per_piece
-        slot = arena.slot_address(half, me)
-        memmove(slot, mine.data_ptr(), 2 * n * 8)
-        memmove(slot + header, source + start * size, max(0, min(per_piece, total - start)) * size)
+        arena.write_words(half, mine)
+        memmove(arena.slot_address(half, me) + header, source + start * size,
+                max(0, min(per_piece, total - start)) * size)
         arena.arrive_and_wait(link.timeout)
         if every is None:
-            headers = arena.rows(half, torch.int64, 0, 2 * n).every.tolist()
-            every = [Splits(tuple(row[:n]), tuple(row[n:])) for row in headers]
+            every = [Splits(tuple(row[:n]), tuple(row[n:])) for row in arena.read_words(half, 2 * n)]
             mismatch = splits_mismatch(every)
             if mismatch:  # every rank read the same headers, so every rank raises here
                 raise ValueError(f"{link.op_name}: {mismatch}")

@@ -40,6 +40,7 @@ import os
 import select
 import threading
 import time
+from array import array
 from typing import NamedTuple
 
 import torch
@@ -148,6 +149,17 @@ class Arena:
 
     def slot_address(self, half: int, rank: int) -> int:
         return self.address + self._data + (half * self.size + rank) * self.slot_bytes
+
+    def write_words(self, half: int, values: list[int]) -> None:
+        """`values` as 8-byte integers at the start of this rank's slot of `half` (a header)."""
+        start = (self._data + (half * self.size + self.rank) * self.slot_bytes) // 8
+        self._words[start : start + len(values)] = array("q", values)
+
+    def read_words(self, half: int, count: int) -> list[list[int]]:
+        """The first `count` 8-byte integers of every rank's slot of `half`, rank by rank."""
+        first, per_slot = (self._data + half * self.size * self.slot_bytes) // 8, self.slot_bytes // 8
+        return [self._words[start : start + count].tolist()
+                for start in range(first, first + self.size * per_slot, per_slot)]
 
     @property
     def waited_for(self) -> list[int]:

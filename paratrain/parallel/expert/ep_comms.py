@@ -38,7 +38,8 @@ class _AllToAllRows(torch.autograd.Function):
         return exchange_rows(grad_RD, ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
 
 
-def all_to_all_rows(x_RD: torch.Tensor, group, output_splits: Sequence[int], input_splits: Sequence[int]) -> torch.Tensor:
+def all_to_all_rows(x_RD: torch.Tensor, group, output_splits: Sequence[int],
+                    input_splits: Sequence[int]) -> torch.Tensor:
     """Send input_splits[j] rows of `x_RD` (in order, rank 0's first) to rank j; return the
     output_splits[i] rows from each rank i, rank 0's first. Differentiable: backward sends each
     row's gradient back to the rank that sent the row."""
