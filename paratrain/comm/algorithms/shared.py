@@ -260,20 +260,15 @@ def _all_to_all_split(link: Link, input: torch.Tensor, output: torch.Tensor, spl
     per_piece = (arena.slot_bytes - header) // size
     mine = [*splits.send, *splits.receive]
     source, address, total = input.data_ptr(), output.data_ptr(), input.numel()
-    piece, pieces, every = 0, 1, None
+    piece, pieces, wanted = 0, 1, None
     while piece < pieces:
         half, start = arena.next_half(), piece * per_piece
         arena.write_words(half, mine)
         memmove(arena.slot_address(half, me) + header, source + start * size,
                 max(0, min(per_piece, total - start)) * size)
         arena.arrive_and_wait(link.timeout)
-        if every is None:
-            every = [Splits(tuple(row[:n]), tuple(row[n:])) for row in arena.read_words(half, 2 * n)]
-            mismatch = splits_mismatch(every)
-            if mismatch:  # every rank read the same headers, so every rank raises here
-                raise ValueError(f"{link.op_name}: {mismatch}")
-            pieces = max(1, *(-(-sum(theirs.send) // per_piece) for theirs in every))
-            wanted = _parts_for(every, me)
+        if wanted is None:
+            wanted, pieces = _plan(link, arena.read_words(half, 2 * n), per_piece)
         for peer, (low, high, into) in enumerate(wanted):  # elements [low, high) of peer's input land at `into`
             first, last = max(low, start), min(high, start + per_piece)
             if last > first:
@@ -282,15 +277,22 @@ def _all_to_all_split(link: Link, input: torch.Tensor, output: torch.Tensor, spl
         piece += 1
 
 
-def _parts_for(every: list[Splits], rank: int) -> list[tuple[int, int, int]]:
-    """For each peer: where `rank`'s part lies in the peer's input (start, end), and where it
-    goes in `rank`'s output."""
-    parts, into = [], 0
-    for theirs in every:
-        low = sum(theirs.send[:rank])
-        parts.append((low, low + theirs.send[rank], into))
-        into += theirs.send[rank]
-    return parts
+def _plan(link: Link, headers: list[list[int]], per_piece: int) -> tuple[list[tuple[int, int, int]], int]:
+    """From every rank's header (its send sizes, then its receive sizes): for each peer, where
+    this rank's part lies in the peer's input (start, end) and where it goes in this rank's
+    output; and the pieces the longest input takes. Every rank reads the same headers, so where
+    they disagree every rank raises here, the same error."""
+    n, me = link.size, link.rank
+    sends = [row[:n] for row in headers]
+    if sends != [list(column) for column in zip(*(row[n:] for row in headers))]:
+        every = [Splits(tuple(row[:n]), tuple(row[n:])) for row in headers]
+        raise ValueError(f"{link.op_name}: {splits_mismatch(every)}")
+    wanted, into = [], 0
+    for send in sends:
+        low = sum(send[:me])
+        wanted.append((low, low + send[me], into))
+        into += send[me]
+    return wanted, max(1, max(-(-sum(send) // per_piece) for send in sends))
 
 
 def barrier(link: Link, token: torch.Tensor, op: str) -> None:
