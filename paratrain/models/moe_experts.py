@@ -84,8 +84,8 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens_SD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         """Each expert's rows (consecutive, `counts_e` of them, in expert order) through it."""
         if self.compute == "grouped" and self.grouped_fits(tokens_SD):
-            return self._grouped(tokens_SD, counts_e)
-        return self._loop(tokens_SD, counts_e)
+            return self.compute_grouped(tokens_SD, counts_e)
+        return self.compute_loop(tokens_SD, counts_e)
 
     def grouped_fits(self, tokens_SD: torch.Tensor) -> bool:
         """Whether grouped_mm takes these rows and weights (else the loop runs: fp64, odd widths)."""
@@ -95,13 +95,13 @@ class GroupedExperts(nn.Module):
         return all(w.dtype == tokens_SD.dtype and (w.shape[-1] * size) % _GROUPED_ALIGN_BYTES == 0
                    for w in (self.w1, self.w2))
 
-    def _grouped(self, tokens_SD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+    def compute_grouped(self, tokens_SD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         offsets_e = torch.cumsum(counts_e, 0).to(device=tokens_SD.device, dtype=torch.int32)
         gate_SF = _contiguous_grad(F.grouped_mm(tokens_SD, self.w1, offs=offsets_e))
         up_SF = _contiguous_grad(F.grouped_mm(tokens_SD, self.w3, offs=offsets_e))
         return _contiguous_grad(F.grouped_mm(F.silu(gate_SF) * up_SF, self.w2, offs=offsets_e))
 
-    def _loop(self, tokens_SD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+    def compute_loop(self, tokens_SD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
         # unbind, not w1[i]: indexing's backward would write a whole (e, D, F) gradient per expert
         rows = torch.split(tokens_SD, counts_e.tolist())
         outs = [(F.silu(x @ w1) * (x @ w3)) @ w2
