@@ -68,7 +68,8 @@ def _channels(values: list[str]) -> list[int]:
 TRAINING_FLAGS = [
     Flag(None, "--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it."),
     Flag("model.name", "--model", help="mlp, mlp16, cnn, gpt-tiny, gpt-small, gpt-seed, llama-tiny, llama-small, "
-                                       "tinyllama-1.1b, or your own: FILE.py:FUNCTION (returns ids -> logits)."),
+                                       "tinyllama-1.1b, moe-tiny, moe-small, mixtral-8x7b, olmoe-1b-7b, "
+                                       "or your own: FILE.py:FUNCTION (returns ids -> logits)."),
     Flag("model.plan", "--plan", type=click.Path(dir_okay=False), help="Parallelism plan (YAML) for --model FILE.py:FUNCTION."),
     Flag("data.name", "--data", help="Data set (default: the one the model is made for); your own as FILE.py:FUNCTION "
                                      "(returns a map-style data set of (inputs, targets) pairs); language models also "
