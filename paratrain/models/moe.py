@@ -8,7 +8,8 @@ The routing rules (top-k choice, tie-break, capacity dropping) are in moe_router
 experts and the identity dispatcher in moe_experts.py.
 
 Seams for expert parallelism:
-- `layer.dispatcher`: an object with `dispatch(tokens_SD, counts_E) -> Dispatched` and
+- `layer.dispatcher`: either an object with `routed(x_ND, experts_NK, weights_NK, experts) -> out_ND`
+  (expert parallelism's: the routed part whole; a dropped choice is expert −1), or one with `dispatch(tokens_SD, counts_E) -> Dispatched` and
   `combine(out_SD, dispatched) -> out_SD`. dispatch gets every kept pair's row sorted by global
   expert and the rows per global expert (`counts_E`, length n_experts); it returns the rows for
   the experts this rank holds, sorted by local expert, their counts (`counts_e`, length
@@ -92,6 +93,13 @@ class MoEFeedForward(nn.Module):
 
     def routed(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The routed experts' weighted sum for each token."""
+        if hasattr(self.dispatcher, "routed"):
+            # A dispatcher that does the whole routed part itself: expert parallelism's sends a
+            # token once per rank holding any of its experts (parallel/expert/apply.py), which
+            # needs the tokens' choices, not the pairs sorted by expert.
+            kept_NK = routing.kept_BTK.reshape(-1, self.top_k)
+            experts_NK = torch.where(kept_NK, routing.experts_BTK.reshape(-1, self.top_k), -1)
+            return self.dispatcher.routed(x_ND, experts_NK, routing.weights_BTK.reshape(-1, self.top_k), self.experts)
         N, D = x_ND.shape
         pairs_S, counts_E = self._expert_order(routing)
         tokens_S = pairs_S // self.top_k

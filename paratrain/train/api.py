@@ -38,7 +38,9 @@ import torch
 from torch import nn
 
 from paratrain.parallel.context.layout import shard
+from paratrain.models.moe import update_router_bias
 from paratrain.parallel.data import build_data_parallel
+from paratrain.parallel.expert.gradients import ExpertGradients
 from paratrain.parallel.grad_norm import clip_grad_norm_
 from paratrain.parallel.plan import load_plan
 from paratrain.parallel.precision import LossScaler
@@ -50,7 +52,7 @@ from paratrain.train.recompute import recompute_in_backward
 from paratrain.train.setup import plan_for
 
 # ParallelConfig's fields that describe the world or the launch, not what prepare applies.
-_NOT_OPTIONS = {"nproc", "launcher", "dp", "pp", "tp", "cp", "timeout", "debug"}
+_NOT_OPTIONS = {"nproc", "launcher", "dp", "pp", "tp", "cp", "ep", "timeout", "debug"}
 OPTIONS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name not in _NOT_OPTIONS)
 
 
@@ -71,6 +73,8 @@ class Prepared:
             compress=par.compress, model=parallel.model, plan=parallel.plan, roots=list(parallel.chunks.values()),
             reshard_after_forward=par.reshard_after_forward, prefetch=par.prefetch, precision=par.precision,
         )
+        # Expert parallelism: the experts are outside the strategy, reduced over the ranks holding them.
+        self.experts = ExpertGradients(parallel.module, mesh.edp, mesh.dp_cp.size)
         self.scaler = LossScaler(par.loss_scale) if par.precision == "fp16" else None
         self._step = parallel.step_function(mesh, self.dp, par, device, self.scaler)
         self.finite = True  # fp16: the last step's gradients did not overflow (else its step is skipped)
@@ -88,13 +92,21 @@ class Prepared:
 
     def optimizer(self, build: Callable) -> torch.optim.Optimizer:
         """`build(params)` makes the optimizer from the parameters this rank's strategy updates."""
-        optimizer = self.dp.make_optimizer(build)
+        experts = self.experts.params
+
+        def with_experts(params):  # a strategy that shards builds on its shards: the experts join them
+            params = list(params)
+            given = {id(p) for p in params}
+            return build(params + [p for p in experts if id(p) not in given])
+
+        optimizer = self.dp.make_optimizer(with_experts)
         step = optimizer.step
 
         def strategy_step(_optimizer, *args, **kwargs):
             if self.finite:
                 result = step(*args, **kwargs)
                 self.dp.after_step()
+                update_router_bias(self.parallel.module, self._sum_over_data_ranks)
             else:
                 result = None
             if self.scaler is not None:
@@ -103,6 +115,7 @@ class Prepared:
 
         def strategy_zero_grad(_optimizer, *args, **kwargs):
             self.dp.zero_grad()  # the gradients the strategy keeps (ZeRO-1: its flat buffer), not the shard's
+            self.experts.zero_grad()
 
         # Bound to the optimizer, as its own methods are: learning-rate schedulers wrap `step`
         # through its __func__.
@@ -119,6 +132,7 @@ class Prepared:
         inputs, targets = self.context_share(inputs), self.context_share(targets)
         loss_sum, self.bubble = self._step(inputs.to(self.device), targets.to(self.device))
         self.dp.finish_gradients()
+        self.experts.finish()
         self.finite = self.scaler.unscale(self.dp, self.mesh.world) if self.scaler is not None else True
         return self.global_loss(loss_sum) if global_loss else loss_sum
 
@@ -127,6 +141,12 @@ class Prepared:
         model's position buffers were cut; the batch itself when cp = 1."""
         cp = self.mesh.cp
         return batch if cp.size == 1 else shard(batch, 1, cp.rank, cp.size, self.par.cp_layout)
+
+    def _sum_over_data_ranks(self, counts: torch.Tensor) -> torch.Tensor:
+        """A router's token counts summed over every rank that saw other tokens (dp x cp)."""
+        if self.mesh.dp_cp.size > 1:
+            self.mesh.dp_cp.all_reduce(counts, "sum")
+        return counts
 
     def global_loss(self, loss_sum: float) -> float:
         """The global batch's loss from every rank's part (a collective)."""

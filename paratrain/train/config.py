@@ -69,6 +69,7 @@ class ParallelConfig:
     cp: int = 1  # context-parallel ranks: each holds 1/cp of every sequence (parallel/context)
     cp_method: str = "ring"  # ring: K/V passed round the cp ranks; allgather: gathered once per layer; auto: the planner picks
     cp_layout: str = "zigzag"  # zigzag (balanced causal work) or contiguous
+    ep: int = 1  # expert-parallel ranks, taken from dp x cp: each holds 1/ep of every MoE layer's experts
     dp: int | None = None  # if given, must equal world / (pp * cp * tp): a check on the arithmetic
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zb-h1 | zb-v
     microbatches: int = 1  # per step, with pp > 1 (with pp = 1 use grad_accum)

@@ -109,7 +109,7 @@ def start(group, config: TrainConfig) -> Run:
     par = config.parallel
     device = group.transport.device  # cpu here; the rank's GPU under NCCL
     dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed, config.data.loss)
-    mesh = Mesh(group, group.size // par.replica_ranks, par.pp, par.tp, cp=par.cp)  # (world, 1, 1, 1): dp is the world
+    mesh = Mesh(group, group.size // par.replica_ranks, par.pp, par.tp, cp=par.cp, ep=par.ep)  # (world, 1, 1, 1): dp is the world
     parallel = build_parallel_model(config, mesh, dataset)  # the model itself when pp x tp = 1
     job = Prepared(parallel, mesh, par, device)
     optimizer = job.optimizer(lambda params: build_optimizer(config.optim, params))

@@ -117,6 +117,9 @@ TRAINING_FLAGS = [
     Flag("parallel.tp", "--tp", type=int, help="Tensor-parallel size (default 1; GPT models)."),
     Flag("parallel.cp", "--cp", type=int, help="Context-parallel size: each rank holds 1/cp of every sequence, "
                                                 "attention by ring (default 1; language models with a plan)."),
+    Flag("parallel.ep", "--ep", type=int, help="Expert-parallel size: each of ep data ranks holds 1/ep of every "
+                                                "mixture-of-experts layer's experts; tokens travel to them by "
+                                                "all-to-all (default 1; must divide dp x cp)."),
     Flag("parallel.cp_method", "--cp-method", help="ring (K/V passed round the cp ranks, default), allgather (gathered once per layer), or auto "
                                                        "(the planner's cost model picks; --plan-only shows why)."),
     Flag("parallel.cp_layout", "--cp-layout", help="zigzag (every rank the same causal work, default) or contiguous."),

@@ -20,7 +20,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from paratrain.models.moe import moe_layers
 from paratrain.parallel.context.apply import apply_context_parallel
+from paratrain.parallel.expert.apply import apply_expert_parallel
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
 from paratrain.parallel.precision import autocast
 from paratrain.parallel.pipeline.schedules import build_schedule
@@ -28,9 +30,10 @@ from paratrain.parallel.pipeline.simulate import theoretical_bubble
 from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers, split_layers
 from paratrain.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from paratrain.parallel.tensor.parallelize import gather_full_state, parallelize
+from paratrain.parallel.tensor.tp_comms import all_gather_along
 from paratrain.models import model_config
 from paratrain.train.context_method import context_plan
-from paratrain.train.setup import build_seeded_model, plan_for
+from paratrain.train.setup import build_seeded_model, persistent_buffers, plan_for
 
 
 @dataclass
@@ -96,6 +99,8 @@ def build_parallel_model(config, mesh, dataset) -> ParallelModel:
     par = config.parallel
     if par.cp > 1 and par.cp_method == "auto":
         par = replace(par, cp_method=context_plan(config, mesh.world.size).method)
+    for layer in moe_layers(model):  # each rank's share of the balance loss: its gradient is averaged over dp x cp
+        layer.global_sequences = config.data.global_batch // mesh.dp_cp.size
     return parallelize_model(model, plan_for(config.model.plan, model), mesh, par, dataset.loss,
                              getattr(dataset, "vocab_size", getattr(shape, "vocab_size", None)),
                              lambda: dataset.global_batch(0, micro)[0], getattr(shape, "block_size", None))
@@ -117,6 +122,8 @@ def parallelize_model(model: nn.Module, plan, mesh, par, loss_fn, vocab_size: in
         # Python, with no config to price, keeps the ring.
         method = "ring" if par.cp_method == "auto" else par.cp_method
         apply_context_parallel(model, plan, mesh.cp, seq_len, par.cp_layout, method)
+    if mesh.ep is not None:  # before the pipeline cuts the model: every layer's experts, this rank's slice
+        apply_expert_parallel(model, mesh.ep)
     schedule = counts = None
     if pp_size > 1:
         schedule = build_schedule(par.schedule, pp_size, par.microbatches, par.virtual_stages)
@@ -167,7 +174,12 @@ def full_state(parallel: ParallelModel, mesh) -> dict[str, torch.Tensor]:
         state = gather_full_state(parallel.model, mesh.tp)
     else:
         state = {name: _whole(p).detach().clone() for name, p in parallel.model.named_parameters()}
-    return {name: value for name, value in state.items() if name in owned}
+    if mesh.ep is not None:  # each rank's slice of the experts, every rank's in order
+        for name, param in parallel.model.named_parameters():
+            if getattr(param, "expert_parallel", False):
+                state[name] = all_gather_along(state[name], mesh.ep, 0)
+    state = {name: value for name, value in state.items() if name in owned}
+    return {**state, **persistent_buffers(parallel.model, parallel.module)}
 
 
 def _whole(param: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,11 @@ from typing import NamedTuple
 
 import torch
 
+from paratrain.models.moe import update_router_bias
 from paratrain.parallel.precision import autocast
 from paratrain.train.config import TrainConfig
 from paratrain.train.optim import build_optimizer, build_scheduler
-from paratrain.train.setup import build_seeded_model, dataset_for
+from paratrain.train.setup import build_seeded_model, dataset_for, persistent_buffers
 
 
 class Reference(NamedTuple):
@@ -42,10 +43,13 @@ def reference_run(config: TrainConfig) -> Reference:
         scale = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
+        update_router_bias(model)  # a mixture of experts' balancing bias, from the step's counts (models/moe.py)
         skipped += scaler.is_enabled() and scaler.get_scale() < scale  # it backs off after a skipped step
         with warnings.catch_warnings():  # after a step GradScaler skipped, the schedule goes on (as ours does)
             warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
             scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return Reference(losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms, skipped)
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state.update(persistent_buffers(model))  # a router's balancing bias is trained state too
+    return Reference(losses, state, norms, skipped)

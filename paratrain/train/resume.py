@@ -18,7 +18,7 @@ from paratrain.train.train_state import TrainState, load_state, owned_state
 def train_state_for(parallel, mesh, dp, optimizer) -> TrainState:
     tp_group = mesh.tp if mesh.shape["tp"] > 1 else None
     owner = mesh.dp_cp.rank == 0 and mesh.coords.tp == 0  # the first of the ranks sharing these parameters
-    return TrainState(parallel.model, parallel.module, dp, optimizer, tp_group, owner)
+    return TrainState(parallel.model, parallel.module, dp, optimizer, tp_group, owner, ep_group=mesh.ep)
 
 
 def checkpoint_to_resume(config: TrainConfig, restarted: bool) -> str | None:

@@ -99,3 +99,12 @@ def fsdp_units_note(config) -> list[str]:
     model = meta_model(config.model.name, config.model.overrides)
     note = unit_layout(model, plan_for(config.model.plan, model)).note
     return [note] if note else []
+
+
+def persistent_buffers(model: nn.Module, local: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers (a router's balancing bias) by name, copies; with `local`,
+    only those of the modules it runs."""
+    mine = {id(m) for m in (local or model).modules()}
+    return {(f"{prefix}.{name}" if prefix else name): buffer.detach().clone()
+            for prefix, module in model.named_modules() if id(module) in mine
+            for name, buffer in module.named_buffers(recurse=False) if name not in module._non_persistent_buffers_set}

@@ -38,6 +38,17 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     tp_group: object | None  # None without tensor parallelism
     owner: bool  # data-parallel rank 0 and tensor-parallel rank 0: writes what it holds
+    ep_group: object | None = None  # None without expert parallelism: the ranks splitting the experts
+
+    def buffers(self):
+        """(name, buffer) for each persistent buffer of the modules this rank runs (a router's
+        balancing bias): state a checkpoint keeps beside the parameters, the same on every rank."""
+        mine = {id(m) for m in self.local.modules()}
+        for module_name, module in self.model.named_modules():
+            if id(module) in mine:
+                for name, buffer in module.named_buffers(recurse=False):
+                    if name not in module._non_persistent_buffers_set:
+                        yield (f"{module_name}.{name}" if module_name else name), buffer
 
     def parameters(self):
         """(name, module's shard layout or None, parameter) for each parameter this rank trains,
@@ -68,13 +79,27 @@ def _write_owned(state: TrainState, per_param: dict, out: dict) -> None:
             if layout is not None and value.dim() > 0:
                 dim, parts, length = layout
                 value = all_gather_along(value, state.tp_group, dim, parts, length)
+            if _expert_split(state, param) and value.dim() > 0:  # this rank's experts: every rank's, in order
+                value = all_gather_along(value, state.ep_group, 0)
             if state.owner:
                 key = f"model/{name}" if label == "model" else f"optim/{name}/{label.removeprefix('optim/')}"
                 out[key] = value.detach().clone()
+    if state.owner:
+        out.update({f"model/{name}": buffer.detach().clone() for name, buffer in state.buffers()})
+
+
+def _expert_split(state: TrainState, param) -> bool:
+    return state.ep_group is not None and getattr(param, "expert_parallel", False)
 
 
 def _optimizer_state_by_param(state: TrainState) -> dict[int, dict[str, torch.Tensor]]:
-    """id(parameter) -> its optimizer state, in the parameter's (tensor-parallel local) shape."""
+    """id(parameter) -> its optimizer state, in the parameter's (tensor-parallel local) shape.
+    The experts' is theirs whatever the strategy: it leaves them to expert parallelism."""
+    experts = {id(p): dict(s) for p, s in state.optimizer.state.items() if getattr(p, "expert_parallel", False)}
+    return {**_strategy_state_by_param(state), **experts}
+
+
+def _strategy_state_by_param(state: TrainState) -> dict[int, dict[str, torch.Tensor]]:
     if isinstance(state.dp, FullyShardedDataParallel):
         return _fsdp_state_by_param(state)
     if not isinstance(state.dp, ZeroOneDataParallel):
@@ -115,28 +140,33 @@ def load_state(state: TrainState, read) -> None:
     """Put whole tensors back as this rank's shards. `read(keys)` returns {key: tensor} for
     the keys the checkpoint has; optimizer keys are found by their prefix."""
     params = list(state.parameters())
-    wanted = [f"model/{name}" for name, _, _ in params]
+    buffers = list(state.buffers())
+    wanted = [f"model/{name}" for name, _, _ in params] + [f"model/{name}" for name, _ in buffers]
     tensors = read(wanted, prefixes=[f"optim/{name}/" for name, _, _ in params])
     missing = [key for key in wanted if key not in tensors]
     if missing:
         raise ValueError(f"checkpoint has no {missing[0]!r} ({len(missing)} parameter(s) missing): another model?")
     local_optim = {}
     with state.dp.gathered():  # FSDP: written whole, kept as shards when the block ends
+        for name, buffer in buffers:
+            buffer.copy_(tensors[f"model/{name}"])
         for name, layout, param in params:
-            value = _local_shard(tensors[f"model/{name}"], layout, state)
+            value = _local_shard(tensors[f"model/{name}"], layout, state, param)
             if value.shape != param.shape:
                 raise ValueError(f"checkpoint's {name} has shape {tuple(value.shape)} here, "
                                  f"the model {tuple(param.shape)}")
             param.copy_(value)
             prefix = f"optim/{name}/"
             local_optim[id(param)] = {
-                key.removeprefix(prefix): _local_shard(value, layout, state).to(param.device)
+                key.removeprefix(prefix): _local_shard(value, layout, state, param).to(param.device)
                 for key, value in tensors.items() if key.startswith(prefix)
             }
     _restore_optimizer(state, local_optim)
 
 
-def _local_shard(value: torch.Tensor, layout, state: TrainState) -> torch.Tensor:
+def _local_shard(value: torch.Tensor, layout, state: TrainState, param) -> torch.Tensor:
+    if value.dim() > 0 and _expert_split(state, param):  # this rank's experts, before any tp cut
+        value = shard(value, 0, state.ep_group.rank, state.ep_group.size)
     if layout is None or value.dim() == 0:
         return value
     dim, parts, _ = layout
@@ -145,6 +175,10 @@ def _local_shard(value: torch.Tensor, layout, state: TrainState) -> torch.Tensor
 
 def _restore_optimizer(state: TrainState, by_param: dict[int, dict[str, torch.Tensor]]) -> None:
     optimizer = state.optimizer
+    for group in optimizer.param_groups:  # the experts: whatever the strategy, each its own state
+        for param in group["params"]:
+            if getattr(param, "expert_parallel", False) and by_param.get(id(param)):
+                optimizer.state[param] = by_param[id(param)]
     if isinstance(state.dp, FullyShardedDataParallel):
         for unit in state.dp.units:
             keys = set().union(*(set(by_param.get(id(p), {})) for p in unit.params))

@@ -30,6 +30,7 @@ from paratrain.parallel.tensor.gpt import tp_problems
 from paratrain.paths import cannot_write
 from paratrain.environment import Settings, compile_backend_problem
 from paratrain.train.config import ConfigError, TrainConfig
+from paratrain.train.validate_experts import expert_problems
 from paratrain.train.setup import data_choice, meta_model, plan_for
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -384,7 +385,7 @@ def _context_problems(problems: list[str], config: TrainConfig, world_size: int)
 
 
 _CHECKS = (_model_problems, _data_problems, _run_problems, _optimizer_problems, _layout_problems,
-           _communication_problems, _batch_problems, _context_problems)
+           _communication_problems, _batch_problems, _context_problems, expert_problems)
 
 
 def validate(config: TrainConfig, world_size: int) -> None:

@@ -321,11 +321,12 @@ class FabricTransport:
             self._everyone(None, timeout)
             raise ValueError(f"all_to_all: {mismatch}")
         start = 0
-        for source, theirs in everyone:
-            offset = sum(theirs.send[: self.rank])
-            count = theirs.send[self.rank]
-            output[start : start + count].copy_(source[offset : offset + count])
-            start += count
+        with torch.no_grad():  # a collective's write is no autograd op (this may be a pool thread, grad on)
+            for source, theirs in everyone:
+                offset = sum(theirs.send[: self.rank])
+                count = theirs.send[self.rank]
+                output[start : start + count].copy_(source[offset : offset + count])
+                start += count
         self._everyone(None, timeout)
 
     def describe(self) -> str:

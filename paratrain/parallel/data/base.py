@@ -15,6 +15,14 @@ import torch
 from paratrain.parallel.data.timing import CommTimer
 
 
+def data_parallel_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trained parameters a data-parallel strategy reduces (and ZeRO shards) over its group:
+    all but those another axis owns. Expert parallelism marks its experts `expert_parallel`:
+    they differ between the ranks of the data axis, and are reduced over the ranks holding the
+    same experts instead (parallel/expert/gradients.py)."""
+    return [p for p in module.parameters() if p.requires_grad and not getattr(p, "expert_parallel", False)]
+
+
 def pieces_of_shard(params, owned, shard_grad: torch.Tensor) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """`params` laid end to end in a flat buffer, of which this rank owns the spans `owned`,
     (start, end, where the span sits in the shard): each parameter's owned part of `shard_grad`."""

@@ -9,7 +9,7 @@ strictly in order (0, 1, 2, ...) so all ranks issue the same collectives in the 
 
 from __future__ import annotations
 
-from paratrain.parallel.data.base import DataParallel
+from paratrain.parallel.data.base import DataParallel, data_parallel_parameters
 from paratrain.parallel.data.buckets import MIB, ReductionsInOrder, build_buckets
 from paratrain.parallel.data.compression import NoCompression
 
@@ -18,7 +18,7 @@ class BucketedDataParallel(DataParallel):
     def __init__(self, module, group, algo="auto", bucket_mb=25.0, first_bucket_mb=1.0, compressor=None):
         super().__init__(module, group, algo)
         self.compressor = compressor or NoCompression()
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = data_parallel_parameters(module)
         self.buckets = build_buckets(params, int(bucket_mb * MIB), int(first_bucket_mb * MIB))
         self.reductions = ReductionsInOrder([b.params for b in self.buckets], self._start_bucket)
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]

@@ -31,7 +31,7 @@ from functools import partial
 
 import torch
 
-from paratrain.parallel.data.base import DataParallel, pieces_of_shard
+from paratrain.parallel.data.base import DataParallel, data_parallel_parameters, pieces_of_shard
 from paratrain.parallel.data.buckets import ReductionsInOrder
 from paratrain.parallel.data.fsdp_units import ShardedUnit, unit_layout
 
@@ -47,7 +47,7 @@ class FullyShardedDataParallel(DataParallel):
         super().__init__(module, group, algo)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.gather_group = group.split([list(range(group.size))])
-        held = {id(p) for p in module.parameters() if p.requires_grad}
+        held = {id(p) for p in data_parallel_parameters(module)}
         layout = unit_layout(model if model is not None else module, plan)
         self.units: list[ShardedUnit] = []
         # The root first: it is gathered when the model (or a chunk) starts, before any block.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.parallel.data.base import DataParallel
+from paratrain.parallel.data.base import DataParallel, data_parallel_parameters
 from paratrain.parallel.data.compression import NoCompression
 
 LAYOUTS = ("flat", "per-param")
@@ -27,7 +27,7 @@ class NaiveDataParallel(DataParallel):
         # Every rank must average the same tensors. A parameter this rank's data did not reach
         # has no gradient here: it counts as zero, as in DDP, so the average is the one over
         # the whole batch.
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = data_parallel_parameters(self.module)
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.comm.ops import part_bounds
-from paratrain.parallel.data.base import DataParallel, pieces_of_shard
+from paratrain.parallel.data.base import DataParallel, data_parallel_parameters, pieces_of_shard
 from paratrain.parallel.data.buckets import MIB, ReductionsInOrder, assign_buckets
 from paratrain.parallel.data.compression import Pending
 
@@ -34,7 +34,7 @@ class ZeroOneDataParallel(DataParallel):
 
     def __init__(self, module, group, algo="auto", bucket_mb=25.0, first_bucket_mb=1.0):
         super().__init__(module, group, algo)
-        trained = [p for p in module.parameters() if p.requires_grad]
+        trained = data_parallel_parameters(module)
         buckets = assign_buckets(trained, int(bucket_mb * MIB), int(first_bucket_mb * MIB))
         self.params = [param for bucket in buckets for param in bucket]  # in flat-buffer order
         first = self.params[0]

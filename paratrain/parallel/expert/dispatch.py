@@ -60,7 +60,8 @@ def expert_parallel(x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: to
     ep, rank = group.size, group.rank
     token_S, rank_S = _rows_per_rank(experts_NK, ep, local_experts)
     send_R = torch.bincount(rank_S, minlength=ep)
-    receive_R = exchange_rows(send_R.view(ep, 1), group, [1] * ep, [1] * ep).view(ep)
+    with torch.no_grad():  # counts and expert indices: no gradient, and collectives write in place
+        receive_R = exchange_rows(send_R.view(ep, 1), group, [1] * ep, [1] * ep).view(ep)
     sends, receives = send_R.tolist(), receive_R.tolist()
     # Per row, each of the token's k choices as the destination sees it: its local expert, or −1.
     chosen_SK = experts_NK[token_S]
@@ -69,7 +70,8 @@ def expert_parallel(x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: to
     gates_SK = weights_NK[token_S] * here_SK  # a choice elsewhere weighs nothing here
     rows_MD = all_to_all_rows(x_ND[token_S], group, receives, sends)
     gates_MK = all_to_all_rows(gates_SK, group, receives, sends)
-    local_MK = exchange_rows(local_SK, group, receives, sends)
+    with torch.no_grad():
+        local_MK = exchange_rows(local_SK, group, receives, sends)
     partial_MD = _run_local(rows_MD, local_MK, gates_MK, local_experts, run_experts)
     back_SD = all_to_all_rows(partial_MD, group, sends, receives)
     out_ND = torch.zeros_like(x_ND).index_add(0, token_S, back_SD.to(x_ND.dtype))
