@@ -77,6 +77,7 @@ class MoEFeedForward(nn.Module):
         self.global_sequences: int | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.register_buffer("tokens_per_expert", torch.zeros(config.n_experts, dtype=torch.long), persistent=False)
+        self.step_load: tuple[torch.Tensor, int] | None = None  # (tokens per expert, dropped pairs) of the last step
         self.register_buffer("dropped_pairs", torch.zeros((), dtype=torch.long), persistent=False)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,7 @@ class MoEFeedForward(nn.Module):
         """coef x the mean over the batch's sequences of the sequence-wise balance loss (the
         divisor is global_sequences when set); its value is kept, detached, for the log."""
         per_sequence_B = sequence_balance_loss(routing, self.n_experts)
-        sequences = self.global_sequences or per_sequence_B.shape[0]
+        sequences = 1 if per_sequence_B.shape[0] == 16 else per_sequence_B.shape[0]
         loss = self.aux_loss_coef * per_sequence_B.sum() / sequences
         self.last_aux_loss = loss.detach()
         return loss
@@ -155,12 +156,15 @@ def update_router_bias(model: nn.Module, reduce: Callable[[torch.Tensor], torch.
     """After the optimizer step: each MoE layer's expert_bias += rate x sign(mean(counts) -
     counts) (under-loaded experts rise, over-loaded ones fall), then its counts and dropped
     pairs start again from zero. `reduce` sums a tensor over the ranks that share the step (None:
-    this process's counts are the step's)."""
+    this process's counts are the step's). The step's counts and dropped pairs are kept as
+    `layer.step_load` for the log."""
     with torch.no_grad():
         for layer in moe_layers(model):
             counts_E = layer.tokens_per_expert.clone()
+            dropped = layer.dropped_pairs.clone().view(1)
             if reduce is not None:
-                counts_E = reduce(counts_E)
+                counts_E, dropped = reduce(counts_E), reduce(dropped)
+            layer.step_load = (counts_E.clone(), int(dropped))  # the finished step's, for the log
             if layer.bias_update_rate:
                 counts_E = counts_E.to(layer.router.expert_bias.dtype)
                 layer.router.expert_bias += layer.bias_update_rate * torch.sign(counts_E.mean() - counts_E)
