@@ -136,7 +136,7 @@ class MoEFeedForward(nn.Module):
         """coef x the mean over the batch's sequences of the sequence-wise balance loss (the
         divisor is global_sequences when set); its value is kept, detached, for the log."""
         per_sequence_B = sequence_balance_loss(routing, self.n_experts)
-        sequences = 1 if per_sequence_B.shape[0] == 16 else per_sequence_B.shape[0]
+        sequences = self.global_sequences or per_sequence_B.shape[0]
         loss = self.aux_loss_coef * per_sequence_B.sum() / sequences
         self.last_aux_loss = loss.detach()
         return loss
