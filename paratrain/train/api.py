@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.context.layout import shard
-from paratrain.models.moe import update_router_bias
+from paratrain.models.moe import moe_layers, update_router_bias
 from paratrain.parallel.data import build_data_parallel
 from paratrain.parallel.expert.gradients import ExpertGradients
 from paratrain.parallel.grad_norm import clip_grad_norm_
@@ -147,6 +147,28 @@ class Prepared:
         if self.mesh.dp_cp.size > 1:
             self.mesh.dp_cp.all_reduce(counts, "sum")
         return counts
+
+    def expert_load(self) -> dict | None:
+        """The last step's tokens per expert of every MoE layer (summed over dp x cp, and over
+        pp, each stage adding its own layers), the dropped (token, expert) pairs, and the
+        imbalance: the largest over layers of max / mean tokens per expert, and per ep rank.
+        None without MoE layers. A collective under pp."""
+        layers = moe_layers(self.parallel.model)
+        if not layers:
+            return None
+        experts = layers[0].n_experts
+        table = torch.zeros(len(layers), experts + 1, dtype=torch.float64)
+        for row, layer in zip(table, layers):
+            if layer.step_load is not None and any(m is layer for m in self.parallel.module.modules()):
+                row[:experts], row[experts] = layer.step_load[0].to(torch.float64), layer.step_load[1]
+        if self.mesh.pp.size > 1:
+            self.mesh.pp.all_reduce(table, "sum")
+        tokens = table[:, :experts]
+        ep = self.mesh.ep.size if self.mesh.ep is not None else 1
+        per_rank = tokens.view(len(layers), ep, experts // ep).sum(-1)
+        imbalance = lambda t: float((t.max(1).values / t.mean(1).clamp(min=1e-12)).max())  # noqa: E731
+        return {"expert_tokens": tokens.long().tolist(), "dropped_pairs": int(table[:, experts].sum()),
+                "expert_imbalance": imbalance(tokens), "ep_rank_imbalance": imbalance(per_rank)}
 
     def global_loss(self, loss_sum: float) -> float:
         """The global batch's loss from every rank's part (a collective)."""

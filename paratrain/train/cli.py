@@ -60,6 +60,10 @@ def print_summary(summary: dict) -> None:
     if "clipped_steps" in summary:
         rows.append(("clipping", f"{summary['clipped_steps']} of {summary['steps']} steps clipped "
                                  f"(largest gradient norm {summary['max_grad_norm']:.4g})"))
+    if "expert_imbalance" in summary:
+        rows.append(("experts", f"tokens per expert max / mean {summary['expert_imbalance']:.2f} (worst layer), "
+                                f"per ep rank {summary['ep_rank_imbalance']:.2f}; {summary['dropped_pairs']} "
+                                "(token, expert) pairs dropped over capacity"))
     if "memory" in summary:
         rows.append(("memory", _memory_line(summary["memory"])))
     if "bubble" in summary:

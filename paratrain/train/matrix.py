@@ -33,6 +33,7 @@ MODELS = {
     "llama-tiny": {"model.name": "llama-tiny"},
     "llama-tiny tied": {"model.name": "llama-tiny", "model.tie_embeddings": True},  # output shares tok_emb
     "own model": {"model.name": f"{OWN_MODEL / 'model.py'}:build", "model.plan": str(OWN_MODEL / "plan.yaml")},
+    "moe-tiny": {"model.name": "moe-tiny"},  # 8 experts, top-2, one shared, the balance loss on
 }
 
 
@@ -44,17 +45,19 @@ class Layout:
     pp: int = 1
     sp: bool = False
     cp: int = 1
+    ep: int = 1
 
     def overrides(self) -> dict:
         pipeline = {"parallel.microbatches": 2, "parallel.schedule": "1f1b"} if self.pp > 1 else {}
         return {"parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.sequence_parallel": self.sp,
-                "parallel.cp": self.cp, **pipeline}
+                "parallel.cp": self.cp, "parallel.ep": self.ep, **pipeline}
 
 
 LAYOUTS = (
     Layout("dp 2", 2), Layout("tp 2", 2, tp=2), Layout("pp 2", 2, pp=2), Layout("sp 2", 2, tp=2, sp=True),
     Layout("dp 4", 4), Layout("tp 2 x dp 2", 4, tp=2), Layout("pp 2 x dp 2", 4, pp=2),
     Layout("sp 2 x dp 2", 4, tp=2, sp=True), Layout("cp 2", 2, cp=2), Layout("cp 2 x dp 2", 4, cp=2),
+    Layout("ep 2", 2, ep=2), Layout("ep 2 x dp 2", 4, ep=2),
 )
 LAYOUT_NAMES = tuple(layout.name for layout in LAYOUTS)
 # Each cell: a few steps of SGD with momentum on a global batch every layout divides.

@@ -68,6 +68,9 @@ def step_entry(step: int, job, loss_sum: float, lr: float, step_ms: float, comm:
         entry["compiled"] = job.compiled.on
     if job.scaler is not None:
         entry.update(loss_scale=job.scaler.scale, skipped=not job.finite)
+    load = job.expert_load()
+    if load is not None:
+        entry.update(load)
     return entry
 
 
@@ -76,6 +79,8 @@ def log_line(entry: dict) -> str:
             f"(comm {entry['comm_ms']:6.1f} ms, exposed {entry['exposed_comm_ms']:6.1f} ms)"
             + (f"  bubble {entry['bubble']:.1%}" if "bubble" in entry else "")
             + (f"  grad norm {entry['grad_norm']:.4g}" if "grad_norm" in entry else "")
+            + (f"  experts max/mean {entry['expert_imbalance']:.2f}" if "expert_imbalance" in entry else "")
+            + (f", dropped {entry['dropped_pairs']}" if entry.get("dropped_pairs") else "")
             + ("  skipped: fp16 overflow" if entry.get("skipped") else "") + format_validation(entry))
 
 
@@ -125,6 +130,11 @@ def summarize(log: list[dict], config: TrainConfig, world_size: int, params: int
     if norms:  # how often the clip bound: a limit that never binds changes nothing
         summary["clipped_steps"] = sum(norm > config.optim.clip_grad_norm for norm in norms)
         summary["max_grad_norm"] = max(norms)
+    loaded = [entry for entry in timed if "expert_imbalance" in entry]
+    if loaded:  # a mixture of experts: how evenly its tokens spread
+        summary.update(expert_imbalance=statistics.fmean(e["expert_imbalance"] for e in loaded),
+                       ep_rank_imbalance=statistics.fmean(e["ep_rank_imbalance"] for e in loaded),
+                       dropped_pairs=sum(e["dropped_pairs"] for e in log), expert_tokens=log[-1]["expert_tokens"])
     evaluated = [entry for entry in log if "val_loss" in entry]
     if evaluated:
         summary.update({key: evaluated[-1][key] for key in ("val_loss", "val_accuracy") if key in evaluated[-1]})

@@ -33,6 +33,9 @@ def expert_problems(problems: list[str], config, world_size: int) -> None:
         if shape.capacity_factor is not None:
             problems.append("parallel.cp: capacity drops tokens in sequence order, which a cp rank holds part "
                             "of; use dropless routing (capacity_factor null) under context parallelism")
+    if moe and par.sequence_parallel:
+        problems.append("parallel.sequence_parallel: not with a mixture of experts yet (its layer runs whole on "
+                        "every tp rank, and its output is not cut back to each rank's tokens); use tp without it")
     if par.ep == 1:
         return
     if not moe:
@@ -46,9 +49,6 @@ def expert_problems(problems: list[str], config, world_size: int) -> None:
     if shape.n_experts % par.ep:
         problems.append(f"parallel.ep: ep ({par.ep}) must divide the experts ({shape.n_experts}): each rank holds "
                         "as many")
-    if par.sequence_parallel:
-        problems.append("parallel.sequence_parallel: not with expert parallelism yet (the MoE layer's output "
-                        "is not cut back to each tp rank's tokens)")
     try:
         strategy = strategy_of(par)
     except StrategyError:
