@@ -11,14 +11,15 @@ from click.testing import CliRunner
 from paratrain.cli import main
 from paratrain.train.matrix import MODELS, Layout, run_cell
 
-VARIANTS = {  # the balance loss is moe-tiny's default; these add the bias and a capacity
+VARIANTS = {  # moe-tiny's balance loss is weak (0.01); a strong one shows a wrong share of it
+    "moe strong balance": {"model.name": "moe-tiny", "model.aux_loss_coef": 1.0},
     "moe bias capacity": {"model.name": "moe-tiny", "model.aux_loss_coef": 0.0, "model.bias_update_rate": 0.01,
                           "model.capacity_factor": 1.0},
     "moe sigmoid": {"model.name": "moe-tiny", "model.score_func": "sigmoid", "model.renormalize": False,
                     "model.bias_update_rate": 0.05, "model.capacity_factor": 1.25},
 }
 CELLS = [
-    ("moe-tiny", "ddp", Layout("ep 2 x dp 2", 4, ep=2)),
+    ("moe strong balance", "ddp", Layout("ep 2 x dp 2", 4, ep=2)),
     ("moe-tiny", "zero1", Layout("ep 2 x tp 2", 4, tp=2, ep=2)),
     ("moe-tiny", "fsdp", Layout("ep 2", 2, ep=2)),
     ("moe bias capacity", "naive", Layout("ep 2 x pp 2", 4, pp=2, ep=2)),
