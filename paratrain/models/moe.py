@@ -1,20 +1,17 @@
 """A mixture-of-experts feed-forward layer (single device; parallelism is applied from outside).
 
-    route -> sort the (token, expert) pairs by expert -> dispatcher.dispatch -> experts
-          -> dispatcher.combine -> back to token order, weighted by the gates, summed per token
+    route -> dispatcher.routed: the (token, expert) pairs sorted by expert -> experts
+          -> back to token order, weighted by the gates, summed per token
     (+ the shared experts, run on every token)
 
 The routing rules (top-k choice, tie-break, capacity dropping) are in moe_router.py, the
 experts and the identity dispatcher in moe_experts.py.
 
 Seams for expert parallelism:
-- `layer.dispatcher`: either an object with `routed(x_ND, experts_NK, weights_NK, experts) -> out_ND`
-  (expert parallelism's: the routed part whole; a dropped choice is expert −1), or one with `dispatch(tokens_SD, counts_E) -> Dispatched` and
-  `combine(out_SD, dispatched) -> out_SD`. dispatch gets every kept pair's row sorted by global
-  expert and the rows per global expert (`counts_E`, length n_experts); it returns the rows for
-  the experts this rank holds, sorted by local expert, their counts (`counts_e`, length
-  local_experts) and any state combine needs. combine returns the results in the order dispatch
-  was given. The default, `LocalDispatcher`, is the identity.
+- `layer.dispatcher.routed(x_ND, experts_NK, weights_NK, experts) -> out_ND`: the routed part,
+  Σ_k weights · expert_k(x) per token, a dropped choice being expert −1. The default,
+  `LocalDispatcher`, sorts the (token, expert) pairs by expert and runs them in one call;
+  expert parallelism's sends each token once per rank holding any of its experts.
 - `layer.experts` (`GroupedExperts`) may hold a contiguous slice of the experts:
   `first_expert`, `local_experts`, weights w1/w3 (e, D, F) and w2 (e, F, D); `n_experts` is the
   layer's total. The router (`layer.router.gate`, `expert_bias`) stays whole on every rank.
@@ -93,44 +90,11 @@ class MoEFeedForward(nn.Module):
         return out_BTD
 
     def routed(self, x_ND: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The routed experts' weighted sum for each token."""
-        if hasattr(self.dispatcher, "routed"):
-            # A dispatcher that does the whole routed part itself: expert parallelism's sends a
-            # token once per rank holding any of its experts (parallel/expert/apply.py), which
-            # needs the tokens' choices, not the pairs sorted by expert.
-            kept_NK = routing.kept_BTK.reshape(-1, self.top_k)
-            experts_NK = torch.where(kept_NK, routing.experts_BTK.reshape(-1, self.top_k), -1)
-            return self.dispatcher.routed(x_ND, experts_NK, routing.weights_BTK.reshape(-1, self.top_k), self.experts)
-        N, D = x_ND.shape
-        pairs_S, counts_E = self._expert_order(routing)
-        tokens_S = pairs_S // self.top_k
-        dispatched = self.dispatcher.dispatch(x_ND[tokens_S], counts_E)
-        out_SD = self.dispatcher.combine(self.experts(dispatched.tokens_SD, dispatched.counts_e), dispatched)
-        weights_S1 = routing.weights_BTK.reshape(-1)[pairs_S].unsqueeze(1).to(out_SD.dtype)
-        # Each pair written to its own row, then each token's K rows summed: the same order of
-        # addition on every device (a scatter-add's is its kernel's); dropped pairs stay zero.
-        out_PD = out_SD.new_zeros(N * self.top_k, D).index_copy(0, pairs_S, out_SD * weights_S1)
-        return out_PD.view(N, self.top_k, D).sum(1)
-
-    def _expert_order(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept pairs (indices into the (N K) flattened choice) sorted by expert, stably (so
-        in token order within an expert), and the kept pairs per expert."""
-        experts_P = routing.experts_BTK.reshape(-1)
-        if experts_P.is_meta:
-            return self._even_order(experts_P)
-        kept_S = routing.kept_BTK.reshape(-1).nonzero().squeeze(1)
-        experts_S = experts_P[kept_S]
-        pairs_S = kept_S[torch.sort(experts_S, stable=True).indices]
-        counts_E = torch.zeros(self.n_experts, dtype=torch.long, device=experts_S.device)
-        return pairs_S, counts_E.scatter_add_(0, experts_S, torch.ones_like(experts_S))
-
-    def _even_order(self, experts_P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the meta device (the MFU count, shape checks) a choice has no values: every pair
-        kept and spread evenly over the experts, the FLOPs of a balanced dropless step. The
-        counts are on the CPU, where the expert loop can read them."""
-        P, E = experts_P.numel(), self.n_experts
-        counts_E = torch.tensor([P // E + (i < P % E) for i in range(E)], dtype=torch.long)
-        return torch.arange(P, device=experts_P.device), counts_E
+        """The routed experts' weighted sum for each token, by the dispatcher (a dropped choice
+        is expert −1)."""
+        kept_NK = routing.kept_BTK.reshape(-1, self.top_k)
+        experts_NK = torch.where(kept_NK, routing.experts_BTK.reshape(-1, self.top_k), -1)
+        return self.dispatcher.routed(x_ND, experts_NK, routing.weights_BTK.reshape(-1, self.top_k), self.experts)
 
     def aux_loss(self, routing: Routing) -> torch.Tensor:
         """coef x the mean over the batch's sequences of the sequence-wise balance loss (the

@@ -6,8 +6,9 @@ them on tokens already sorted by expert, either as one grouped matrix multiply p
 loop over the experts, the reference. It may hold a contiguous slice of the layer's experts,
 `first_expert .. first_expert + local_experts`: that is what expert parallelism gives a rank.
 
-`LocalDispatcher` is the identity: every expert is here. Expert parallelism replaces it with a
-dispatcher of the same two methods that sends each expert's rows to the rank holding it.
+`LocalDispatcher` runs the routed part with every expert here. Expert parallelism replaces it
+with a dispatcher of the same method (parallel/expert/apply.py) that sends each token to the
+ranks holding its experts, once per rank.
 
 Shape legend:
     S routed (token, expert) pairs, sorted by expert      D d_model      F d_expert
@@ -15,8 +16,6 @@ Shape legend:
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,24 +30,36 @@ _GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda"
 _GROUPED_ALIGN_BYTES = 16  # each row's stride must be a multiple of 16 bytes (the kernel says so)
 
 
-@dataclass
-class Dispatched:
-    """What a dispatcher hands the experts: their rows, and what `combine` needs to send the
-    results back where the rows came from."""
-
-    tokens_SD: torch.Tensor  # rows for the experts held here, sorted by expert
-    counts_e: torch.Tensor  # rows per expert held here, in expert order (sums to S)
-    state: object = None  # the dispatcher's own record of where rows came from (None: local)
-
-
 class LocalDispatcher:
-    """Every expert is on this process: dispatch and combine hand the rows through unchanged."""
+    """Every expert is on this process: the kept (token, expert) pairs sorted by expert, through
+    the experts in one call, weighted by their gates and summed back per token."""
 
-    def dispatch(self, tokens_SD: torch.Tensor, counts_E: torch.Tensor) -> Dispatched:
-        return Dispatched(tokens_SD, counts_E)
+    def routed(self, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor,
+               experts: GroupedExperts) -> torch.Tensor:
+        N, K = experts_NK.shape
+        pairs_S, counts_E = expert_order(experts_NK.reshape(-1), experts.local_experts)
+        out_SD = experts(x_ND[pairs_S // K], counts_E)
+        weights_S1 = weights_NK.reshape(-1)[pairs_S].unsqueeze(1).to(out_SD.dtype)
+        # Each pair written to its own row, then each token's K rows summed: the same order of
+        # addition on every device (a scatter-add's is its kernel's); dropped pairs stay zero.
+        out_PD = out_SD.new_zeros(N * K, out_SD.shape[1]).index_copy(0, pairs_S, out_SD * weights_S1)
+        return out_PD.view(N, K, -1).sum(1)
 
-    def combine(self, out_SD: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
-        return out_SD
+
+def expert_order(experts_P: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept pairs (indices into the flattened (N K) choices; a dropped one is expert −1)
+    sorted by expert, stably (so in token order within an expert), and the pairs per expert.
+
+    On the meta device (the MFU count, shape checks) a choice has no values: every pair is kept
+    and spread evenly over the experts, the FLOPs of a balanced dropless step; the counts are on
+    the CPU, where the expert loop can read them."""
+    if experts_P.is_meta:
+        P, E = experts_P.numel(), n_experts
+        return torch.arange(P, device=experts_P.device), torch.tensor([P // E + (i < P % E) for i in range(E)])
+    kept_S = (experts_P >= 0).nonzero().squeeze(1)
+    experts_S = experts_P[kept_S]
+    pairs_S = kept_S[torch.sort(experts_S, stable=True).indices]
+    return pairs_S, torch.bincount(experts_S, minlength=n_experts)
 
 
 def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
