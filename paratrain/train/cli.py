@@ -91,7 +91,8 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     launcher = "torchrun" if settings.launch.in_torchrun else par.launcher
     strategy = strategy_of(par)
     cp = f" x cp {par.cp} ({context_plan(config, world).method}, {par.cp_layout})" if par.cp > 1 else ""
-    lines = [f"world {world} = dp {dp} x pp {par.pp}{cp} x tp {par.tp} ({launcher}), data parallelism {strategy.name} "
+    ep = f", experts split over ep {par.ep}" if par.ep > 1 else ""
+    lines = [f"world {world} = dp {dp} x pp {par.pp}{cp} x tp {par.tp}{ep} ({launcher}), data parallelism {strategy.name} "
              f"(shards {strategy.shards}), transport {expected_transport(par.launcher, world, settings)}"]
     if par.pp > 1:
         per_micro = config.data.global_batch // (dp * par.microbatches)
