@@ -15,6 +15,7 @@ VARIANTS = {  # moe-tiny's balance loss is weak (0.01); a strong one shows a wro
     "moe strong balance": {"model.name": "moe-tiny", "model.aux_loss_coef": 1.0},
     "moe bias capacity": {"model.name": "moe-tiny", "model.aux_loss_coef": 0.0, "model.bias_update_rate": 0.01,
                           "model.capacity_factor": 1.0},
+    "moe bias only": {"model.name": "moe-tiny", "model.aux_loss_coef": 0.0, "model.bias_update_rate": 0.01},
     "moe sigmoid": {"model.name": "moe-tiny", "model.score_func": "sigmoid", "model.renormalize": False,
                     "model.bias_update_rate": 0.05, "model.capacity_factor": 1.25},
 }
@@ -24,6 +25,7 @@ CELLS = [
     ("moe-tiny", "fsdp", Layout("ep 2", 2, ep=2)),
     ("moe bias capacity", "naive", Layout("ep 2 x pp 2", 4, pp=2, ep=2)),
     ("moe sigmoid", "zero2", Layout("ep 4", 4, ep=4)),
+    ("moe bias only", "ddp", Layout("ep 2 x cp 2", 4, cp=2, ep=2)),  # the balance loss is per sequence: not under cp
 ]
 
 
