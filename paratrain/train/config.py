@@ -109,6 +109,7 @@ class TrainConfig:
     seed: int = 0  # model initialisation and data: same seed, same losses
     log_every: int = 10  # steps between lines of the printed log
     metrics_out: str | None = None  # JSON file for the per-step log and the summary
+    log: str | None = None  # also log to: tensorboard:DIR and/or wandb[:DIR], comma-separated (rank 0 writes)
     eval_every: int = 0  # steps between validation losses (and one at the last step); 0: none
     profile: str | None = None  # directory for a torch.profiler trace of `profile_steps` steps (trace.json)
     profile_steps: int = 2  # steps profiled, after the first

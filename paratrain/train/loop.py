@@ -18,13 +18,15 @@ from paratrain.data import rank_batch
 from paratrain.mesh import Mesh
 from paratrain.train.api import Prepared
 from paratrain.train.compiled import EAGER_STEPS
-from paratrain.train.config import TrainConfig
+from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.evaluate import Evaluator
 from paratrain.train.held_memory import HeldMemory
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.parallel_model import build_parallel_model
 from paratrain.train.profile import StepProfiler, profiled_steps
-from paratrain.train.report import Console, run_summary, step_entry
+from paratrain.train.config_reference import config_yaml
+from paratrain.train.metric_sinks import MetricSinks
+from paratrain.train.report import Console, run_summary, step_entry, tokens_per_sample
 from paratrain.train.resume import checkpoint_to_resume, layout_of, restore, save_if_due, train_state_for
 from paratrain.train.setup import dataset_for
 
@@ -33,6 +35,7 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
     """Train on this rank; returns the log and summary (and final parameters if asked)."""
     run = start(group, config)
     console = Console(group, config, run.first_step)
+    sinks = metric_sinks_for(group, config, run.dataset)
     profiler = StepProfiler(group, config.profile, profiled_steps(run.first_step, config.steps, config.profile_steps)) \
         if config.profile else None
     log = []
@@ -46,12 +49,25 @@ def train_rank(group, config: TrainConfig, return_state: bool = False) -> dict:
             entry.update(run.job.evaluate(run.evaluator))
         log.append(entry)
         console.logged(entry)
+        sinks.step(entry)
         if profiler is not None:
             console.traced(profiler.steps, profiler.after(step))
         save_started = time.perf_counter()
         console.saved(run.save_if_due(step + 1), save_started)
     console.close()
-    return run.finish(log, return_state)
+    result = run.finish(log, return_state)
+    sinks.summary(result["summary"], config.steps - 1)
+    sinks.close()
+    return result
+
+
+def metric_sinks_for(group, config: TrainConfig, dataset) -> MetricSinks:
+    """Rank 0's --log targets (TensorBoard, W&B); nothing elsewhere or without --log."""
+    if not config.log or group.rank != 0:
+        return MetricSinks(1, None, {}, "", None)
+    per_sample = tokens_per_sample(dataset)
+    return MetricSinks(0, config.log, to_dict(config), config_yaml(config),
+                       config.data.global_batch * per_sample if per_sample else None)
 
 
 @dataclass

@@ -88,6 +88,8 @@ TRAINING_FLAGS = [
     Flag("data.global_batch", "--global-batch", type=int, help="Samples per optimizer step across all ranks (default 64)."),
     Flag("seed", "--seed", type=int, help="Seed for weights and data: same seed, same losses."),
     Flag("metrics_out", "--metrics-out", type=click.Path(dir_okay=False), help="Write the per-step log and summary as JSON."),
+    Flag("log", "--log", help="Also log every step to tensorboard:DIR and/or wandb[:DIR] (offline), comma-"
+                              "separated; rank 0 writes (needs the hf extra, or wandb)."),
     Flag("optim.name", "--optimizer", help="sgd (momentum) or adamw."),
     Flag("optim.lr", "--lr", type=float, help="Peak learning rate."),
     Flag("optim.momentum", "--momentum", type=float, help="SGD momentum."),

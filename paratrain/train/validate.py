@@ -30,6 +30,7 @@ from paratrain.parallel.tensor.gpt import tp_problems
 from paratrain.paths import cannot_write
 from paratrain.environment import Settings, compile_backend_problem
 from paratrain.train.config import ConfigError, TrainConfig
+from paratrain.train.metric_sinks import target_problems
 from paratrain.train.validate_experts import expert_problems
 from paratrain.train.setup import data_choice, meta_model, plan_for
 
@@ -88,6 +89,7 @@ def _run_problems(problems: list[str], config: TrainConfig, world_size: int) -> 
     _at_least(problems, "eval_every", config.eval_every, 0)
     if not _is_int(config.seed):
         problems.append(f"seed must be an integer, got {config.seed!r}")
+    problems += target_problems(config.log)
     if config.metrics_out:
         reason = cannot_write(config.metrics_out)
         if reason:
