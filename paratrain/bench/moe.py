@@ -10,6 +10,9 @@ The rows per expert are uneven, as routing makes them: expert shares drawn from 
 (`--skew`, its concentration: lower is more uneven), fixed by the seed. Each repeat runs the
 methods in turn, so a machine's load reaches all of them alike; the table gives each method's
 median and the loop's time over the others'. The machine's load average is printed with it.
+
+With `--ep 1,2,4` it measures expert parallelism in training instead (bench/moe_ep.py): step
+time, exposed communication, tokens/s and the bytes each rank dispatches, at each ep.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ import click
 import torch
 import torch.nn.functional as F
 
+from paratrain.bench.moe_ep import ep_sweep, table_lines as ep_table_lines
 from paratrain.cli_types import OutputPath
 from paratrain.models.moe_experts import GroupedExperts
 
 METHODS = ("grouped", "loop", "padded")
+# Options of one part only: giving one to the other part is refused, not ignored.
+MATMUL_ONLY = ("expert_counts", "tokens", "top_k", "d_model", "d_expert", "skew", "methods", "repeats", "warmup")
+EP_ONLY = ("model", "nproc", "steps", "global_batch", "launcher")
 
 
 def uneven_counts(n_experts: int, rows: int, skew: float) -> torch.Tensor:
@@ -92,6 +99,34 @@ def table_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _sizes(ctx, param, text: str | None) -> list[int] | None:
+    """A comma-separated list of positive integers (a click callback)."""
+    if text is None:
+        return None
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"positive integers, got {text!r}")
+    return values
+
+
+def _refuse_mixed(ctx: click.Context, ep: bool) -> None:
+    """An option of the part not running is a mistake worth one line, not a silent no-op."""
+    wrong = [name for name in (MATMUL_ONLY if ep else EP_ONLY)
+             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+    if wrong:
+        flag = next(p for p in ctx.command.params if p.name == wrong[0]).opts[0]
+        raise click.UsageError(f"{flag} is for {'the matmul part (no --ep)' if ep else '--ep'}")
+
+
+def _write_json(path: str, record: dict, count: int) -> None:
+    with open(path, "w") as out:
+        json.dump(record, out, indent=1)
+    click.echo(f"# wrote {count} rows to {path}")
+
+
 @click.command("moe")
 @click.option("--experts", "expert_counts", type=click.IntRange(min=1), multiple=True, default=(8, 64),
               show_default=True, help="Experts (repeat the option for more than one).")
@@ -105,14 +140,47 @@ def table_lines(rows: list[dict]) -> list[str]:
 @click.option("--methods", type=click.Choice(METHODS), multiple=True, default=METHODS, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=9, show_default=True, help="Timed repeats per method.")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed first repeats.")
+@click.option("--ep", "eps", callback=_sizes, help="Comma-separated expert-parallel sizes, e.g. 1,2,4: train --model at each "
+              "instead of timing the experts' matmuls (each must divide --nproc and the experts).")
+@click.option("--model", default="moe-tiny", show_default=True, help="With --ep: the MoE model trained.")
+@click.option("--nproc", type=click.IntRange(min=1), default=4, show_default=True,
+              help="With --ep: ranks, the same world at every ep (data parallel).")
+@click.option("--steps", type=click.IntRange(min=2), default=6, show_default=True,
+              help="With --ep: training steps per ep; the first is not timed.")
+@click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True,
+              help="With --ep: sequences per step over all ranks.")
+@click.option("--launcher", type=click.Choice(["processes", "threads"]), default="processes", show_default=True,
+              help="With --ep: the ranks as gloo processes, or threads of this process.")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: torch's own).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=OutputPath(), help="Write the rows as JSON here.")
-def moe(expert_counts, tokens, top_k, d_model, d_expert, skew, methods, repeats, warmup, threads, seed, json_path):
+@click.pass_context
+def moe(ctx, expert_counts, tokens, top_k, d_model, d_expert, skew, methods, repeats, warmup, eps, model, nproc,
+        steps, global_batch, launcher, threads, seed, json_path):
     """Routed experts (forward + backward), fp32 on the CPU: one grouped_mm per weight, a loop
-    over the experts, and padded batched multiplies, on the same uneven rows."""
+    over the experts, and padded batched multiplies, on the same uneven rows.
+
+    With --ep SIZES: expert parallelism in training instead. --model trains on --nproc ranks at
+    each ep; per ep: step time, exposed communication, tokens/s and the ratio to ep 1; the rows
+    and bytes each rank dispatches per step, counted, beside the uniform-routing expectation and
+    once-per-expert dispatch; and the tokens' imbalance over experts and ep ranks.
+
+    \b
+    Examples:
+      paratrain bench moe --experts 8 --experts 64
+      paratrain bench moe --ep 1,2,4 --nproc 4 --model moe-tiny
+    """
+    _refuse_mixed(ctx, eps is not None)
     if threads:
         torch.set_num_threads(threads)
+    if eps is not None:
+        record = ep_sweep(model, nproc, eps, {"steps": steps, "global_batch": global_batch, "launcher": launcher,
+                                              "seed": seed})
+        for line in ep_table_lines(record["rows"]):
+            click.echo(line)
+        if json_path:
+            _write_json(json_path, record, len(record["rows"]))
+        return
     args = {"tokens": tokens, "top_k": top_k, "d_model": d_model, "d_expert": d_expert, "skew": skew,
             "methods": list(dict.fromkeys(methods)), "repeats": repeats, "warmup": warmup, "seed": seed,
             "threads": torch.get_num_threads()}
@@ -125,6 +193,4 @@ def moe(expert_counts, tokens, top_k, d_model, d_expert, skew, methods, repeats,
                f"before, {load_after:.2f} after (the methods run in turn in each repeat, so load changes reach "
                "all of them)")
     if json_path:
-        with open(json_path, "w") as out:
-            json.dump({"rows": rows, "args": args, "load_average": [load_before, load_after]}, out, indent=1)
-        click.echo(f"# wrote {len(rows)} rows to {json_path}")
+        _write_json(json_path, {"rows": rows, "args": args, "load_average": [load_before, load_after]}, len(rows))

@@ -2,6 +2,7 @@
 
     python -m paratrain.bench.results_page            # run every sweep (minutes)
     python -m paratrain.bench.results_page --render   # only rewrite the page from the JSON already there
+    python -m paratrain.bench.results_page --only cp  # run one sweep again, then rewrite the page
 
 `make results` runs the first. Each sweep is one `paratrain bench ... --json FILE` command; the
 page states the date, the machine, every command exactly, and turns each JSON file into a table.
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from paratrain.bench.moe_ep import markdown_lines
 from paratrain.parallel.context.layout import LAYOUTS, attention_work
 from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.provenance import code_commit, utc_now
@@ -83,6 +85,8 @@ SWEEPS = (
           ("--repeats", "3",)),
     Sweep("cp", "cp", "Context-parallel attention: ring and all-gather, zigzag and contiguous, cp 1, 2 and 4",
           ("--cp", "1,2,4", "--seq", "1024,2048", "--steps", "3")),
+    Sweep("moe-ep", "moe", "Expert parallelism: moe-tiny trained on 4 processes at ep 1, 2 and 4, and the bytes it dispatches",
+          ("--ep", "1,2,4", "--nproc", "4", "--steps", "10")),
 )
 SWEEP_TIMEOUT_S = 300  # one sweep that hangs must not hold `make results` forever
 
@@ -117,10 +121,12 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def run_sweeps(folder: Path, sweeps=SWEEPS) -> dict:
-    """Run every sweep (from the repository root: the commands name paths relative to it)."""
+def run_sweeps(folder: Path, sweeps=SWEEPS, merge: bool = False) -> dict:
+    """Run the sweeps (from the repository root: the commands name paths relative to it). With
+    `merge` (--only), their entries, dated, replace theirs in the run record already there."""
     folder.mkdir(parents=True, exist_ok=True)
-    run = {"machine": describe_machine(), "load_before": os.getloadavg()[0], "sweeps": []}
+    run = json.loads((folder / RUN_FILE).read_text()) if merge else \
+        {"machine": describe_machine(), "load_before": os.getloadavg()[0], "sweeps": []}
     started = time.perf_counter()
     # `auto` reads the algorithm table a user may have tuned; the page shows the built-in defaults.
     with tempfile.TemporaryDirectory(prefix="paratrain-results-") as empty:
@@ -133,10 +139,12 @@ def run_sweeps(folder: Path, sweeps=SWEEPS) -> dict:
                 status = subprocess.run(argv, env=env, timeout=SWEEP_TIMEOUT_S).returncode
             except subprocess.TimeoutExpired:
                 status = f"timed out after {SWEEP_TIMEOUT_S} s"
-            run["sweeps"].append({"name": sweep.name, "command": command_line(sweep, folder),
-                                  "seconds": time.perf_counter() - began, "status": status})
-    run["seconds"] = time.perf_counter() - started
-    run["load_after"] = os.getloadavg()[0]
+            entry = {"name": sweep.name, "command": command_line(sweep, folder),
+                     "seconds": time.perf_counter() - began, "status": status}
+            entry.update({"date": utc_now(), "commit": code_commit()} if merge else {})
+            run["sweeps"] = [e for e in run["sweeps"] if e["name"] != sweep.name] + [entry]
+    if not merge:  # the page's total time and load are the full run's
+        run.update(seconds=time.perf_counter() - started, load_after=os.getloadavg()[0])
     (folder / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
     return run
 
@@ -303,6 +311,7 @@ def render_cp(record: dict) -> list[str]:
 RENDERERS = {
     "collectives": render_collectives, "p2p": render_p2p, "ddp": render_ddp, "scaling": render_scaling,
     "pipeline": render_pipeline, "tp": render_tp, "frontend": render_frontend, "cp": render_cp,
+    "moe": markdown_lines,  # bench moe's sweep is its --ep part
 }
 
 
@@ -336,6 +345,8 @@ def render(folder: Path, page: Path, sweeps=SWEEPS) -> str:
             lines.append("Not run.")
             continue
         lines += ["```", entry["command"], "```", ""]
+        if "date" in entry:  # run on its own (--only), after the others
+            lines += [f"Measured on its own {entry['date']}, code at commit {entry['commit'] or 'unknown'}.", ""]
         data = folder / f"{sweep.name}.json"
         if entry["status"] != 0:
             lines.append(f"Failed (exit status: {entry['status']}); see the command's output.")
@@ -371,11 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", type=Path, default=Path("docs/results"), help="where the JSON goes")
     parser.add_argument("--page", type=Path, default=Path("docs/results.md"), help="the page to write")
     parser.add_argument("--render", action="store_true", help="only render the page from the JSON there")
+    parser.add_argument("--only", action="append", choices=[s.name for s in SWEEPS], help="run only this sweep")
     options = parser.parse_args(argv)
     failed = []
     if not options.render:
-        run = run_sweeps(options.folder)
-        failed = [entry["name"] for entry in run["sweeps"] if entry["status"] != 0]
+        only = [s for s in SWEEPS if s.name in options.only] if options.only else SWEEPS
+        run = run_sweeps(options.folder, only, merge=bool(options.only))
+        failed = [e["name"] for e in run["sweeps"] if e["status"] != 0 and e["name"] in {s.name for s in only}]
     options.page.write_text(render(options.folder, options.page))
     print(f"wrote {options.page}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
