@@ -309,6 +309,18 @@ def _pattern(rank: int, start: int, count: int, span: int, dtype, device) -> tor
     return values.add_(rank).remainder_(span).add_(1).to(dtype)
 
 
+def _summed_pattern(n: int, span: int, count: int, dtype, device):
+    """total(start, length): the patterns' sum over n ranks at those positions. The patterns
+    repeat every `span` elements, so their sum does too: one period of it, indexed, gives the
+    expected reduction without building n buffers."""
+    period = torch.tensor([sum((k + r) % span + 1 for r in range(n)) for k in range(span)], device=device)
+
+    def total(start: int = 0, length: int = count) -> torch.Tensor:
+        positions = torch.arange(start, start + length, device=device).remainder_(span)
+        return period[positions].to(dtype)
+    return total
+
+
 def _build_case(group, op: str, count: int, dtype, device) -> _Case:
     n, rank = group.size, group.rank
     # Sums of n values up to `span` must stay exact in bfloat16 (integers up to 256).
@@ -317,14 +329,7 @@ def _build_case(group, op: str, count: int, dtype, device) -> _Case:
     def data(r: int, start: int = 0, length: int = count) -> torch.Tensor:
         return _pattern(r, start, length, span, dtype, device)
 
-    # The patterns repeat every `span` elements, so their sum over ranks does too: one period
-    # of it, indexed, gives the expected reduction without building n buffers.
-    period = torch.tensor([sum((k + r) % span + 1 for r in range(n)) for k in range(span)], device=device)
-
-    def total(start: int = 0, length: int = count) -> torch.Tensor:
-        positions = torch.arange(start, start + length, device=device).remainder_(span)
-        return period[positions].to(dtype)
-
+    total = _summed_pattern(n, span, count, dtype, device)
     nbytes = count * torch.empty(0, dtype=dtype).element_size()
     bounds = part_bounds(count, n)
     mine_start, mine_end = bounds[rank]
