@@ -86,7 +86,7 @@ SWEEPS = (
     Sweep("cp", "cp", "Context-parallel attention: ring and all-gather, zigzag and contiguous, cp 1, 2 and 4",
           ("--cp", "1,2,4", "--seq", "1024,2048", "--steps", "3")),
     Sweep("moe-ep", "moe", "Expert parallelism: moe-tiny trained on 4 processes at ep 1, 2 and 4, and the bytes it dispatches",
-          ("--ep", "1,2,4", "--nproc", "4", "--steps", "10")),
+          ("--ep", "1,2,4", "--nproc", "4", "--steps", "20")),
 )
 SWEEP_TIMEOUT_S = 300  # one sweep that hangs must not hold `make results` forever
 
@@ -134,14 +134,15 @@ def run_sweeps(folder: Path, sweeps=SWEEPS, merge: bool = False) -> dict:
             print(f"== {command_line(sweep, folder)}", flush=True)
             env = child_environment(PARATRAIN_ALGO_TABLE=str(Path(empty) / "no-table.json"), **dict(sweep.env))
             argv = [sys.executable, "-m", *command(sweep, folder)]  # "-m paratrain bench ..."
-            began = time.perf_counter()
+            began, load_before = time.perf_counter(), os.getloadavg()[0]
             try:
                 status = subprocess.run(argv, env=env, timeout=SWEEP_TIMEOUT_S).returncode
             except subprocess.TimeoutExpired:
                 status = f"timed out after {SWEEP_TIMEOUT_S} s"
             entry = {"name": sweep.name, "command": command_line(sweep, folder),
                      "seconds": time.perf_counter() - began, "status": status}
-            entry.update({"date": utc_now(), "commit": code_commit()} if merge else {})
+            entry.update({"date": utc_now(), "commit": code_commit(), "load": [load_before, os.getloadavg()[0]]}
+                         if merge else {})
             run["sweeps"] = [e for e in run["sweeps"] if e["name"] != sweep.name] + [entry]
     if not merge:  # the page's total time and load are the full run's
         run.update(seconds=time.perf_counter() - started, load_after=os.getloadavg()[0])
@@ -346,7 +347,8 @@ def render(folder: Path, page: Path, sweeps=SWEEPS) -> str:
             continue
         lines += ["```", entry["command"], "```", ""]
         if "date" in entry:  # run on its own (--only), after the others
-            lines += [f"Measured on its own {entry['date']}, code at commit {entry['commit'] or 'unknown'}.", ""]
+            lines += [f"Measured on its own {entry['date']}, code at commit {entry['commit'] or 'unknown'}; load "
+                      f"average {entry['load'][0]:.2f} before, {entry['load'][1]:.2f} after.", ""]
         data = folder / f"{sweep.name}.json"
         if entry["status"] != 0:
             lines.append(f"Failed (exit status: {entry['status']}); see the command's output.")
