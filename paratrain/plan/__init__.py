@@ -6,6 +6,7 @@
     memory.py       memory per GPU: weights, gradients, optimizer state (by ZeRO stage), activations
     hardware.py     hardware profiles (YAML, shipped under hardware/ or a user's file)
     comm_model.py   alpha-beta times of collectives and point-to-point on a profile's links
+    moe.py          a mixture of experts: experts per ep rank, rows per token, the all-to-alls
     cost_model.py   one layout on one profile: step time, its breakdown, memory, MFU
     search.py       every valid layout, those that fit, ranked, with reasons
     cli.py          `paratrain plan`

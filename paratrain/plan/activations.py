@@ -20,6 +20,10 @@ dropout after attention, after the projection and after the MLP):
 it, and so are the variants they do not print: fused (flash) attention keeps Q, K, V, its
 output and a logsumexp instead of the a*s^2 terms; no dropout drops the masks; fp32 doubles
 every 16-bit tensor. The tests check the list against what autograd saves in paratrain's block.
+
+An MoE layer (moe=True) keeps, in place of the MLP's two tensors, the router's fp32 scores, each
+(token, expert) pair's input row and output row, and the two hidden tensors of its top_k and
+shared experts; an MoE model's MLPs are not split by tensor parallelism (models/plans.py).
 """
 
 from __future__ import annotations
@@ -57,9 +61,23 @@ class Stored:
     core: bool = False  # part of the attention core: gone under selective recomputation
 
 
-def stored_tensors(shape: GPTShape, micro_batch: int, software: Software) -> list[Stored]:
-    """Every tensor one layer keeps for backward, whole (before any parallel split)."""
-    s, b, a, m = shape.seq, micro_batch, shape.heads, shape.mlp
+def _mlp_tensors(shape: GPTShape, micro_batch: int, software: Software, moe: bool) -> list[Stored]:
+    s, b, e = shape.seq, micro_batch, software.activation_bytes
+    split = not shape.experts  # an MoE model's MLPs stay whole on every tp rank
+    if not moe:
+        return [Stored("GELU input", e * s * b * shape.mlp, split),
+                Stored("GELU output (down input)", e * s * b * shape.mlp, split)]
+    pairs, width = s * b * shape.top_k, (shape.top_k + shape.shared_experts) * shape.expert_mlp
+    return [Stored("router scores (fp32)", 4 * s * b * shape.experts, False),
+            Stored("expert input rows (one per token and chosen expert)", e * pairs * shape.hidden, False),
+            Stored("expert output rows (gate-weighted)", e * pairs * shape.hidden, False),
+            Stored("experts' SwiGLU input", e * s * b * width, False),
+            Stored("experts' SwiGLU output (down input)", e * s * b * width, False)]
+
+
+def stored_tensors(shape: GPTShape, micro_batch: int, software: Software, moe: bool = False) -> list[Stored]:
+    """Every tensor one layer (an MoE layer: moe) keeps for backward, whole (before any parallel split)."""
+    s, b, a = shape.seq, micro_batch, shape.heads
     e, sbh = software.activation_bytes, shape.seq * micro_batch * shape.hidden
     tensors = [
         Stored("norm1 input", e * sbh, False),
@@ -68,8 +86,7 @@ def stored_tensors(shape: GPTShape, micro_batch: int, software: Software) -> lis
         Stored("norm2 output (MLP input)", e * sbh, False),
         Stored("norm statistics (fp32 mean, rstd)", 2 * 2 * 4 * s * b, False),
         Stored("Q, K, V", 3 * e * sbh, True),
-        Stored("GELU input", e * s * b * m, True),
-        Stored("GELU output (down input)", e * s * b * m, True),
+        *_mlp_tensors(shape, micro_batch, software, moe),
     ]
     if software.flash_attention:
         tensors += [
@@ -92,13 +109,13 @@ def stored_tensors(shape: GPTShape, micro_batch: int, software: Software) -> lis
 
 
 def layer_activation_bytes(shape: GPTShape, micro_batch: int, software: Software, tp: int = 1,
-                           sequence_parallel: bool = False, recompute: str = "none") -> float:
-    """Bytes one layer keeps per microbatch on one tensor-parallel rank."""
+                           sequence_parallel: bool = False, recompute: str = "none", moe: bool = False) -> float:
+    """Bytes one layer (an MoE layer: moe) keeps per microbatch on one tensor-parallel rank."""
     e, sbh = software.activation_bytes, shape.seq * micro_batch * shape.hidden
     if recompute == "full":
         return e * sbh / (tp if sequence_parallel else 1)
     total = 0.0
-    for tensor in stored_tensors(shape, micro_batch, software):
+    for tensor in stored_tensors(shape, micro_batch, software, moe):
         if recompute == "selective" and tensor.core:
             continue
         gathered = software.sp_keeps_gathered and tensor.name.startswith(("norm1 output", "norm2 output"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import click
@@ -15,17 +15,17 @@ from paratrain.plan.cost_model import Prediction, context_choice, predict
 from paratrain.plan.flops import RECOMPUTE, step_flops
 from paratrain.plan.hardware import load_profile, shipped_profiles
 from paratrain.plan.memory import GIB, Layout
+from paratrain.plan.moe import describe_dispatch
 from paratrain.plan.search import layout_problems, reason, search
 from paratrain.plan.shapes import GPTShape, named_shape, shape_names
 
 LAYOUT_FLAGS = ("tp", "pp", "cp", "cp_method", "dp", "micro_batch", "virtual_stages", "schedule", "recompute",
-                "sequence_parallel", "zero")
+                "sequence_parallel", "zero", "ep")
 
 
 def build_shape(model: str, overrides: dict) -> GPTShape:
     base = named_shape(model)
-    values = {"layers": base.layers, "hidden": base.hidden, "heads": base.heads, "seq": base.seq,
-              "vocab": base.vocab, "mlp": base.mlp, "kv_heads": base.kv_heads, "gated": base.gated}
+    values = {f.name: getattr(base, f.name) for f in fields(base)}  # a mixture of experts keeps its experts
     values.update({k: v for k, v in overrides.items() if v is not None})
     if overrides.get("hidden") is not None and overrides.get("mlp") is None:
         values["mlp"] = 0  # 4h of the new width
@@ -67,14 +67,18 @@ def describe_prediction(p: Prediction, shape: GPTShape, global_batch: int, profi
              f"{global_batch * shape.seq / p.step_s:,.0f} tokens/s)"]
     notes = {"bubble": f"({p.bubble:.1%} of the pipeline's time idle)" if layout.pp > 1 else "",
              "dp_comm": "(not hidden by backward)" if layout.replicas > 1 else "",
-             "cp_comm": _context_note(layout, b["cp_comm"]) if layout.cp > 1 else ""}
+             "cp_comm": _context_note(layout, b["cp_comm"]) if layout.cp > 1 else "",
+             "ep_comm": "(dispatch and combine all-to-alls, forward and backward)"}
     for key, label in (("compute", "compute"), ("tp_comm", "tp comm"), ("pp_comm", "pp comm"), ("cp_comm", "cp comm"),
-                       ("bubble", "bubble"), ("dp_comm", "dp comm"), ("optimizer", "optimizer")):
-        if key == "cp_comm" and layout.cp == 1:
+                       ("ep_comm", "ep comm"), ("bubble", "bubble"), ("dp_comm", "dp comm"),
+                       ("optimizer", "optimizer")):
+        if (key == "cp_comm" and layout.cp == 1) or (key == "ep_comm" and layout.ep == 1):
             continue
         lines.append(f"    {label:<11} {_seconds(b[key]):>10}  {b[key] / p.step_s:6.1%}  {notes.get(key, '')}".rstrip())
     if layout.cp > 1:
         lines += ["  " + line for line in context_choice(shape, layout, profile).describe(layout.cp_method, profile.name)]
+    if layout.ep > 1:
+        lines.append("  " + describe_dispatch(shape, layout, b["ep_comm"], profile.name))
     m = p.memory
     usable = profile.usable_bytes / GIB
     lines += [
@@ -130,6 +134,9 @@ def search_lines(results: list[Prediction], dropped: dict, top: int) -> list[str
 @click.option("--cp-method", type=click.Choice(("auto", "ring", "allgather")),
               help="How keys and values reach every cp rank: ring (passed round, hidden behind attention), "
                    "allgather (gathered once per layer), or auto (default: the one whose exposed time is smaller).")
+@click.option("--ep", type=click.IntRange(min=1),
+              help="Expert-parallel size (a mixture of experts): ep of the dp x cp ranks each hold 1/ep "
+                   "of the experts.")
 @click.option("--zero", type=click.IntRange(0, 3),
               help="ZeRO stage over dp: 1 optimizer state, 2 and gradients, 3 and parameters (FSDP).")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts to show when searching.")
@@ -177,10 +184,8 @@ def plan(model, layers, hidden, heads, kv_heads, seq, vocab, mlp, hardware, gpus
     elif gpus is None:
         raise click.UsageError("give --gpus to search, or a layout (--tp/--pp/--dp ...) to predict")
     custom = any((layers, hidden, heads, kv_heads, seq, vocab, mlp))
-    click.echo(f"{model if not custom else 'Llama' if shape.gated else 'GPT'}: "
-               f"{format_count(shape.parameters())} parameters (l={shape.layers} h={shape.hidden} a={shape.heads} "
-               f"s={shape.seq} V={shape.vocab} m={shape.mlp}"
-               + (f" g={shape.kv_heads}, SwiGLU" if shape.gated else "") + f"); global batch {global_batch}")
+    click.echo(f"{model if not custom else 'MoE Llama' if shape.experts else 'Llama' if shape.gated else 'GPT'}: "
+               + _shape_summary(shape) + f"; global batch {global_batch}")
     click.echo(f"hardware {profile.name}: {profile.description}")
     if explicit:
         results = [predict(shape, layout, profile, global_batch)]
@@ -190,6 +195,20 @@ def plan(model, layers, hidden, heads, kv_heads, seq, vocab, mlp, hardware, gpus
     if json_path:
         json_path.write_text(json.dumps([p.to_json() for p in results], indent=1))
         click.echo(f"wrote {len(results)} layout(s) to {json_path}")
+
+
+def _shape_summary(shape: GPTShape) -> str:
+    """Parameters and the shape's letters; an MoE's active parameters and experts."""
+    count = f"{format_count(shape.parameters())} parameters"
+    if shape.experts:
+        count += f", {format_count(shape.parameters(active=True))} active"
+    letters = (f"l={shape.layers} h={shape.hidden} a={shape.heads} s={shape.seq} V={shape.vocab} m={shape.mlp}"
+               + (f" g={shape.kv_heads}, SwiGLU" if shape.gated else ""))
+    if shape.experts:
+        letters += f"; E={shape.experts} k={shape.top_k} e={shape.expert_mlp}"
+        letters += f" shared={shape.shared_experts}" if shape.shared_experts else ""
+        letters += f", MoE in {shape.moe_layers} of {shape.layers} layers" if shape.moe_layers < shape.layers else ""
+    return f"{count} ({letters})"
 
 
 def _validate(hardware: str, steps: int, renice: int, json_path) -> None:

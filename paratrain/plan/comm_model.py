@@ -2,8 +2,12 @@
 
 Ring algorithms, as NCCL's and paratrain's ring: an all-reduce of S bytes over n ranks sends
 2(n-1)/n * S per rank in 2(n-1) steps; all-gather and reduce-scatter half of that (the book
-chapter's `bytes x 2(n-1)/n / bandwidth`, and nccl-tests' busbw factors). A group on one node uses
-the intra-node link; a group that spans nodes is held to the inter-node link of each device.
+chapter's `bytes x 2(n-1)/n / bandwidth`, and nccl-tests' busbw factors). An all-to-all of S
+bytes per rank (its send buffer, its own share included) sends (n-1)/n * S to the n-1 others,
+priced as n-1 messages one after another: (n-1) alpha + (n-1)/n * S / bandwidth, an
+approximation (a real one overlaps the messages, and across nodes meets the fabric's bisection).
+A group on one node uses the intra-node link; a group that spans nodes is held to the
+inter-node link of each device.
 A fitted entry in the profile (measured `op/world_size`) replaces the formula.
 
 Ranks are placed as paratrain's Mesh places them: tp innermost, then pp, then dp.
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 from paratrain.plan.hardware import HardwareProfile
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
 def collective_seconds(profile: HardwareProfile, op: str, nbytes: float, n: int, spans_nodes: bool) -> float:
@@ -26,7 +30,7 @@ def collective_seconds(profile: HardwareProfile, op: str, nbytes: float, n: int,
     alpha, bandwidth = link.latency_us * 1e-6, link.bytes_per_s
     if op == "all_reduce":
         return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / bandwidth
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * alpha + (n - 1) / n * nbytes / bandwidth
     if op == "p2p":
         return alpha + nbytes / bandwidth

@@ -12,6 +12,10 @@ These per-chunk costs go into the schedule simulator (parallel/pipeline/simulate
 actual schedule's lists, so the bubble is the schedule's own, with real costs. The data-parallel
 gradient reduction, less what backward hides, and the optimizer step follow the pipeline.
 MFU counts model FLOPs (no recomputation; Korthikanti et al. 2022, Section 6), HFU all done.
+
+A mixture of experts (moe.py) runs its MoE layers' MLPs on the active weights, whole on each tp
+rank (paratrain's MoE plan splits attention only, so one exchange each way per layer), and adds
+expert parallelism's all-to-alls to each MoE layer's forward and backward (`ep_comm`).
 """
 
 from __future__ import annotations
@@ -21,16 +25,18 @@ from dataclasses import asdict, dataclass, replace
 from paratrain.parallel.pipeline.simulate import simulate
 from paratrain.plan.comm_model import collective_seconds, spans_nodes
 from paratrain.plan.flops import (
+    attention_matmul_flops,
     flash_backward_flops,
     layer_attention_flops,
-    layer_matmul_flops,
     logit_flops,
+    mlp_matmul_flops,
     step_flops,
 )
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import (
-    Layout, Memory, cached_schedule, chunk_layers, context_local, layer_parameters, memory_per_gpu,
+    Layout, Memory, cached_schedule, chunk_layers, context_local, held_parameters, memory_per_gpu,
 )
+from paratrain.plan.moe import MOE_OPS, ep_exchange, expert_reduce_seconds, moe_mlp_width
 from paratrain.plan.shapes import GPTShape
 
 LAYER_OPS = 30   # operators per layer, forward and backward: ~10 kernels forward, ~20 backward
@@ -46,18 +52,23 @@ class Pass:
     tp_comm: float = 0.0
     pp_comm: float = 0.0
     cp_comm: float = 0.0  # what of the context ring (or all-gather) attention's compute does not hide
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (nothing hides them)
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp_comm + self.pp_comm + self.cp_comm
+        return self.compute + self.tp_comm + self.pp_comm + self.cp_comm + self.ep_comm
 
     def __add__(self, other: Pass) -> Pass:
         return Pass(self.compute + other.compute, self.tp_comm + other.tp_comm, self.pp_comm + other.pp_comm,
-                    self.cp_comm + other.cp_comm)
+                    self.cp_comm + other.cp_comm, self.ep_comm + other.ep_comm)
 
     def scaled(self, compute: float) -> Pass:
         """The same pass with its compute `compute` times as long."""
-        return Pass(self.compute * compute, self.tp_comm, self.pp_comm, self.cp_comm)
+        return Pass(self.compute * compute, self.tp_comm, self.pp_comm, self.cp_comm, self.ep_comm)
+
+    def times(self, n: int) -> Pass:
+        """n of this pass, one after another."""
+        return Pass(self.compute * n, self.tp_comm * n, self.pp_comm * n, self.cp_comm * n, self.ep_comm * n)
 
 
 @dataclass
@@ -69,7 +80,7 @@ class Prediction:
     bubble: float
     mfu: float
     hfu: float
-    breakdown: dict[str, float]  # seconds: compute, tp_comm, pp_comm, bubble, dp_comm, optimizer
+    breakdown: dict[str, float]  # seconds: compute, tp_comm, pp_comm, cp_comm, ep_comm, bubble, dp_comm, optimizer
 
     def to_json(self) -> dict:
         return {"layout": asdict(self.layout), "step_s": self.step_s, "memory_gib": self.memory.as_gib(),
@@ -77,14 +88,14 @@ class Prediction:
                 "breakdown": self.breakdown}
 
 
-def _elementwise_bytes(shape: GPTShape, b: int, profile: HardwareProfile, tp: int, sp: bool) -> float:
+def _elementwise_bytes(shape: GPTShape, b: int, profile: HardwareProfile, tp: int, sp: bool, mlp_width: float) -> float:
     """Forward element-wise traffic of one layer: two norms and two residual adds (read 2, write 1)
-    on the replicated width, GELU on the split MLP width, the softmax on eager attention."""
+    on the replicated width, GELU on the MLP width of one tp rank, the softmax on eager attention."""
     software = profile.software
     e, tokens = software.activation_bytes, shape.seq * b
     replicated = (2 * 2 + 2 * 3 + (5 if software.dropout else 0)) * shape.hidden
-    split = 2 * shape.mlp + (0 if software.flash_attention else (7 if software.dropout else 4) * shape.heads * shape.seq)
-    return e * tokens * (replicated / (tp if sp else 1) + split / tp)
+    split = 0 if software.flash_attention else (7 if software.dropout else 4) * shape.heads * shape.seq
+    return e * tokens * (replicated / (tp if sp else 1) + split / tp + 2 * mlp_width)
 
 
 def _compute_seconds(matmul: float, attention: float, elementwise: float, ops: float, profile) -> float:
@@ -183,29 +194,36 @@ def context_choice(shape: GPTShape, layout: Layout, profile: HardwareProfile) ->
                          attention)
 
 
-def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> dict[str, Pass]:
-    """Forward, input-gradient and weight-gradient passes of one layer for one microbatch (on one
-    context-parallel rank: 1/cp of the tokens, and 1/cp of attention's query-key pairs, zigzag)."""
+def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile, moe: bool = False) -> dict[str, Pass]:
+    """Forward, input-gradient and weight-gradient passes of one layer (an MoE layer: moe) for one
+    microbatch (on one context-parallel rank: 1/cp of the tokens, and 1/cp of attention's
+    query-key pairs, zigzag). An MoE model's MLPs are whole on every tp rank."""
     t, b, cp = layout.tp, layout.micro_batch, layout.cp
     local, software = context_local(shape, profile.software, cp)
-    mm, att = layer_matmul_flops(local, b) / t, layer_attention_flops(shape, b) / t / cp
-    ew = _elementwise_bytes(local, b, replace(profile, software=software), t, layout.sequence_parallel)
+    mlp_tp = 1 if shape.experts else t
+    mm = attention_matmul_flops(local, b) / t + mlp_matmul_flops(local, b, moe) / mlp_tp
+    att = layer_attention_flops(shape, b) / t / cp
+    mlp_width = moe_mlp_width(shape) if moe else shape.mlp / mlp_tp
+    ew = _elementwise_bytes(local, b, replace(profile, software=software), t, layout.sequence_parallel, mlp_width)
     flash = flash_backward_flops(shape, b) / shape.layers / t / cp if software.flash_attention else 0.0
-    forward = _compute_seconds(mm, att, ew, LAYER_OPS / 3, profile)
-    input_grad = _compute_seconds(mm, 2 * att + flash, 2 * ew, LAYER_OPS / 3, profile)
-    weight_grad = _compute_seconds(mm, 0, 0, LAYER_OPS / 3, profile)
+    ops = (LAYER_OPS + (MOE_OPS if moe else 0)) / 3
+    forward = _compute_seconds(mm, att, ew, ops, profile)
+    input_grad = _compute_seconds(mm, 2 * att + flash, 2 * ew, ops, profile)
+    weight_grad = _compute_seconds(mm, 0, 0, ops, profile)
     if layout.recompute == "full":
         input_grad += forward
     elif layout.recompute == "selective":
         input_grad += _compute_seconds(0, att, 0, 0, profile)
-    two = 2 * tp_exchange(local, layout, profile)
+    two = (1 if shape.experts else 2) * tp_exchange(local, layout, profile)
     recomputed = two if layout.recompute == "full" else 0.0
     choice = context_choice(shape, layout, profile)
     ring_forward, ring_backward = choice.allgather if layout.cp_method == "allgather" else choice.ring
+    ep_forward, ep_backward = ep_exchange(shape, layout, profile) if moe else (0.0, 0.0)
     if layout.recompute == "full":
         ring_backward += ring_forward
-    return {"F": Pass(forward, two, cp_comm=ring_forward), "B": Pass(input_grad, two + recomputed, cp_comm=ring_backward),
-            "W": Pass(weight_grad)}
+        ep_backward += ep_forward
+    return {"F": Pass(forward, two, cp_comm=ring_forward, ep_comm=ep_forward),
+            "B": Pass(input_grad, two + recomputed, cp_comm=ring_backward, ep_comm=ep_backward), "W": Pass(weight_grad)}
 
 
 def head_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> dict[str, Pass]:
@@ -223,7 +241,9 @@ def head_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> di
 
 
 def chunk_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile, chunks: list[range]) -> list[dict[str, Pass]]:
-    layer, head = layer_passes(shape, layout, profile), head_passes(shape, layout, profile)
+    kinds = {moe: layer_passes(shape, layout, profile, moe) for moe in ((False, True) if shape.experts else (False,))}
+    head = head_passes(shape, layout, profile)
+    blocks_of = shape.is_moe  # of the whole shape: the local one below has the same layers
     t, b = layout.tp, layout.micro_batch
     shape = context_local(shape, profile.software, layout.cp)[0]  # what a stage sends: its tokens
     activation = shape.seq * b * shape.hidden * profile.software.activation_bytes
@@ -236,8 +256,8 @@ def chunk_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile, chun
         send = collective_seconds(profile, "p2p", activation, 2, across)
     passes = []
     for index, layers in enumerate(chunks):
-        blocks = sum(1 for i in layers if 1 <= i <= shape.layers)
-        total = {op: Pass(blocks * p.compute, blocks * p.tp_comm, cp_comm=blocks * p.cp_comm) for op, p in layer.items()}
+        total = {op: sum((kinds[blocks_of(i - 1)][op] for i in layers if 1 <= i <= shape.layers), Pass())
+                 for op in ("F", "B", "W")}
         if 0 in layers:
             total["F"] += Pass(_compute_seconds(0, 0, 2 * activation, 2, profile), embed_comm)
         if shape.layers + 1 in layers:
@@ -290,7 +310,7 @@ def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_ba
     # The busiest rank's time, split by kind; what is left of the makespan is its bubble.
     busy = [sum((passes[c][op] for c in mine for op in passes[c]), Pass()) for mine in rank_chunks]
     busiest = max(busy, key=lambda p: p.total)
-    per_microbatch = Pass(busiest.compute * m, busiest.tp_comm * m, busiest.pp_comm * m, busiest.cp_comm * m)
+    per_microbatch = busiest.times(m)
     last_backward = max(sum(passes[c]["B"].total + passes[c]["W"].total for c in mine) for mine in rank_chunks)
     dp_s, optimizer_s = _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, last_backward)
     step = makespan + dp_s + optimizer_s
@@ -298,6 +318,7 @@ def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_ba
     peak = profile.compute.peak_tflops * 1e12 * layout.gpus * step
     breakdown = {"compute": per_microbatch.compute, "tp_comm": per_microbatch.tp_comm,
                  "pp_comm": per_microbatch.pp_comm, "cp_comm": per_microbatch.cp_comm,
+                 "ep_comm": per_microbatch.ep_comm,
                  "bubble": max(0.0, makespan - per_microbatch.total),
                  "dp_comm": dp_s, "optimizer": optimizer_s}
     hardware_flops = step_flops(shape, global_batch, layout.recompute)
@@ -310,11 +331,14 @@ def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_ba
 def _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, last_backward) -> tuple[float, float]:
     """Exposed gradient reduction (ZeRO-1/2: reduce-scatter then all-gather, not hidden; ZeRO-3:
     two all-gathers and a reduce-scatter, hidden as DDP's all-reduce is) and the
-    Adam step, for the pipeline rank holding most parameters."""
-    params = layer_parameters(shape, layout.tp)
+    Adam step, for the pipeline rank holding most parameters. Routed experts' gradients are
+    all-reduced over the edp ranks holding them after the last backward (moe.py): not hidden."""
+    params, routed = held_parameters(shape, layout)
     held = max(sum(params[i][0] for c in mine for i in chunks[c]) for mine in rank_chunks)
-    tensors = max(sum(params[i][1] for c in mine for i in chunks[c]) for mine in rank_chunks)
-    grad_bytes = (4 if profile.software.precision == "fp32" else 2) * held
+    tensors = max(sum(params[i][1] + routed[i][1] for c in mine for i in chunks[c]) for mine in rank_chunks)
+    experts = max(sum(routed[i][0] for c in mine for i in chunks[c]) for mine in rank_chunks)
+    grad_size = 4 if profile.software.precision == "fp32" else 2
+    grad_bytes = grad_size * held
     replicas = layout.replicas  # dp x cp: every rank holding these parameters
     across = spans_nodes(profile, layout.tp, layout.pp, replicas)["dp"]
     if layout.zero == 3:  # per unit: all-gathers before forward and backward, a reduce-scatter after
@@ -327,8 +351,9 @@ def _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, la
     else:
         reduce = collective_seconds(profile, "all_reduce", grad_bytes, replicas, across)
         dp_s = reduce - min(reduce, profile.dp_overlap * last_backward)
-    updated = held / (replicas if layout.zero else 1)
-    zero_grad = grad_bytes
+    dp_s += expert_reduce_seconds(shape, layout, profile, experts)
+    updated = held / (replicas if layout.zero else 1) + experts
+    zero_grad = grad_size * (held + experts)
     optimizer_s = ((ADAM_BYTES * updated + zero_grad) / profile.compute.memory_bytes_per_s
                    + 2 * tensors * profile.compute.op_overhead_us * 1e-6)
     return dp_s, optimizer_s

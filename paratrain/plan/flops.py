@@ -22,6 +22,11 @@ Selective recomputation (Korthikanti et al. 2022, Section 4.2) re-runs only the 
 (scores, softmax, weighted sum of V): 4*b*s^2*h more per layer, by the same counting. Fused
 (flash) attention keeps no scores, so its backward multiplies Q K^T once more: 2*b*s^2*h per
 layer that the hardware does but the model FLOPs (and MFU) leave out.
+
+A mixture of experts counts active FLOPs, as the MoE literature's MFU does: an MoE layer's MLP
+multiplies each token by the router (h x E), its top_k routed experts and the shared experts,
+2 FLOPs per weight element used, so a forward is about 2 x active parameters per token plus
+attention; the experts a token skips cost nothing.
 """
 
 from __future__ import annotations
@@ -31,11 +36,22 @@ from paratrain.plan.shapes import GPTShape
 RECOMPUTE = ("none", "selective", "full")
 
 
-def layer_matmul_flops(shape: GPTShape, batch: int) -> float:
-    """Forward FLOPs of one layer's weight matmuls (QKV, projection, MLP) for `batch` sequences:
-    2 per weight element and token. A Llama's are its smaller k/v and SwiGLU's three matrices;
-    grouped-query attention does not change the attention core (each query head still attends)."""
-    return 2 * batch * shape.seq * (shape.attention_weights() + shape.mlp_weights())
+def layer_matmul_flops(shape: GPTShape, batch: int, moe: bool = False) -> float:
+    """Forward FLOPs of one layer's weight matmuls (QKV, projection, MLP) for `batch`
+    sequences: 2 per weight element and token. A Llama's are its smaller k/v and SwiGLU's three
+    matrices; grouped-query attention does not change the attention core (each query head still
+    attends); an MoE layer's MLP is the weights one token uses (router, top_k and shared experts)."""
+    return attention_matmul_flops(shape, batch) + mlp_matmul_flops(shape, batch, moe)
+
+
+def attention_matmul_flops(shape: GPTShape, batch: int) -> float:
+    """Forward FLOPs of one layer's Q, K, V and output projections."""
+    return 2 * batch * shape.seq * shape.attention_weights()
+
+
+def mlp_matmul_flops(shape: GPTShape, batch: int, moe: bool = False) -> float:
+    """Forward FLOPs of one layer's MLP, or of an MoE layer's: the weights a token uses."""
+    return 2 * batch * shape.seq * shape.mlp_weights(moe)
 
 
 def layer_attention_flops(shape: GPTShape, batch: int) -> float:
@@ -53,10 +69,11 @@ def step_flops(shape: GPTShape, batch: int, recompute: str = "none") -> float:
     whatever `recompute` adds. With recompute="none" these are the model FLOPs MFU is based on."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute policy {recompute!r}; valid: {', '.join(RECOMPUTE)}")
-    layer = layer_matmul_flops(shape, batch) + layer_attention_flops(shape, batch)
-    total = 3 * (shape.layers * layer + logit_flops(shape, batch))
+    layers = sum(layer_matmul_flops(shape, batch, shape.is_moe(i)) for i in range(shape.layers))
+    layers += shape.layers * layer_attention_flops(shape, batch)
+    total = 3 * (layers + logit_flops(shape, batch))
     if recompute == "full":
-        total += shape.layers * layer
+        total += layers
     elif recompute == "selective":
         total += shape.layers * layer_attention_flops(shape, batch)
     return total

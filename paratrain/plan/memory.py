@@ -15,6 +15,10 @@ gathered units are transient (one or two units at a time) and not in these figur
 Activations are activations.py's per-layer bytes, summed over what a pipeline rank holds at
 worst, found by walking the rank's list of the actual schedule (and, when the schedule splits
 the backward, what B keeps for W).
+
+Under expert parallelism (ep > 1) a mixture of experts' routed experts are held whole, E/ep per
+layer on each rank (moe.py), outside every ZeRO stage (paratrain's strategies leave them to
+expert/gradients.py): their weights, gradients and Adam state are counted apart from the rest's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from functools import lru_cache
 from paratrain.parallel.pipeline.schedules import build_schedule
 from paratrain.parallel.pipeline.split import balanced_partition
 from paratrain.plan.activations import Software, head_activation_bytes, layer_activation_bytes, weight_grad_bytes
+from paratrain.plan.moe import expert_parameters, moe_mlp_width
 from paratrain.plan.shapes import GPTShape
 
 GIB = float(1 << 30)
@@ -47,6 +52,7 @@ class Layout:
     zero: int = 0                # ZeRO stage 0-3 (3: FSDP), over dp x cp
     cp: int = 1                  # context parallel: each rank holds 1/cp of every sequence
     cp_method: str = "auto"      # ring | allgather | auto (the cheaper, cost_model.context_choice): how K/V reach every cp rank
+    ep: int = 1                  # expert parallel, from dp x cp: each rank holds 1/ep of every MoE layer's experts
 
     @property
     def gpus(self) -> int:
@@ -61,7 +67,8 @@ class Layout:
         return global_batch // (self.dp * self.micro_batch)
 
     def describe(self) -> str:
-        text = f"tp{self.tp} pp{self.pp}" + (f" cp{self.cp}" + ("ag" if self.cp_method == "allgather" else "") if self.cp > 1 else "") + f" dp{self.dp} mb{self.micro_batch}"
+        text = f"tp{self.tp} pp{self.pp}" + (f" cp{self.cp}" + ("ag" if self.cp_method == "allgather" else "") if self.cp > 1 else "") + f" dp{self.dp}"
+        text += (f" ep{self.ep}" if self.ep > 1 else "") + f" mb{self.micro_batch}"
         if self.pp > 1:
             text += f" {self.schedule}" + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")
         text += f" rc:{self.recompute}" + (" sp" if self.sequence_parallel else "") + (f" zero{self.zero}" if self.zero else "")
@@ -91,14 +98,31 @@ class Memory:
 def layer_parameters(shape: GPTShape, tp: int) -> list[tuple[float, int]]:
     """(parameters on one tp rank, parameter tensors) of each pipeline layer: the embeddings,
     every block, then the final norm with the head. Matrices are split over tp as Megatron and
-    paratrain split them; biases of row-parallel layers, norms and positions are replicated."""
+    paratrain split them; biases of row-parallel layers, norms and positions are replicated.
+    An MoE model's MLPs stay whole, and its routed experts are moe.expert_parameters', not these."""
     h, m, v = shape.hidden, shape.mlp, shape.vocab
+    if shape.experts:  # router and shared experts (3 tensors if any) in an MoE layer
+        blocks = [(shape.attention_weights() / tp + 2 * h + h * shape.experts
+                   + shape.shared_experts * shape.expert_weights(), 7 + 3 * (shape.shared_experts > 0))
+                  if shape.is_moe(i) else (shape.attention_weights() / tp + shape.mlp_weights() + 2 * h, 9)
+                  for i in range(shape.layers)]
+        return [(v * h / tp, 1)] + blocks + [(h * v / tp + h, 2)]
     if shape.gated:  # a Llama: no biases, no positions, one-vector RMSNorms
         block = (shape.attention_weights() + shape.mlp_weights()) / tp + 2 * h
         return [(v * h / tp, 1)] + [(block, 9)] * shape.layers + [(h * v / tp + h, 2)]
     sharded = (3 * h * h + 3 * h) + h * h + (h * m + m) + m * h
     block = sharded / tp + 2 * h + 4 * h
     return [(v * h / tp + shape.seq * h, 2)] + [(block, 12)] * shape.layers + [(h * v / tp + 2 * h, 3)]
+
+
+def held_parameters(shape: GPTShape, layout: Layout) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """(what the data-parallel strategy holds, routed experts held apart), each as
+    layer_parameters lists them. At ep 1 the experts are ordinary parameters (ZeRO shards them, the
+    strategy reduces them); at ep > 1 each rank holds E/ep of them whole."""
+    params, routed = layer_parameters(shape, layout.tp), expert_parameters(shape, layout.ep)
+    if layout.ep == 1:
+        return [(p + r, n + m) for (p, n), (r, m) in zip(params, routed)], [(0, 0)] * len(params)
+    return params, routed
 
 
 def chunk_layers(shape: GPTShape, chunks: int, software: Software) -> list[range]:
@@ -111,8 +135,8 @@ def chunk_layers(shape: GPTShape, chunks: int, software: Software) -> list[range
         per = shape.layers // chunks
         counts = [per + 1] + [per] * (chunks - 2) + [per + 1]
     else:
-        block = shape.attention_weights() + shape.mlp_weights()
-        counts = balanced_partition([1] + [block] * shape.layers + [shape.hidden * shape.vocab], chunks)
+        blocks = [shape.attention_weights() + shape.mlp_weights(shape.is_moe(i)) for i in range(shape.layers)]
+        counts = balanced_partition([1] + blocks + [shape.hidden * shape.vocab], chunks)
     starts = [sum(counts[:c]) for c in range(chunks)]
     return [range(start, start + count) for start, count in zip(starts, counts)]
 
@@ -146,9 +170,10 @@ def peak_activation_bytes(order, per_chunk: dict[int, float], kept_for_w: dict[i
     return peak
 
 
-def _per_chunk(shape: GPTShape, chunks: list[range], per_layer: float, head: float) -> dict[int, float]:
-    return {c: sum(per_layer for i in layers if 1 <= i <= shape.layers) + (head if shape.layers + 1 in layers else 0)
-            for c, layers in enumerate(chunks)}
+def _per_chunk(shape: GPTShape, chunks: list[range], per_layer: dict[bool, float], head: float) -> dict[int, float]:
+    """Bytes per chunk from `per_layer`'s bytes of a dense layer (False) and an MoE layer (True)."""
+    return {c: sum(per_layer[shape.is_moe(i - 1)] for i in layers if 1 <= i <= shape.layers)
+            + (head if shape.layers + 1 in layers else 0) for c, layers in enumerate(chunks)}
 
 
 def context_local(shape: GPTShape, software: Software, cp: int) -> tuple[GPTShape, Software]:
@@ -159,12 +184,20 @@ def context_local(shape: GPTShape, software: Software, cp: int) -> tuple[GPTShap
     return replace(shape, seq=shape.seq // cp), replace(software, flash_attention=True)
 
 
+def _widest_mlp(shape: GPTShape, tp: int) -> float:
+    """The MLP's hidden width on one tp rank, widest over the layer kinds (an MoE model's whole)."""
+    if not shape.experts:
+        return shape.mlp / tp
+    return max(shape.mlp, moe_mlp_width(shape))
+
+
 def memory_per_gpu(shape: GPTShape, layout: Layout, global_batch: int, software: Software) -> Memory:
     """The memory of the pipeline rank that needs most."""
     t, b = layout.tp, layout.micro_batch
-    params = layer_parameters(shape, t)
+    params, routed = held_parameters(shape, layout)
     shape, software = context_local(shape, software, layout.cp)  # parameters above are the whole model's
-    per_layer = layer_activation_bytes(shape, b, software, t, layout.sequence_parallel, layout.recompute)
+    per_layer = {moe: layer_activation_bytes(shape, b, software, t, layout.sequence_parallel, layout.recompute, moe)
+                 for moe in (False, True)}
     head = head_activation_bytes(shape, b, software, t, layout.sequence_parallel)
     if layout.pp > 1:
         schedule = cached_schedule(layout.schedule, layout.pp, layout.microbatches(global_batch),
@@ -177,17 +210,21 @@ def memory_per_gpu(shape: GPTShape, layout: Layout, global_batch: int, software:
     kept_for_w = None
     if orders and schedule.split_backward:
         if layout.recompute == "none" and not layout.sequence_parallel:
-            kept_for_w = _per_chunk(shape, chunks, *weight_grad_bytes(shape, b, software, t))
+            layer, head_kept = weight_grad_bytes(shape, b, software, t)  # an MoE layer's taken as a dense one's
+            kept_for_w = _per_chunk(shape, chunks, {False: layer, True: layer}, head_kept)
         else:  # paratrain cannot split these: W walks the whole graph again, kept until then
             kept_for_w = per_chunk
     logits = 4 * shape.seq * b * shape.vocab / t
-    workspace_layer = 2 * software.activation_bytes * shape.seq * b * shape.mlp / t
+    workspace_layer = 2 * software.activation_bytes * shape.seq * b * _widest_mlp(shape, t)
     stages = []
     for rank in range(layout.pp):
         mine = [i for c in owner(rank) for i in chunks[c]]
         count = sum(params[i][0] for i in mine)
         tensors = sum(params[i][1] for i in mine)
         weights, grads, optimizer = state_bytes(count, tensors, layout.replicas, layout.zero, software.precision)
+        experts = sum(routed[i][0] for i in mine)  # whole on each rank: no ZeRO shards them
+        held = state_bytes(experts, sum(routed[i][1] for i in mine), 1, 0, software.precision)
+        weights, grads, optimizer, count = weights + held[0], grads + held[1], optimizer + held[2], count + experts
         activations = (peak_activation_bytes(orders[rank], per_chunk, kept_for_w) if orders
                        else per_chunk[0])
         holds_head = shape.layers + 1 in mine

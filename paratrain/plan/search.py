@@ -3,7 +3,8 @@
 A layout is valid when paratrain (or Megatron) could run it: tp divides the heads and the MLP
 and stays within a node, pp divides the layers (evenly per chunk when the profile's software
 splits evenly), dp divides the global batch and the micro-batch divides each replica's share,
-and the schedule accepts the microbatch count (schedules.microbatch_problems).
+and the schedule accepts the microbatch count (schedules.microbatch_problems). Expert parallelism
+(a mixture of experts only) takes its ranks from dp x cp and must divide them and the experts.
 
 Searched schedules: 1f1b, interleaved-1f1b (2-4 chunks per rank), zb-h1 and zb-v. GPipe is left
 out: it has 1F1B's bubble and holds every microbatch's activations. Recomputation is tried from
@@ -35,10 +36,11 @@ def layout_problems(shape: GPTShape, layout: Layout, global_batch: int, profile:
         problems.append(f"tp x pp x cp x dp = {layout.gpus}, not the {gpus} GPUs given")
     if layout.cp > 1 and shape.seq % (2 * layout.cp):
         problems.append(f"the sequence ({shape.seq}) must divide by 2·cp = {2 * layout.cp} (zigzag context parallelism)")
-    if shape.heads % layout.tp or shape.mlp % layout.tp:
+    if shape.heads % layout.tp or (shape.mlp % layout.tp and not shape.experts):  # an MoE model's MLPs stay whole
         problems.append(f"tp {layout.tp} must divide the heads ({shape.heads}) and the MLP width ({shape.mlp})")
     elif shape.kv_heads % layout.tp:
         problems.append(f"tp {layout.tp} must divide the key/value heads ({shape.kv_heads})")
+    problems += _expert_problems(shape, layout)
     if global_batch % layout.dp or (global_batch // layout.dp) % layout.micro_batch:
         problems.append(f"global batch {global_batch} must split into dp {layout.dp} replicas of whole "
                         f"micro-batches of {layout.micro_batch}")
@@ -60,6 +62,20 @@ def layout_problems(shape: GPTShape, layout: Layout, global_batch: int, profile:
     return problems
 
 
+def _expert_problems(shape: GPTShape, layout: Layout) -> list[str]:
+    if shape.experts and layout.sequence_parallel:
+        return ["sequence parallelism is not run with a mixture of experts (its MLPs are whole on every tp rank)"]
+    if layout.ep == 1:
+        return []
+    if not shape.experts:
+        return [f"ep {layout.ep}: expert parallelism needs a mixture of experts (moe-small, mixtral-8x7b, ...)"]
+    if layout.replicas % layout.ep:
+        return [f"ep {layout.ep} must divide dp x cp = {layout.replicas} (its ranks are data ranks)"]
+    if shape.experts % layout.ep:
+        return [f"ep {layout.ep} must divide the experts ({shape.experts})"]
+    return []
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -77,10 +93,17 @@ def candidate_layouts(shape: GPTShape, gpus: int, global_batch: int, profile: Ha
                 base = Layout(tp, pp, dp, mb, cp=cp)
                 for schedule, v in _schedules(pp, base.microbatches(global_batch) if global_batch % dp == 0 else 0):
                     for sp in ((False, True) if tp > 1 else (False,)):
-                        for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):  # what each shards: memory.py
-                            layout = replace(base, schedule=schedule, virtual_stages=v, sequence_parallel=sp, zero=zero)
+                        for zero, ep in ((z, e) for z in ((0, 1, 2, 3) if dp * cp > 1 else (0,))  # memory.py
+                                         for e in _expert_ranks(shape, dp * cp)):
+                            layout = replace(base, schedule=schedule, virtual_stages=v, sequence_parallel=sp,
+                                             zero=zero, ep=ep)
                             if not layout_problems(shape, layout, global_batch, profile):
                                 yield layout
+
+
+def _expert_ranks(shape: GPTShape, replicas: int) -> list[int]:
+    """ep to try: 1, and for a mixture of experts every divisor of dp x cp that divides the experts."""
+    return [e for e in _divisors(replicas) if e == 1 or (shape.experts and shape.experts % e == 0)]
 
 
 def _schedules(pp: int, m: int) -> list[tuple[str, int]]:
@@ -111,8 +134,8 @@ def search(shape: GPTShape, gpus: int, global_batch: int, profile: HardwareProfi
     return fitting, dropped
 
 
-_LABELS = {"compute": "compute", "tp_comm": "tp comm", "pp_comm": "pp comm", "cp_comm": "cp comm", "bubble": "bubble",
-           "dp_comm": "dp comm", "optimizer": "optimizer"}
+_LABELS = {"compute": "compute", "tp_comm": "tp comm", "pp_comm": "pp comm", "cp_comm": "cp comm", "ep_comm": "ep comm",
+           "bubble": "bubble", "dp_comm": "dp comm", "optimizer": "optimizer"}
 
 
 def reason(prediction: Prediction, best: Prediction) -> str:
