@@ -20,6 +20,7 @@ from paratrain.environment import Settings
 from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.config_reference import config_yaml
 from paratrain.train.context_method import context_plan
+from paratrain.train.moe_plan import moe_plan_lines
 from paratrain.train.loop import train_rank
 from paratrain.train.memory import estimate, format_estimate
 from paratrain.train.options import checkpoint_options, training_options, validated_config
@@ -111,6 +112,7 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
         lines += describe_split(config)
     if par.cp > 1:
         lines += context_plan(config, world).lines
+    lines += moe_plan_lines(config, world)
     if strategy.zero == 3:
         lines += fsdp_units_note(config)
     if isinstance(shape, (GPTConfig, LlamaConfig)) and (par.pp * par.tp > 1 or strategy.zero) and not config.model.plan:

@@ -20,7 +20,7 @@ class ContextPlan:
     lines: list[str]  # what the planner says about it, for --plan-only and the banner
 
 
-def _profile_name() -> str:
+def profile_name() -> str:
     import torch
 
     return GPU_PROFILE if torch.cuda.is_available() else CPU_PROFILE
@@ -45,7 +45,7 @@ def context_plan(config, world: int) -> ContextPlan:
     split = par.microbatches if par.pp > 1 else par.grad_accum
     layout = Layout(par.tp, par.pp, dp, max(config.data.global_batch // (dp * split), 1), cp=par.cp,
                     sequence_parallel=par.sequence_parallel)
-    profile = load_profile(_profile_name())
+    profile = load_profile(profile_name())
     choice = context_choice(GPTShape.from_config(shape_config), layout, profile)
     method = choice.method if par.cp_method == "auto" else par.cp_method
     return ContextPlan(method, choice.describe(par.cp_method, f"profile {profile.name}"))

@@ -17,7 +17,7 @@ def moe_plan_lines(config, world: int) -> list[str]:
     from paratrain.plan.memory import Layout
     from paratrain.plan.moe import describe_dispatch, describe_experts
     from paratrain.plan.shapes import GPTShape
-    from paratrain.train.context_method import _profile_name
+    from paratrain.train.context_method import profile_name
 
     moe_config = model_config(config.model.name, **config.model.overrides)
     if not isinstance(moe_config, MoEConfig):
@@ -33,7 +33,7 @@ def moe_plan_lines(config, world: int) -> list[str]:
     layout = Layout(par.tp, par.pp, dp, max(global_batch // (dp * split), 1), schedule=par.schedule,
                     virtual_stages=par.virtual_stages, recompute="full" if par.checkpoint_activations else "none",
                     zero=par.zero, cp=par.cp, ep=par.ep)
-    profile = load_profile(_profile_name())
+    profile = load_profile(profile_name())
     try:
         ep_comm = predict(shape, layout, profile, global_batch).breakdown["ep_comm"]
     except ValueError as error:  # a layout the planner's schedules or splits refuse
