@@ -128,3 +128,11 @@ def test_train_plan_only_lines_name_the_dispatch_on_the_local_profile():
     assert "1.53 rows per token dispatched" in lines[1] and "per step on profile cpu-2core" in lines[1]
     config, world = validated_config(None, {"model": "llama-small", "nproc": 2}, Settings.resolve())
     assert moe_plan_lines(config, world) == []
+
+
+def test_train_plan_only_prints_the_moe_lines_before_any_rank_starts():
+    result = CliRunner().invoke(main, ["train", "--model", "moe-small", "--nproc", "4", "--ep", "2", "--plan-only"])
+    assert result.exit_code == 0, result.output
+    assert "experts split over ep 2" in result.output
+    assert "mixture of experts: 16 experts of width 96, top-2 + 1 shared" in result.output
+    assert "rows per token dispatched of 2 chosen" in result.output
