@@ -90,7 +90,7 @@ def test_bench_moe_ep_counts_the_rows_the_routing_needs_and_writes_json(tmp_path
         assert s["tokens"] <= sum(s["rows_to"]) <= s["choices"] == 2 * s["tokens"]  # top-2, nothing dropped
     for load in (e for e in record["loads"] if e["ep"] == 2):  # the log's count of choices is the dispatchers'
         assert sum(map(sum, load["expert_tokens"])) - load["dropped_pairs"] == \
-            sum(s["choices"] for s in dispatched if s["step"] == load["step"])
+            sum(s["choices"] for s in dispatched if (s["round"], s["step"]) == (load["round"], load["step"]))
     row = record["rows"][1]
     assert row["rows_per_token"] == pytest.approx(sum(needed[(2, r)] for r in (0, 1)) / sum(s["tokens"] for s in dispatched))
     assert "rows/token" in result.output and "uniform" in result.output

@@ -33,7 +33,7 @@ from paratrain.models.moe_experts import GroupedExperts
 METHODS = ("grouped", "loop", "padded")
 # Options of one part only: giving one to the other part is refused, not ignored.
 MATMUL_ONLY = ("expert_counts", "tokens", "top_k", "d_model", "d_expert", "skew", "methods", "repeats", "warmup")
-EP_ONLY = ("model", "nproc", "steps", "global_batch", "launcher")
+EP_ONLY = ("model", "nproc", "steps", "rounds", "global_batch", "launcher")
 
 
 def uneven_counts(n_experts: int, rows: int, skew: float) -> torch.Tensor:
@@ -147,6 +147,8 @@ def _write_json(path: str, record: dict, count: int) -> None:
               help="With --ep: ranks, the same world at every ep (data parallel).")
 @click.option("--steps", type=click.IntRange(min=2), default=6, show_default=True,
               help="With --ep: training steps per ep; the first is not timed.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --ep: rounds, each training every ep in turn (load on the machine reaches them alike).")
 @click.option("--global-batch", type=click.IntRange(min=1), default=32, show_default=True,
               help="With --ep: sequences per step over all ranks.")
 @click.option("--launcher", type=click.Choice(["processes", "threads"]), default="processes", show_default=True,
@@ -156,7 +158,7 @@ def _write_json(path: str, record: dict, count: int) -> None:
 @click.option("--json", "json_path", type=OutputPath(), help="Write the rows as JSON here.")
 @click.pass_context
 def moe(ctx, expert_counts, tokens, top_k, d_model, d_expert, skew, methods, repeats, warmup, eps, model, nproc,
-        steps, global_batch, launcher, threads, seed, json_path):
+        steps, rounds, global_batch, launcher, threads, seed, json_path):
     """Routed experts (forward + backward), fp32 on the CPU: one grouped_mm per weight, a loop
     over the experts, and padded batched multiplies, on the same uneven rows.
 
@@ -174,8 +176,8 @@ def moe(ctx, expert_counts, tokens, top_k, d_model, d_expert, skew, methods, rep
     if threads:
         torch.set_num_threads(threads)
     if eps is not None:
-        record = ep_sweep(model, nproc, eps, {"steps": steps, "global_batch": global_batch, "launcher": launcher,
-                                              "seed": seed})
+        record = ep_sweep(model, nproc, eps, {"steps": steps, "rounds": rounds, "global_batch": global_batch,
+                                              "launcher": launcher, "seed": seed})
         for line in ep_table_lines(record["rows"]):
             click.echo(line)
         if json_path:

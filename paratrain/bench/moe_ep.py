@@ -164,10 +164,10 @@ def ep_rank(group, config: TrainConfig) -> dict:
             "tokens_per_sample": tokens_per_sample(trainer.dataset)}
 
 
-def _median_of_slowest(per_rank: list[list[dict]], key: str) -> float:
-    """Each timed step's largest value over ranks, then the median over steps."""
+def _median_of_slowest(runs: list[list[list[dict]]], key: str) -> float:
+    """Each timed step's largest value over ranks, then the median over the steps of every run."""
     return statistics.median(max(steps[i][key] for steps in per_rank)
-                             for i in range(UNTIMED_STEPS, len(per_rank[0])))
+                             for per_rank in runs for i in range(UNTIMED_STEPS, len(per_rank[0])))
 
 
 def dispatch_figures(per_rank: list[list[dict]], experts: int, top_k: int, ep: int) -> dict:
@@ -189,23 +189,30 @@ def dispatch_figures(per_rank: list[list[dict]], experts: int, top_k: int, ep: i
         "bytes_per_rank_step": statistics.fmean(s["bytes_all"] for s in records)}
 
 
-def measure_ep(config: TrainConfig, experts: int, top_k: int) -> tuple[dict, list[dict], list[dict]]:
-    """Train `config` once: its row, every rank's steps (each tagged with ep and rank) and the loads."""
-    ep, world = config.parallel.ep, config.parallel.nproc
-    results = run(ep_rank, world, launcher=config.parallel.launcher, args=(config,), timeout=config.parallel.timeout)
-    per_rank = [results[r]["steps"] for r in range(world)]
-    loads = results[0]["loads"]  # summed over the data ranks: every rank's are the same
-    step_ms = _median_of_slowest(per_rank, "step_ms")
-    timed_loads = loads[UNTIMED_STEPS:]
-    row = {"ep": ep, "world": world, "step_ms": step_ms, "exposed_ms": _median_of_slowest(per_rank, "exposed_ms"),
-           "ep_comm_ms": _median_of_slowest(per_rank, "ep_comm_ms"),
-           "tokens_per_s": config.data.global_batch * results[0]["tokens_per_sample"] / (step_ms / 1e3),
-           "expert_imbalance": statistics.fmean(e["expert_imbalance"] for e in timed_loads),
-           "ep_rank_imbalance": statistics.fmean(e["ep_rank_imbalance"] for e in timed_loads),
-           "dropped_pairs": sum(e["dropped_pairs"] for e in loads),
-           **dispatch_figures(per_rank, experts, top_k, ep)}
-    steps = [{"ep": ep, "rank": r, **s} for r, rank_steps in enumerate(per_rank) for s in rank_steps]
-    return row, steps, [{"ep": ep, **e} for e in loads]
+def train_once(config: TrainConfig, round_: int) -> dict:
+    """One world trained at `config`'s ep: every rank's steps (tagged with round, ep and rank) and
+    the loads of the log (summed over the data ranks: rank 0's are every rank's)."""
+    results = run(ep_rank, config.parallel.nproc, launcher=config.parallel.launcher, args=(config,),
+                  timeout=config.parallel.timeout)
+    tags = {"round": round_, "ep": config.parallel.ep}
+    return {"per_rank": [[{**tags, "rank": r, **s} for s in results[r]["steps"]] for r in sorted(results)],
+            "loads": [{**tags, **e} for e in results[0]["loads"]], "tokens_per_sample": results[0]["tokens_per_sample"]}
+
+
+def ep_row(config: TrainConfig, runs: list[dict], experts: int, top_k: int) -> dict:
+    """One ep's figures over its runs (rounds): times as medians of every timed step, dispatches
+    over every step, imbalance as means over the timed steps."""
+    per_rank_runs = [r["per_rank"] for r in runs]
+    step_ms = _median_of_slowest(per_rank_runs, "step_ms")
+    timed_loads = [e for r in runs for e in r["loads"][UNTIMED_STEPS:]]
+    return {"ep": config.parallel.ep, "world": config.parallel.nproc, "step_ms": step_ms,
+            "exposed_ms": _median_of_slowest(per_rank_runs, "exposed_ms"),
+            "ep_comm_ms": _median_of_slowest(per_rank_runs, "ep_comm_ms"),
+            "tokens_per_s": config.data.global_batch * runs[0]["tokens_per_sample"] / (step_ms / 1e3),
+            "expert_imbalance": statistics.fmean(e["expert_imbalance"] for e in timed_loads),
+            "ep_rank_imbalance": statistics.fmean(e["ep_rank_imbalance"] for e in timed_loads),
+            "dropped_pairs": sum(e["dropped_pairs"] for r in runs for e in r["loads"]),
+            **dispatch_figures([steps for r in runs for steps in r["per_rank"]], experts, top_k, config.parallel.ep)}
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
@@ -233,7 +240,7 @@ def table_lines(rows: list[dict]) -> list[str]:
               f"{_or_dash(r['uniform_saving'], '.0%'):>7} {r['bytes_to_others_per_rank_step'] / 1024:>8.1f} "
               f"{r['bytes_per_rank_step'] / 1024:>8.1f}" for r in rows]
     return lines + [
-        "# step ms, exposed ms: each step's slowest rank, median over the steps after the first; exposed: the "
+        "# step ms, exposed ms: each step's slowest rank, median over the steps after the first (every round); exposed: the "
         "strategy's exposed communication + ep comm (all-to-alls and the experts' gradient all-reduce, blocking)",
         "# expert max/mean: tokens per expert, worst layer; ep-rank max/mean: tokens per ep rank; means over "
         "the steps after the first",
@@ -248,8 +255,9 @@ def markdown_lines(record: dict) -> list[str]:
     """The results page's section (bench/results_page.py) from the JSON `--json` writes."""
     args = record["args"]
     head = (f"{args['model']} ({args['experts']} experts, top-{args['top_k']}) on {args['nproc']} ranks "
-            f"({args['launcher']}), global batch {args['global_batch']}, {args['steps']} steps. *step* and "
-            "*exposed*: each step's slowest rank, the median over the steps after the first; exposed: the "
+            f"({args['launcher']}), global batch {args['global_batch']}, {args['steps']} steps, {args['rounds']} rounds "
+            "(the eps in turn in each). *step* and "
+            "*exposed*: each step's slowest rank, the median over every round's steps after the first; exposed: the "
             "data-parallel strategy's exposed communication plus expert parallelism's all-to-alls and expert-"
             "gradient all-reduce (blocking). *rows/token*: counted from the dispatchers over every rank and step; "
             "*uniform*: ep·(1 − C(E−L, k)/C(E, k)), what uniform routing would need (real routing is not "
@@ -287,16 +295,18 @@ def expert_shape(model: str) -> tuple[int, int]:
 
 
 def ep_sweep(model: str, nproc: int, eps: list[int], options: dict) -> dict:
-    """Train `model` on `nproc` ranks at each ep; the rows, every rank's steps and the loads."""
+    """Train `model` on `nproc` ranks at each ep, the eps in turn in each round (so that a spell of
+    load on the machine reaches all of them); the rows, every rank's steps and the loads."""
     experts, top_k = expert_shape(model)
     configs = [ep_config(model, nproc, ep, options) for ep in eps]  # every refusal before any run
-    rows, steps, loads = [], [], []
-    for config in configs:
-        click.echo(f"# ep {config.parallel.ep}: {model} on {nproc} ranks ({options['launcher']}), "
-                   f"{options['steps']} steps ...", err=True)
-        row, rank_steps, step_loads = measure_ep(config, experts, top_k)
-        rows.append(row)
-        steps += rank_steps
-        loads += step_loads
-    return {"rows": with_ratios(rows), "steps": steps, "loads": loads,
+    runs = {ep: [] for ep in eps}
+    for round_ in range(options["rounds"]):
+        for config in configs:
+            click.echo(f"# round {round_ + 1}/{options['rounds']}, ep {config.parallel.ep}: {model} on {nproc} "
+                       f"ranks ({options['launcher']}), {options['steps']} steps ...", err=True)
+            runs[config.parallel.ep].append(train_once(config, round_))
+    rows = [ep_row(config, runs[config.parallel.ep], experts, top_k) for config in configs]
+    every = [run_ for ep in eps for run_ in runs[ep]]
+    return {"rows": with_ratios(rows), "steps": [s for r in every for steps in r["per_rank"] for s in steps],
+            "loads": [e for r in every for e in r["loads"]],
             "args": {"model": model, "nproc": nproc, "eps": eps, "experts": experts, "top_k": top_k, **options}}
