@@ -110,3 +110,13 @@ def test_each_token_goes_once_to_each_rank_it_needs_fewer_rows_than_once_per_exp
     assert len(token_S) / tokens == pytest.approx(11 / 7, rel=0.01)
     same_rank = (experts[:, 0] // 4 == experts[:, 1] // 4).sum().item()
     assert len(token_S) == 2 * tokens - same_rank  # exactly: one row less per token whose experts share a rank
+
+
+def test_a_dispatchers_records_stay_bounded_over_a_long_run():
+    from paratrain.parallel.expert.apply import RECORDS, ExpertParallelDispatcher
+    from paratrain.parallel.expert.dispatch import DispatchCounts
+
+    dispatcher = ExpertParallelDispatcher(group=None, local_experts=4)
+    for step in range(RECORDS + 10):
+        dispatcher.sent.append(DispatchCounts((step, 0), step))
+    assert len(dispatcher.sent) == RECORDS and dispatcher.sent[-1].choices == RECORDS + 9

@@ -10,6 +10,8 @@ same whole model (built from one seed), so the slices together are the single-de
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from paratrain.models.moe import moe_layers
 from paratrain.parallel.expert.dispatch import DispatchCounts, expert_parallel
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
+RECORDS = 1024
 
 
 class ExpertParallelDispatcher:
@@ -24,7 +27,9 @@ class ExpertParallelDispatcher:
 
     def __init__(self, group, local_experts: int):
         self.group, self.local_experts = group, local_experts
-        self.sent: list[DispatchCounts] = []  # every forward's, since the log last took them
+        # What each forward sent, the latest RECORDS of them (bench moe reads and clears them each
+        # step); bounded, so that a long run that never reads them holds no more than that.
+        self.sent: deque[DispatchCounts] = deque(maxlen=RECORDS)
 
     def routed(self, x_ND: torch.Tensor, experts_NK: torch.Tensor, weights_NK: torch.Tensor, experts) -> torch.Tensor:
         """Σ_k weights · expert(x) per token; a dropped choice is expert −1."""
