@@ -17,6 +17,7 @@ from paratrain.models.llama import Llama, LlamaConfig, llama_parameter_count
 from paratrain.models.mlp import MLP, DeepMLP, DeepMLPConfig, MLPConfig
 from paratrain.models.moe_llama import MoEConfig, MoELlama, moe_parameter_count, moe_parameter_counts
 from paratrain.models.user_model import CausalLMFile, file_model_config, is_model_file
+from paratrain.models.hf_model import FAMILIES as HF_FAMILIES, HFModelConfig, hf_model_config, is_hf_name
 
 PRESETS = {
     # The ring-allreduce seed's model, sized for the teacher data set's defaults.
@@ -71,19 +72,23 @@ PRESETS = {
 MODEL_NAMES = tuple(PRESETS)
 
 _BUILDERS = {MLPConfig: MLP, DeepMLPConfig: DeepMLP, CNNConfig: CNN, GPTConfig: GPT, LlamaConfig: Llama,
-             MoEConfig: MoELlama, CausalLMFile: CausalLMFile.build}
+             MoEConfig: MoELlama, CausalLMFile: CausalLMFile.build, HFModelConfig: HFModelConfig.build}
 # Models of token ids (B, T) -> logits (B, T, V), with vocab_size and block_size: they train on
 # tokens or text, and tensor/pipeline parallelism applies to them through a plan.
-CAUSAL_LM_CONFIGS = (GPTConfig, LlamaConfig, MoEConfig, CausalLMFile)
+CAUSAL_LM_CONFIGS = (GPTConfig, LlamaConfig, MoEConfig, CausalLMFile, HFModelConfig)
 
 
 def model_config(name: str, **overrides):
     """The preset config for `name` with `overrides` applied, validated; for a user's model
-    (FILE.py:FUNCTION) its options, vocabulary and context length."""
+    (FILE.py:FUNCTION) its options, vocabulary and context length; for a transformers model
+    (hf:FAMILY) its config file and fields."""
     if is_model_file(name):
         return file_model_config(name, overrides)
+    if is_hf_name(name):
+        return hf_model_config(name, overrides)
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)} or FILE.py:FUNCTION")
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_NAMES)}, FILE.py:FUNCTION or "
+                         f"hf:FAMILY ({', '.join(HF_FAMILIES)})")
     preset = PRESETS[name]
     valid = [field.name for field in dataclasses.fields(preset)]
     unknown = sorted(set(overrides) - set(valid))
@@ -95,6 +100,11 @@ def model_config(name: str, **overrides):
     config = dataclasses.replace(preset, **overrides)
     config.validate()
     return config
+
+
+def is_model_name(name) -> bool:
+    """A preset, a user's model (FILE.py:FUNCTION) or a transformers one (hf:FAMILY)."""
+    return name in PRESETS or is_model_file(name) or is_hf_name(name)
 
 
 def build_model(name: str, **overrides) -> nn.Module:
@@ -122,8 +132,8 @@ def format_count(n: int) -> str:
 
 
 __all__ = [
-    "CAUSAL_LM_CONFIGS", "CNN", "CNNConfig", "CausalLMFile", "DeepMLP", "DeepMLPConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP",
+    "CAUSAL_LM_CONFIGS", "CNN", "CNNConfig", "CausalLMFile", "DeepMLP", "DeepMLPConfig", "GPT", "GPTConfig", "HFModelConfig", "Llama", "LlamaConfig", "MLP",
     "MLPConfig", "MODEL_NAMES", "MoEConfig", "MoELlama", "PRESETS", "build_model", "count_parameters", "format_count",
-    "gpt_parameter_count", "llama_parameter_count", "is_model_file", "model_config", "moe_parameter_counts",
+    "gpt_parameter_count", "llama_parameter_count", "is_hf_name", "is_model_file", "is_model_name", "model_config", "moe_parameter_counts",
     "parameter_count",
 ]

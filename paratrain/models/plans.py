@@ -82,9 +82,11 @@ MOE_PLAN = {
 
 
 def default_plan(model: nn.Module) -> dict | None:
-    """Our model's own plan, or None for a model that has none (the MLPs, the CNN)."""
+    """Our model's own plan, a transformers model's (hf_plans.py), or None for a model that has
+    none (the MLPs, the CNN)."""
     from paratrain.models.gpt import GPT
+    from paratrain.models.hf_plans import hf_plan
     from paratrain.models.llama import Llama
     from paratrain.models.moe_llama import MoELlama
 
-    return {GPT: GPT_PLAN, Llama: LLAMA_PLAN, MoELlama: MOE_PLAN}.get(type(model))
+    return {GPT: GPT_PLAN, Llama: LLAMA_PLAN, MoELlama: MOE_PLAN}.get(type(model)) or hf_plan(model)
