@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "check": "paratrain.train.check:check",
     "matrix": "paratrain.train.matrix_cli:matrix",
     "sample": "paratrain.train.sample:sample",
+    "export": "paratrain.train.export_cli:export",
     "bench": "paratrain.bench.cli:bench",
     "schedule": "paratrain.parallel.pipeline.schedule_cli:schedule",
     "serve": "paratrain.frontend.cli:serve",

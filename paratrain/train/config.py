@@ -95,6 +95,7 @@ class CheckpointConfig:
     every: int = 0  # steps between saves (0: only at the end, when dir is set)
     keep: int = 3  # complete checkpoints kept; older ones are deleted after each save
     resume: str | None = None  # "latest" (in dir) or a checkpoint's path; None: start fresh
+    init_from: str | None = None  # a Hugging Face model directory whose weights the run starts from (fresh optimizer)
     max_restarts: int = 0  # processes launcher: restart the ranks this often, resuming each time
 
 

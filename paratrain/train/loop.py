@@ -21,6 +21,7 @@ from paratrain.train.compiled import EAGER_STEPS
 from paratrain.train.config import TrainConfig, to_dict
 from paratrain.train.evaluate import Evaluator
 from paratrain.train.held_memory import HeldMemory
+from paratrain.train.hf_init import init_from_hf
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.parallel_model import build_parallel_model
 from paratrain.train.profile import StepProfiler, profiled_steps
@@ -140,6 +141,8 @@ def start(group, config: TrainConfig) -> Run:
     state = train_state_for(parallel, mesh, job.dp, optimizer)
     resume_from = checkpoint_to_resume(config, restarted=group.settings.launch.restart_count > 0)
     first_step = restore(resume_from, config, group, state, scheduler) if resume_from else 0
+    if not resume_from and config.checkpoint.init_from:
+        init_from_hf(config.checkpoint.init_from, config, state)
     if resume_from and group.rank == 0:
         print(f"resumed from {resume_from} at step {first_step}", file=sys.stderr, flush=True)
     return Run(group, config, dataset, mesh, job, optimizer, scheduler, held, evaluator, state, first_step)

@@ -12,6 +12,7 @@ import torch
 from paratrain.models.moe import update_router_bias
 from paratrain.parallel.precision import autocast
 from paratrain.train.config import TrainConfig
+from paratrain.train.hf_init import load_hf_into
 from paratrain.train.optim import build_optimizer, build_scheduler
 from paratrain.train.setup import build_seeded_model, dataset_for, persistent_buffers
 
@@ -25,6 +26,8 @@ class Reference(NamedTuple):
 
 def reference_run(config: TrainConfig) -> Reference:
     model = build_seeded_model(config.model.name, config.model.overrides, config.seed)
+    if config.checkpoint.init_from:
+        load_hf_into(model, config.checkpoint.init_from, config)
     dataset = dataset_for(config.model.name, config.model.overrides, config.data.name, config.seed, config.data.loss)
     optimizer = build_optimizer(config.optim, model.parameters())
     scheduler = build_scheduler(optimizer, config.optim, config.steps)
