@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from paratrain.cli import main
 from paratrain.models import model_config
+from paratrain.models.user_model import language_model_shape
 from paratrain.train.checkpoint import load_for_inference
 from paratrain.train.hf_files import HfDirectory
 from paratrain.train.hf_weights import NoHfFormat, format_for
@@ -60,7 +61,8 @@ def hf_logits_difference(checkpoint, hf_dir) -> float:
     _, ours = load_for_inference(str(checkpoint))
     theirs, info = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    idx = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size), generator=torch.Generator().manual_seed(0))
+    vocab_size, block_size = language_model_shape(ours)
+    idx = torch.randint(0, vocab_size, (2, block_size), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return (ours(idx) - theirs.eval()(idx).logits).abs().max().item()
 
@@ -120,14 +122,24 @@ def test_check_with_init_from_matches_one_process_started_from_the_same_weights(
 @pytest.mark.parametrize("yaml, architecture", [
     ("model: {name: gpt-tiny}", "GPT2LMHeadModel"),
     ("model: {name: moe-tiny, n_shared_experts: 0, rope_theta: 500000.0}", "MixtralForCausalLM"),
+    ("model: {name: 'hf:gpt2'}", "GPT2LMHeadModel"),  # HF's names already: exported as they are
 ])
-def test_gpt_and_an_moe_llama_export_with_our_logits(tmp_path, yaml, architecture):
+def test_gpt_an_moe_llama_and_an_hf_model_export_with_our_logits(tmp_path, yaml, architecture):
     (tmp_path / "run.yaml").write_text(yaml + "\n")
     paratrain("train", "--config", str(tmp_path / "run.yaml"), "--nproc", "1", "--steps", "2",
               "--save-dir", str(tmp_path / "ckpt"))
     paratrain("export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "hf"))
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [architecture]
     assert hf_logits_difference(tmp_path / "ckpt", tmp_path / "hf") <= LOGITS_ATOL
+
+
+def test_an_hf_llama_started_from_our_llamas_export_has_its_first_loss(llama, sharded):
+    """transformers' own Llama, built from the exported config.json, reads the same weights."""
+    metrics = llama / "init-hf-llama.json"
+    paratrain("train", "--model", "hf:llama", "--hf-config", str(sharded[0] / "config.json"), "--nproc", "1",
+              "--steps", "1", "--init-from", str(sharded[0]), "--metrics-out", str(metrics))
+    first = json.loads(metrics.read_text())["log"][0]["loss"]
+    assert first == pytest.approx(first_loss_of_our_model(llama / "ckpt"), rel=1e-6)
 
 
 def test_an_moe_with_shared_experts_is_refused_in_one_line():
