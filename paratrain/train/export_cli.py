@@ -17,7 +17,7 @@ import torch
 
 from paratrain.paths import cannot_write
 from paratrain.train.hf_files import (
-    DEFAULT_MAX_SHARD, HfDirectoryError, clear_previous, parse_size, plan_shards, safetensors_module,
+    CONFIG, DEFAULT_MAX_SHARD, INDEX, HfDirectoryError, clear_previous, parse_size, plan_shards, safetensors_module,
     shard_file_names, write_config, write_index, write_shard,
 )
 from paratrain.train.hf_weights import HfFormat, NoHfFormat, model_format
@@ -41,19 +41,21 @@ def export_to_hf(checkpoint: str, out_dir: str, max_shard_size: str = DEFAULT_MA
     sizes = {name: _stored_bytes(reader, name) for name in ours}
     shards = plan_shards(sizes, max_bytes)
     clear_previous(out)
-    written, weight_map = [], {}
+    written, weight_map, total = [], {}, 0
     for names, file in zip(shards, shard_file_names(len(shards))):
         tensors = _hf_tensors(fmt, reader, names)
         write_shard(out / file, tensors)
         weight_map.update(dict.fromkeys(tensors, file))
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        total += size
         written.append(out / file)
-        echo(f"wrote {out / file} ({len(tensors)} tensors, {sum(sizes[n] for n in names) / 1e6:.2f} MB)")
+        echo(f"wrote {out / file} ({len(tensors)} tensors, {size / 1e6:.2f} MB)")
     if len(shards) > 1:
-        write_index(out, weight_map, sum(sizes.values()))
-        written.append(out / "model.safetensors.index.json")
+        write_index(out, weight_map, total)
+        written.append(out / INDEX)
         echo(f"wrote {written[-1]} ({len(weight_map)} tensors in {len(shards)} files)")
     write_config(out, fmt.config)
-    written.append(out / "config.json")
+    written.append(out / CONFIG)
     echo(f"wrote {written[-1]} ({fmt.config['architectures'][0]})")
     return written
 

@@ -116,12 +116,12 @@ _GPT2_RULES = (
 )
 
 
-def _llama_config(shape, architecture: str = "LlamaForCausalLM", model_type: str = "llama") -> dict:
+def _llama_config(shape: LlamaConfig | MoEConfig, architecture: str = "LlamaForCausalLM", model_type: str = "llama") -> dict:
     return {
         "architectures": [architecture], "model_type": model_type, "torch_dtype": "float32",
         "hidden_size": shape.d_model, "intermediate_size": shape.d_mlp, "num_attention_heads": shape.n_head,
-        "num_key_value_heads": shape.n_kv_head, "head_dim": shape.head_dim if isinstance(shape, LlamaConfig)
-        else shape.dense_config().head_dim, "num_hidden_layers": shape.n_layer, "vocab_size": shape.vocab_size,
+        "num_key_value_heads": shape.n_kv_head, "head_dim": shape.d_model // shape.n_head,
+        "num_hidden_layers": shape.n_layer, "vocab_size": shape.vocab_size,
         "max_position_embeddings": shape.block_size, "rms_norm_eps": shape.norm_eps,
         # rope_theta for transformers 4, rope_parameters for 5 (which reads either)
         "rope_theta": shape.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
