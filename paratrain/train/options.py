@@ -69,8 +69,13 @@ TRAINING_FLAGS = [
     Flag(None, "--config", "config_path", type=click.Path(dir_okay=False), help="YAML file; flags override it."),
     Flag("model.name", "--model", help="mlp, mlp16, cnn, gpt-tiny, gpt-small, gpt-seed, llama-tiny, llama-small, "
                                        "tinyllama-1.1b, moe-tiny, moe-small, mixtral-8x7b, olmoe-1b-7b, "
-                                       "or your own: FILE.py:FUNCTION (returns ids -> logits)."),
+                                       "or your own: FILE.py:FUNCTION (returns ids -> logits), or a Hugging Face "
+                                       "transformers model built from its config: hf:llama, hf:mistral, hf:qwen2, "
+                                       "hf:qwen3, hf:gpt2 (needs the hf extra)."),
     Flag("model.plan", "--plan", type=click.Path(dir_okay=False), help="Parallelism plan (YAML) for --model FILE.py:FUNCTION."),
+    Flag("model.hf_config", "--hf-config", type=click.Path(dir_okay=False),
+         help="hf:FAMILY: a JSON file of transformers config fields (a config.json will do; default: a tiny "
+              "config of the family). Weights are random, from --seed; nothing is downloaded."),
     Flag("data.name", "--data", help="Data set (default: the one the model is made for); your own as FILE.py:FUNCTION "
                                      "(returns a map-style data set of (inputs, targets) pairs); language models also "
                                      "take text (the shipped Shakespeare), text:PATH (any file, one token per byte) or "
@@ -159,6 +164,9 @@ TRAINING_FLAGS = [
               "(`paratrain plan --hardware NAME` shows a profile's; without it, the TFLOP/s achieved per rank)."),
     Flag("eval_every", "--eval-every", type=int,
         help="Steps between validation losses, and one at the end (default 0: none)."),
+    Flag("checkpoint.init_from", "--init-from", type=click.Path(file_okay=False),
+         help="Start from a Hugging Face model directory's weights (safetensors, as `paratrain export --to hf` "
+              "writes them), any layout; the optimizer starts fresh. Not with --resume."),
 ]
 
 

@@ -16,7 +16,7 @@ from paratrain.models.user_model import load_function
 import torch
 
 from paratrain.models import CAUSAL_LM_CONFIGS, MODEL_NAMES, DeepMLPConfig, GPTConfig, MLPConfig, \
-    is_model_file, model_config
+    is_model_file, is_model_name, model_config
 from paratrain.parallel.context.attention import METHODS as CONTEXT_METHODS
 from paratrain.parallel.context.layout import LAYOUTS as CONTEXT_LAYOUTS, length_problem
 from paratrain.parallel.precision import PRECISIONS
@@ -30,6 +30,7 @@ from paratrain.parallel.tensor.gpt import tp_problems
 from paratrain.paths import cannot_write
 from paratrain.environment import Settings, compile_backend_problem
 from paratrain.train.config import ConfigError, TrainConfig
+from paratrain.train.hf_init import init_from_problems
 from paratrain.train.metric_sinks import target_problems
 from paratrain.train.validate_experts import expert_problems
 from paratrain.train.setup import data_choice, meta_model, plan_for
@@ -70,8 +71,9 @@ def problems_with(config: TrainConfig, world_size: int) -> list[str]:
 
 def _model_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
     model = config.model
-    if model.name not in MODEL_NAMES and not is_model_file(model.name):
-        problems.append(f"model: unknown model {model.name!r}; valid: {', '.join(MODEL_NAMES)} or FILE.py:FUNCTION")
+    if not is_model_name(model.name):
+        problems.append(f"model: unknown model {model.name!r}; valid: {', '.join(MODEL_NAMES)}, FILE.py:FUNCTION "
+                        "or hf:FAMILY")
     else:
         try:
             model_config(model.name, **model.overrides)
@@ -233,7 +235,7 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
         problems.append(f"parallel.loss_scale must be a number in [1, 2^127), got {par.loss_scale!r}")
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs tp > 1")
-    if model.name not in MODEL_NAMES and not is_model_file(model.name):
+    if not is_model_name(model.name):
         return False, dp_size
     try:
         shape = model_config(model.name, **model.overrides)
@@ -246,6 +248,8 @@ def _mesh_problems(problems: list[str], config: TrainConfig, world_size: int) ->
                         f"with a plan); {model.name!r} is not one")
     elif par.tp > 1 and isinstance(shape, GPTConfig) and tp_problems(shape, par.tp):
         problems += [f"parallel.tp: {line}" for line in tp_problems(shape, par.tp)]
+    elif par.tp > 1 and getattr(shape, "tp_refused", None):
+        problems.append(f"parallel.tp: {shape.tp_refused}")
     elif par.tp > 1 or (par.pp > 1 and isinstance(shape, CAUSAL_LM_CONFIGS)):
         problems += _plan_problems(config, shape, chunks, meta)
         if par.tp > 1 and config.data.loss is not None and not problems and _splits_the_vocabulary(meta):
@@ -336,6 +340,8 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
         reason = cannot_write(ckpt.dir, directory=True)
         if reason:
             problems.append(f"checkpoint.dir: cannot write {ckpt.dir}: {reason}")
+    if ckpt.init_from is not None:
+        problems += init_from_problems(config)
     if ckpt.resume is not None:
         from paratrain.train.checkpoint import CheckpointError, resolve
         from paratrain.train.resume import checked_reader
