@@ -19,10 +19,12 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "paratrain"
 
 # DESIGN.md's layers, bottom first. DESIGN draws train | frontend | plan side by side over
-# parallel, and bench in the command line's row; plan reads the training loop (plan --validate
-# runs it), so it sits just above train. `environment` is below everything: every layer takes its
-# settings from it. launch starts worlds of Groups (the mesh's row); models and data know nothing
-# of communication.
+# parallel, and bench in the command line's row. The planner's formulas sit just below train,
+# which asks them (--cp-method auto, the MoE lines of --plan-only); its command and `plan
+# --validate`, which runs the training loop, sit above train. `environment` is below everything:
+# every layer takes its settings from it. launch starts worlds of Groups (the mesh's row); models
+# and data know nothing of communication. An entry with a dot ("plan.cli") places those modules
+# apart from the rest of their package: the longest matching entry wins.
 LAYERS = (
     ("environment", "errors", "cli_errors", "paths", "cli_types", "provenance", "lifetime"),  # the user errors any layer may raise,
     # how a command reports them, the command-line types that refuse bad values, where a figure came from
@@ -30,8 +32,9 @@ LAYERS = (
     ("models", "data"),
     ("mesh", "launch", "forking", "failure_report"),
     ("parallel",),
-    ("train", "frontend"),
     ("plan",),
+    ("train", "frontend"),
+    ("plan.cli", "plan.validate", "plan.fit_cli"),
     ("bench",),
     ("cli", "env_cli", "__main__", "", "docs_check"),  # "": the package's own __init__, which re-exports;
     # docs_check runs the docs' commands as a user would, from outside the library
@@ -105,11 +108,13 @@ def part_of(module: str) -> str:
 
 
 def layer_of(module: str) -> int:
-    part = part_of(module)
-    for level, parts in enumerate(LAYERS):
-        if part in parts:
-            return level
-    raise AssertionError(f"{module}: {part!r} has no layer in LAYERS; give it one")
+    """The level of the longest LAYERS entry the module's name (under paratrain) starts with."""
+    name = module.split(".", 1)[1] if "." in module else ""
+    found = [(len(entry), level) for level, entries in enumerate(LAYERS) for entry in entries
+             if entry == "" and name == "" or entry and (name == entry or name.startswith(entry + "."))]
+    if not found:
+        raise AssertionError(f"{module}: {part_of(module)!r} has no layer in LAYERS; give it one")
+    return max(found)[1]
 
 
 def test_no_module_imports_itself_through_others():

@@ -33,17 +33,16 @@ Shape legend:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from paratrain.models.llama import SwiGLU
+from paratrain.models.moe_config import MoEConfig
 from paratrain.models.moe_experts import GroupedExperts, LocalDispatcher
 from paratrain.models.moe_router import Routing, TopKRouter, sequence_balance_loss
 
-if TYPE_CHECKING:
-    from paratrain.models.moe_llama import MoEConfig
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -18,14 +18,12 @@ one all-reduce after the last backward (expert/gradients.py); no ZeRO stage shar
 from __future__ import annotations
 
 from math import comb
-from typing import TYPE_CHECKING
 
 from paratrain.plan.comm_model import collective_seconds, spans_nodes
 from paratrain.plan.hardware import HardwareProfile
+from paratrain.plan.layout import Layout
 from paratrain.plan.shapes import GPTShape
 
-if TYPE_CHECKING:  # memory.py reads this module's expert_parameters
-    from paratrain.plan.memory import Layout
 
 EXPERT_TENSORS = 3  # w1, w3, w2, each stacked over a rank's experts
 MOE_OPS = 30  # operators an MoE layer adds, forward and backward: router, top-k, sort, gathers, index_add, grouped mms
