@@ -120,6 +120,8 @@ SPECS = (
     Spec("compile_backend", ("PARATRAIN_COMPILE_BACKEND",), _text,
          "torch.compile's backend for `train --compile` and the frontend's compiled regions (default inductor; "
          "aot_eager needs no C++ compiler)"),
+    Spec("wandb_mode", ("WANDB_MODE",), _text, "`--log wandb`'s mode: offline (default: nothing leaves the machine), "
+                                                "online or disabled"),
 )
 
 
@@ -254,6 +256,7 @@ class Settings:
     debug_compile: bool = False
     save_compiled_code: str | None = None
     compile_backend: str = "inductor"  # torch.compile's own default
+    wandb_mode: str = "offline"  # a run logs to W&B's servers only when asked to
     launch: LaunchEnvironment = field(default_factory=LaunchEnvironment)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 

@@ -6,15 +6,16 @@ mixture of experts' load; at the end, the summary's memory per rank and MFU. No 
 opens a file. The JSON log (`--metrics-out`) stays as it is.
 
 TensorBoard goes through `torch.utils.tensorboard.SummaryWriter` (the `tensorboard` package, in
-the `hf` extra); Weights & Biases through `wandb`, offline unless WANDB_MODE says otherwise, when
-it is installed. Neither is imported unless asked for.
+the `hf` extra); Weights & Biases through `wandb` when it is installed, offline unless WANDB_MODE
+(read in environment.py) says otherwise. Neither is imported unless asked for.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
+
+from paratrain.environment import Settings
 
 KINDS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # kind -> the module it needs
 EXTRA = {"tensorboard": "pip install 'paratrain[hf]'", "wandb": "pip install wandb"}
@@ -66,7 +67,7 @@ def _tensorboard(target: Target, config_text: str):
 def _wandb(target: Target, config: dict):
     import wandb
 
-    run = wandb.init(mode=os.environ.get("WANDB_MODE", "offline"), dir=target.where, config=config)
+    run = wandb.init(mode=Settings.resolve().wandb_mode, dir=target.where, config=config)
     return (lambda tag, value, step: run.log({tag: value}, step=step)), run.finish
 
 
