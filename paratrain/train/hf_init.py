@@ -34,6 +34,8 @@ def checked_hf_directory(path: str, config: TrainConfig) -> tuple[HfDirectory, H
 
 def init_from_problems(config: TrainConfig) -> list[str]:
     """What stops the run from starting from --init-from, one line each (checked before any rank starts)."""
+    if config.checkpoint.init_from is None:
+        return []
     if config.checkpoint.resume is not None:
         return ["checkpoint.init_from: --init-from starts a run from other weights, --resume continues one: "
                 "give one of them"]

@@ -340,8 +340,7 @@ def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
         reason = cannot_write(ckpt.dir, directory=True)
         if reason:
             problems.append(f"checkpoint.dir: cannot write {ckpt.dir}: {reason}")
-    if ckpt.init_from is not None:
-        problems += init_from_problems(config)
+    problems += init_from_problems(config)
     if ckpt.resume is not None:
         from paratrain.train.checkpoint import CheckpointError, resolve
         from paratrain.train.resume import checked_reader
