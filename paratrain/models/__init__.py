@@ -115,7 +115,8 @@ def build_model(name: str, **overrides) -> nn.Module:
 
 def parameter_count(config) -> int | None:
     """Parameters of the model `config` builds, computed without building it (None: unknown)."""
-    counts = {GPTConfig: gpt_parameter_count, LlamaConfig: llama_parameter_count, MoEConfig: moe_parameter_count}
+    counts = {GPTConfig: gpt_parameter_count, LlamaConfig: llama_parameter_count, MoEConfig: moe_parameter_count,
+              HFModelConfig: HFModelConfig.parameter_count}
     return counts[type(config)](config) if type(config) in counts else None
 
 

@@ -151,6 +151,13 @@ class HFModelConfig:
         wrapper = HFGPT2LM if self.family.model_type == "gpt2" else HFDecoderLM
         return wrapper(model, self.block_size)
 
+    def parameter_count(self) -> int:
+        """Parameters of the model, a tied table once, counted on the meta device (no memory)."""
+        from paratrain.models.meta import on_meta
+
+        with on_meta():
+            return sum(p.numel() for p in self.build().parameters())
+
 
 def hf_model_config(name: str, overrides: dict) -> HFModelConfig:
     """The validated config of `hf:FAMILY` with `overrides` (hf_config: the JSON file; vocab_size,
