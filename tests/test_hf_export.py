@@ -168,3 +168,14 @@ def test_init_from_refuses_in_one_line(llama, tmp_path):
     assert "is not a Hugging Face model directory" in refused("train", "--model", "llama-tiny",
                                                               "--init-from", str(tmp_path))
     assert "hidden_size is 64, the model's is 128" in refused("train", "--model", "llama-small", "--init-from", hf)
+
+
+def test_a_tied_models_other_name_reads_the_tensor_it_shares():
+    """An exported tied model has no lm_head tensor (transformers ties it on load): the output's
+    name reads the embedding's, so --init-from starts a tied model too."""
+    from paratrain.train.config import TrainConfig, apply_overrides
+    from paratrain.train.hf_init import tied_names
+
+    tied = apply_overrides(TrainConfig(), {"model.name": "llama-tiny", "model.tie_embeddings": True})
+    assert tied_names(tied) == {"output.weight": "tok_emb.weight"}
+    assert tied_names(apply_overrides(TrainConfig(), {"model.name": "llama-tiny"})) == {}

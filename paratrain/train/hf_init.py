@@ -14,6 +14,7 @@ from paratrain.errors import UserError
 from paratrain.train.config import TrainConfig
 from paratrain.train.hf_files import HfDirectory, HfDirectoryError
 from paratrain.train.hf_weights import HfFormat, config_mismatch, model_format
+from paratrain.train.setup import meta_model
 from paratrain.train.train_state import TrainState, load_state
 
 
@@ -50,14 +51,30 @@ def hf_reader(path: str, config: TrainConfig):
     """read(keys, prefixes) as train_state.load_state calls it: our model/<name> keys from the
     HF directory; no optimizer state (the prefixes find nothing)."""
     directory, fmt, ours = checked_hf_directory(path, config)
+    tied = tied_names(config)
 
     def read(keys, prefixes=()) -> dict[str, torch.Tensor]:
         del prefixes  # optim/...: a fresh optimizer
-        names = [key.removeprefix("model/") for key in keys if key.removeprefix("model/") in ours]
+        wanted = {key.removeprefix("model/"): tied.get(key.removeprefix("model/"), key.removeprefix("model/"))
+                  for key in keys}
+        names = sorted({name for name in wanted.values() if name in ours})
         tensors = directory.read([hf for name in names for hf in fmt.hf_names(name)])
-        return {f"model/{name}": fmt.from_hf(name, tensors, ours[name]) for name in names}
+        found = {name: fmt.from_hf(name, tensors, ours[name]) for name in names}
+        return {f"model/{key}": found[name] for key, name in wanted.items() if name in found}
 
     return read
+
+
+def tied_names(config: TrainConfig) -> dict[str, str]:
+    """A shared parameter's other names -> the name it is listed under once (tied embeddings:
+    output.weight -> tok_emb.weight), read from the model built on the meta device."""
+    model = meta_model(config.model.name, config.model.overrides)
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.update({name: first[id(param)]} if id(param) in first else {})
+        first.setdefault(id(param), name)
+    return aliases
 
 
 def init_from_hf(path: str, config: TrainConfig, state: TrainState) -> None:

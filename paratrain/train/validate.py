@@ -4,7 +4,6 @@ so a user fixes them in one go instead of one failed launch at a time."""
 from __future__ import annotations
 
 import functools
-import math
 
 from paratrain.comm.algorithms import algorithms_for
 from paratrain.data import DATASET_NAMES, build_dataset, dataset_config
@@ -30,35 +29,15 @@ from paratrain.parallel.tensor.gpt import tp_problems
 from paratrain.paths import cannot_write
 from paratrain.environment import Settings, compile_backend_problem
 from paratrain.train.config import ConfigError, TrainConfig
-from paratrain.train.hf_init import init_from_problems
 from paratrain.train.metric_sinks import target_problems
+from paratrain.train.validate_checkpoint import checkpoint_problems
 from paratrain.train.validate_experts import expert_problems
+from paratrain.train.validate_rules import at_least as _at_least, choice as _choice, is_int as _is_int, \
+    is_number as _is_number
 from paratrain.train.setup import data_choice, meta_model, plan_for
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    """A finite int or float: nan and inf parse as floats (`--lr nan`) and would train to a loss of nan."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _choice(problems, label, value, valid) -> None:
-    if value not in valid:
-        problems.append(f"{label}: unknown value {value!r}; valid: {', '.join(valid)}")
-
-
-def _at_least(problems, label, value, low, kind="integer") -> bool:
-    ok = (_is_int(value) if kind == "integer" else _is_number(value)) and value >= low
-    if not ok:
-        problems.append(f"{label} must be {'an integer' if kind == 'integer' else 'a finite number'} >= {low}, "
-                        f"got {value!r}")
-    return ok
 
 
 def problems_with(config: TrainConfig, world_size: int) -> list[str]:
@@ -318,39 +297,6 @@ def _pipeline_layer_count(shape, config: TrainConfig, meta) -> int | None:
     return None
 
 
-def _checkpoint_problems(problems: list[str], config: TrainConfig) -> None:
-    ckpt, par = config.checkpoint, config.parallel
-    _at_least(problems, "checkpoint.every", ckpt.every, 0)
-    _at_least(problems, "checkpoint.keep", ckpt.keep, 1)
-    _at_least(problems, "checkpoint.max_restarts", ckpt.max_restarts, 0)
-    if (ckpt.every or ckpt.max_restarts) and not ckpt.dir:
-        problems.append("checkpoint: --save-every and --max-restarts need --save-dir (where checkpoints go)")
-    if ckpt.max_restarts and par.launcher != "processes":
-        problems.append("checkpoint.max_restarts needs --launcher processes (ranks on threads cannot restart)")
-    try:
-        strategy = strategy_of(par)
-    except StrategyError:
-        strategy = None  # reported with the strategy's problems
-    if ckpt.dir and strategy is not None and strategy.no_checkpoint:
-        problems.append(f"checkpoint: {strategy.no_checkpoint}; checkpoints are refused with {strategy.name}")
-    if ckpt.dir and par.compress.startswith("topk"):
-        problems.append("checkpoint: top-k compression keeps per-rank error-feedback residuals that a "
-                        "checkpoint does not hold; use --compress fp16/bf16/none with --save-dir")
-    if ckpt.dir:
-        reason = cannot_write(ckpt.dir, directory=True)
-        if reason:
-            problems.append(f"checkpoint.dir: cannot write {ckpt.dir}: {reason}")
-    problems += init_from_problems(config)
-    if ckpt.resume is not None:
-        from paratrain.train.checkpoint import CheckpointError, resolve
-        from paratrain.train.resume import checked_reader
-
-        try:
-            checked_reader(resolve(ckpt.resume, ckpt.dir), config)  # the whole checkpoint, before any rank reads it
-        except CheckpointError as error:
-            problems.append(f"checkpoint.resume: {error}")
-
-
 # Every check problems_with runs, in the order their lines are reported.
 def _context_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
     """Context parallelism: a language model whose plan names its attention, sequences that split
@@ -397,6 +343,6 @@ _CHECKS = (_model_problems, _data_problems, _run_problems, _optimizer_problems, 
 
 def validate(config: TrainConfig, world_size: int) -> None:
     problems = problems_with(config, world_size)
-    _checkpoint_problems(problems, config)
+    checkpoint_problems(problems, config)
     if problems:
         raise ConfigError(problems)

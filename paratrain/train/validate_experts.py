@@ -6,19 +6,17 @@ from __future__ import annotations
 from paratrain.models import model_config
 from paratrain.models.moe_llama import MoEConfig
 from paratrain.parallel.data.strategy import StrategyError, strategy_of
+from paratrain.train.validate_rules import is_int
 
 # Strategies that take the experts out of their own reduction (parallel/data/base.py's
 # data_parallel_parameters): ours; PyTorch's wrap every parameter, local SGD averages them all.
 EXPERT_STRATEGIES = ("naive", "ddp", "zero1", "zero2", "fsdp")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def expert_problems(problems: list[str], config, world_size: int) -> None:
     par = config.parallel
-    if not _is_int(par.ep) or par.ep < 1:
+    if not is_int(par.ep) or par.ep < 1:
         problems.append(f"parallel.ep must be a positive integer, got {par.ep!r}")
         return
     try:
@@ -26,7 +24,7 @@ def expert_problems(problems: list[str], config, world_size: int) -> None:
     except (ValueError, TypeError):
         return  # reported with the model's problems
     moe = isinstance(shape, MoEConfig)
-    if moe and _is_int(par.cp) and par.cp > 1:
+    if moe and is_int(par.cp) and par.cp > 1:
         if shape.aux_loss_coef:
             problems.append("parallel.cp: the balance loss is per sequence and a cp rank holds part of each; "
                             "set the model's aux_loss_coef to 0 (or use bias_update_rate) under context parallelism")
@@ -42,7 +40,7 @@ def expert_problems(problems: list[str], config, world_size: int) -> None:
         problems.append(f"parallel.ep: expert parallelism splits a mixture of experts' experts; "
                         f"{config.model.name!r} has none (moe-tiny, moe-small, ...)")
         return
-    replicas = world_size // par.replica_ranks if all(_is_int(v) and v > 0 for v in (par.pp, par.cp, par.tp)) else 0
+    replicas = world_size // par.replica_ranks if all(is_int(v) and v > 0 for v in (par.pp, par.cp, par.tp)) else 0
     if replicas and (replicas * par.cp) % par.ep:
         problems.append(f"parallel.ep: ep ({par.ep}) must divide dp x cp = {replicas * par.cp}: the experts' "
                         "ranks are data ranks")
