@@ -82,7 +82,7 @@ BAD_PLANS = [
                  "module layers.0.attn.wq is matched by 'layers.*.attn.wq' and 'layers.0.attn.wq' with different styles",
                  id="two-styles"),
     pytest.param(edited(LLAMA_PLAN, "tensor_parallel", norm="colwise"), 2, 1, False, {},
-                 "norm: style colwise needs an nn.Linear, but the module is a RMSNorm", id="style-does-not-fit"),
+                 "norm: style colwise needs an nn.Linear (or transformers' Conv1D), but the module is a RMSNorm", id="style-does-not-fit"),
     pytest.param(LLAMA_PLAN, 2, 1, False, {"d_mlp": 191},
                  "layers.0.mlp.w1: colwise splits out_features (191) into 1 part(s) x tp (2), which does not divide it",
                  id="colwise-does-not-divide"),

@@ -334,3 +334,45 @@ def test_vocab_parallel_cross_entropy_names_bad_targets():
 
     with pytest.raises(ValueError, match=r"targets must lie in \[0, 8\), got \[8, 8\]"):
         run(bad_targets, 2)
+
+
+class StoredTransposed(nn.Module):
+    """transformers' Conv1D as GPT-2 uses it: weight (in, out), y = x W + b (`nf` out, `nx` in)."""
+
+    def __init__(self, nx: int, nf: int, seed: int):
+        super().__init__()
+        self.nx, self.nf = nx, nf
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(nx, nf, generator=g))
+        self.bias = nn.Parameter(torch.randn(nf, generator=g))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, self.nx), self.weight).view(*x.shape[:-1], self.nf)
+
+
+def stored_transposed_rank(group):
+    up, down = StoredTransposed(8, 3 * 8, seed=1), StoredTransposed(3 * 8, 8, seed=2)
+    column, row = ColumnParallelLinear(up, group), RowParallelLinear(down, group)
+    fused = ColumnParallelLinear(StoredTransposed(8, 3 * 12, seed=3), group, fused_parts=3)  # [q | k | v]
+    x = randn(9, 4, 8).requires_grad_()
+    y = row(column(x))
+    y.backward(torch.ones_like(y))
+    return (y.detach(), x.grad, gather_full_state(column, group), gather_full_state(row, group, grads=True),
+            gather_full_state(fused, group))
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_weights_stored_in_out_split_in_their_own_layout_and_gather_back(tp):
+    """GPT-2's Conv1D keeps its weight (in, out): split there, the layers give the single-device
+    output and gradients, and gathering gives back the weights in the same layout."""
+    up, down = StoredTransposed(8, 3 * 8, seed=1), StoredTransposed(3 * 8, 8, seed=2)
+    x = randn(9, 4, 8).requires_grad_()
+    y = down(up(x))
+    y.backward(torch.ones_like(y))
+    fused = StoredTransposed(8, 3 * 12, seed=3)
+    for rank, (y_rank, x_grad, column_state, row_grads, fused_state) in run(stored_transposed_rank, tp).items():
+        assert_close(y_rank, y.detach(), f"rank {rank} output")
+        assert_close(x_grad, x.grad, f"rank {rank} input grad")
+        assert torch.equal(column_state["weight"], up.weight) and torch.equal(column_state["bias"], up.bias)
+        assert_close(row_grads["weight"], down.weight.grad, f"rank {rank} row weight grad")
+        assert torch.equal(fused_state["weight"], fused.weight) and torch.equal(fused_state["bias"], fused.bias)

@@ -48,10 +48,7 @@ FAMILIES = {
     # GPT-2 without dropout (its default is 0.1 in three places), so that runs compare exactly.
     "gpt2": Family("gpt2", "n_positions", dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64,
                                                bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                               attn_pdrop=0.0),
-                   tp_refused="its projections are transformers' Conv1D (weight stored (in, out)), which our "
-                              "tensor-parallel layers do not split (converting them would transpose weights under "
-                              "GPT-2's names); use tp 1"),
+                                               attn_pdrop=0.0)),
 }
 
 

@@ -37,11 +37,21 @@ def _gpt2_embedding(lm: nn.Module) -> nn.Module:
     return GPT2Embedding(lm)
 
 
-# No tensor_parallel section: GPT-2's projections are transformers' Conv1D (weight (in, out)), which
-# our tensor-parallel layers do not split (converting them would transpose weights under GPT-2's
-# names); tp > 1 is refused (HFModelConfig.tp_refused). With its head tied to wte, as GPT-2's is by
-# default, pp must be 1 too (pipeline_problems).
+# GPT-2's projections are transformers' Conv1D (weight stored (in, out)); the tensor-parallel layers
+# split them in that orientation (layers.linear_shape), so every parameter keeps GPT-2's name and
+# layout. c_attn is [q | k | v]: three fused parts. The attention splits its projection's output
+# by `split_size` (the width of q), which tp divides. With the head tied to wte, as GPT-2's is by
+# default, pp must be 1 (pipeline_problems).
 GPT2_PLAN = {
+    "tensor_parallel": {
+        "transformer.wte": "vocab_embed",
+        "transformer.h.*.attn.c_attn": {"style": "colwise", "parts": 3},
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+        "lm_head": "vocab_head",
+    },
+    "head_counts": {"transformer.h.*.attn": ["split_size"]},
     "pipeline": {"blocks": "transformer.h", "before": [_gpt2_embedding], "after": ["transformer.ln_f", "lm_head"]},
     "context_parallel": {"attention": ["transformer.h.*.attn"], "positions": ["positions"]},
 }

@@ -42,6 +42,7 @@ from pathlib import Path
 from torch import nn
 
 from paratrain.errors import UnreadableYaml, UserError, read_yaml
+from paratrain.parallel.tensor.layers import linear_shape
 
 STYLES = ("colwise", "rowwise", "vocab_embed", "vocab_head", "replicate")
 BALANCES = ("cost", "count", "measured")
@@ -243,17 +244,20 @@ def tp_problems_of(model: nn.Module, plan: Plan, tp: int, sequence_parallel: boo
     except PlanError as error:
         return [str(error)]
     problems = []
-    fits = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab_head": nn.Linear, "vocab_embed": nn.Embedding}
+    fits = {"vocab_head": nn.Linear, "vocab_embed": nn.Embedding}
     for name, (module, style) in styled.items():
-        kind = fits.get(style.name)
-        if kind is not None and not isinstance(module, kind):
+        kind, shape = fits.get(style.name), linear_shape(module)
+        if style.name in ("colwise", "rowwise") and shape is None:
+            problems.append(f"{name}: style {style.name} needs an nn.Linear (or transformers' Conv1D), "
+                            f"but the module is a {type(module).__name__}")
+        elif kind is not None and not isinstance(module, kind):
             problems.append(f"{name}: style {style.name} needs an nn.{kind.__name__}, "
                             f"but the module is a {type(module).__name__}")
-        elif style.name == "colwise" and module.out_features % (style.parts * tp):
-            problems.append(f"{name}: colwise splits out_features ({module.out_features}) into "
+        elif style.name == "colwise" and shape[1] % (style.parts * tp):
+            problems.append(f"{name}: colwise splits out_features ({shape[1]}) into "
                             f"{style.parts} part(s) x tp ({tp}), which does not divide it")
-        elif style.name == "rowwise" and module.in_features % tp:
-            problems.append(f"{name}: rowwise splits in_features ({module.in_features}), "
+        elif style.name == "rowwise" and shape[0] % tp:
+            problems.append(f"{name}: rowwise splits in_features ({shape[0]}), "
                             f"which tp ({tp}) does not divide")
         elif style.name in ("vocab_embed", "replicate") and isinstance(module, nn.Embedding) and (
                 module.padding_idx is not None or module.max_norm is not None or module.sparse):

@@ -60,6 +60,20 @@ def shard(tensor: torch.Tensor, dim: int, rank: int, size: int, parts: int = 1) 
     return mine.flatten(dim, dim + 1).clone()
 
 
+def linear_shape(module: nn.Module) -> tuple[int, int, bool] | None:
+    """(in features, out features, weight stored (in, out)) of a linear layer: an nn.Linear keeps
+    its weight (out, in); transformers' Conv1D (GPT-2's projections: `nf` out, `nx` in, y = x W + b)
+    keeps it (in, out). None for anything else. The parallel layers keep the orientation they
+    were given, so a parameter keeps its name, shape and layout in every checkpoint."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    weight = getattr(module, "weight", None)
+    if isinstance(getattr(module, "nf", None), int) and isinstance(getattr(module, "nx", None), int) \
+            and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (module.nx, module.nf):
+        return module.nx, module.nf, True
+    return None
+
+
 def _parameter_like(source: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(value, requires_grad=source.requires_grad)
 
@@ -73,23 +87,24 @@ class ColumnParallelLinear(nn.Module):
     that gather's reduce-scatter already sums the gradients, so this layer must not.
     """
 
-    def __init__(self, linear: nn.Linear, group, *, fused_parts: int = 1, sequence_parallel: bool = False):
+    def __init__(self, linear: nn.Module, group, *, fused_parts: int = 1, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel, self.fused_parts = group, sequence_parallel, fused_parts
-        self.in_features, self.full_out_features = linear.in_features, linear.out_features
-        split = dict(dim=0, rank=group.rank, size=group.size, parts=fused_parts)
-        self.weight = _parameter_like(linear.weight, shard(linear.weight.detach(), **split))
-        self.out_features = self.weight.shape[0]  # this rank's
+        self.in_features, self.full_out_features, self.transposed = linear_shape(linear)
+        out_dim = 1 if self.transposed else 0
+        split = dict(rank=group.rank, size=group.size, parts=fused_parts)
+        self.weight = _parameter_like(linear.weight, shard(linear.weight.detach(), dim=out_dim, **split))
+        self.out_features = self.weight.shape[out_dim]  # this rank's
         self.bias = None
-        self.shard_layout = {"weight": (0, fused_parts, linear.out_features)}
+        self.shard_layout = {"weight": (out_dim, fused_parts, self.full_out_features)}
         if linear.bias is not None:
-            self.bias = _parameter_like(linear.bias, shard(linear.bias.detach(), **split))
-            self.shard_layout["bias"] = (0, fused_parts, linear.out_features)
+            self.bias = _parameter_like(linear.bias, shard(linear.bias.detach(), dim=0, **split))
+            self.shard_layout["bias"] = (0, fused_parts, self.full_out_features)
 
     def forward(self, x_BTI: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             x_BTI = copy_to_parallel(x_BTI, self.group)
-        return F.linear(x_BTI, self.weight, self.bias)  # y_BTO_shard
+        return F.linear(x_BTI, self.weight.t() if self.transposed else self.weight, self.bias)  # y_BTO_shard
 
     def extra_repr(self) -> str:
         return (
@@ -109,21 +124,23 @@ class RowParallelLinear(nn.Module):
     registers a hook for that).
     """
 
-    def __init__(self, linear: nn.Linear, group, *, sequence_parallel: bool = False):
+    def __init__(self, linear: nn.Module, group, *, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.full_in_features, self.out_features = linear.in_features, linear.out_features
+        self.full_in_features, self.out_features, self.transposed = linear_shape(linear)
+        in_dim = 0 if self.transposed else 1
         self.weight = _parameter_like(
-            linear.weight, shard(linear.weight.detach(), dim=1, rank=group.rank, size=group.size)
+            linear.weight, shard(linear.weight.detach(), dim=in_dim, rank=group.rank, size=group.size)
         )
-        self.in_features = self.weight.shape[1]  # this rank's
+        self.in_features = self.weight.shape[in_dim]  # this rank's
         self.bias = None if linear.bias is None else _parameter_like(linear.bias, linear.bias.detach().clone())
-        self.shard_layout = {"weight": (1, 1, linear.in_features)}
+        self.shard_layout = {"weight": (in_dim, 1, self.full_in_features)}
 
     def forward(self, x_BTI_shard: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.t() if self.transposed else self.weight
         if self.group.size == 1:
-            return F.linear(x_BTI_shard, self.weight, self.bias)  # exactly the plain layer
-        partial_BTO = F.linear(x_BTI_shard, self.weight)
+            return F.linear(x_BTI_shard, weight, self.bias)  # exactly the plain layer
+        partial_BTO = F.linear(x_BTI_shard, weight)
         if self.sequence_parallel:
             y_BTO = reduce_scatter_sequence(partial_BTO, self.group)  # y_B(T/tp)O
         else:
