@@ -19,7 +19,7 @@ transformers' files. What is adapted, on the built instance:
   "attend everywhere", so the SDPA implementation is forced.
 - Nothing else: every parameter keeps transformers' name, shape and layout, so a checkpoint is
   transformers' state dict as it is. (GPT-2's projections stay transformers' `Conv1D`, weight
-  stored (in, out), which our tensor-parallel layers do not split: GPT-2 trains with tp 1.)
+  stored (in, out); the tensor-parallel layers split it in that orientation.)
 - Each decoder attention module records its head counts (`num_heads`, `num_key_value_heads`):
   transformers reshapes by head_dim and reads neither, but the plan's check divides them, refusing
   a tp that would cut a head.
