@@ -24,6 +24,7 @@ from paratrain.train.reference import reference_run
 from paratrain.train.validate import validate
 
 OWN_MODEL = Path(__file__).resolve().parents[2] / "examples" / "own_model"  # in a checkout of the repository
+HF_EXAMPLES = OWN_MODEL.parent / "hf"
 
 # Model rows: the config keys that pick each model (small shapes: a cell trains in about a second).
 MODELS = {
@@ -32,6 +33,8 @@ MODELS = {
     "gpt-tiny": {"model.name": "gpt-tiny"},
     "llama-tiny": {"model.name": "llama-tiny"},
     "llama-tiny tied": {"model.name": "llama-tiny", "model.tie_embeddings": True},  # output shares tok_emb
+    # transformers' own Llama, built from the shipped tiny configuration (the hf extra)
+    "hf:llama": {"model.name": "hf:llama", "model.hf_config": str(HF_EXAMPLES / "llama-tiny.json")},
     "own model": {"model.name": f"{OWN_MODEL / 'model.py'}:build", "model.plan": str(OWN_MODEL / "plan.yaml")},
     "moe-tiny": {"model.name": "moe-tiny"},  # 8 experts, top-2, one shared, the balance loss on
 }
