@@ -179,3 +179,29 @@ def test_a_tied_models_other_name_reads_the_tensor_it_shares():
     tied = apply_overrides(TrainConfig(), {"model.name": "llama-tiny", "model.tie_embeddings": True})
     assert tied_names(tied) == {"output.weight": "tok_emb.weight"}
     assert tied_names(apply_overrides(TrainConfig(), {"model.name": "llama-tiny"})) == {}
+
+
+def test_each_rank_reads_only_its_rows_of_a_split_tensor(llama, monkeypatch):
+    """--init-from at tp 2: a column-parallel weight's rows, a row-parallel one's columns, read
+    through safetensors' slices (reading a whole tensor fails here), equal to the whole tensor
+    cut as the layers cut it."""
+    from paratrain.parallel.tensor.layers import shard
+    from paratrain.train.config import TrainConfig, apply_overrides
+    from paratrain.train.hf_files import HfDirectory
+    from paratrain.train.hf_init import checked_hf_directory
+    from paratrain.train.hf_slices import Cut, read_local
+
+    config = apply_overrides(TrainConfig(), {"model.name": "llama-tiny"})
+    directory, fmt, ours = checked_hf_directory(str(llama / "hf"), config)
+    whole = {name: fmt.from_hf(name, directory.read(fmt.hf_names(name)), ours[name])
+             for name in ("layers.0.attn.wq.weight", "layers.0.attn.wo.weight")}
+
+    def no_whole_reads(self, names):
+        raise AssertionError(f"read whole: {names}")
+
+    monkeypatch.setattr(HfDirectory, "read", no_whole_reads)
+    for rank in range(2):
+        column = read_local(directory, fmt, "layers.0.attn.wq.weight", Cut(tp=(0, 1, rank, 2)), ours["layers.0.attn.wq.weight"])
+        row = read_local(directory, fmt, "layers.0.attn.wo.weight", Cut(tp=(1, 1, rank, 2)), ours["layers.0.attn.wo.weight"])
+        assert torch.equal(column, shard(whole["layers.0.attn.wq.weight"], 0, rank, 2))
+        assert torch.equal(row, shard(whole["layers.0.attn.wo.weight"], 1, rank, 2))

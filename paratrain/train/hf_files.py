@@ -113,6 +113,24 @@ class HfDirectory:
                 return {name: SINGLE for name in f.keys()}
         raise HfDirectoryError(f"{self.path} has neither {SINGLE} nor {INDEX} (only safetensors weights are read)")
 
+    def read_rows(self, name: str, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Only the given ranges of `dim` of one tensor, side by side (safetensors reads no more
+        of the file than they cover)."""
+        if name not in self.weight_map:
+            raise HfDirectoryError(f"{self.path} has no tensor {name}: another model?")
+        path = self.path / self.weight_map[name]
+        try:
+            with safetensors_module().safe_open(str(path), framework="pt") as f:
+                part = f.get_slice(name)
+                index = [slice(None)] * len(part.get_shape())
+                pieces = []
+                for start, end in ranges:
+                    index[dim] = slice(start, end)
+                    pieces.append(part[tuple(index)])
+        except (OSError, safetensors_module().SafetensorError) as error:
+            raise HfDirectoryError(f"{path} cannot be read: {error}") from None
+        return torch.cat(pieces, dim=dim)
+
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The named tensors, each file opened once; a missing one is an error naming it."""
         missing = [name for name in names if name not in self.weight_map]

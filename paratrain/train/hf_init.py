@@ -2,8 +2,8 @@
 
 The directory's tensors are mapped back to our names (hf_weights.py) and put in place the way a
 checkpoint's are (train_state.load_state): each rank reads, with safetensors.safe_open, only
-the tensors of the parameters it holds (its pipeline stage's, its experts') and keeps its
-shard. The optimizer and the LR schedule start fresh, at step 0.
+the tensors of the parameters it holds (its pipeline stage's), and of those only its part
+(hf_slices.py: its tensor-parallel rows, its experts). The optimizer and the LR schedule start fresh, at step 0.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from paratrain.errors import UserError
 from paratrain.train.config import TrainConfig
 from paratrain.train.hf_files import HfDirectory, HfDirectoryError
+from paratrain.train.hf_slices import Cut, local_cuts, read_local
 from paratrain.train.hf_weights import HfFormat, config_mismatch, model_format
 from paratrain.train.setup import meta_model
 from paratrain.train.train_state import TrainState, load_state
@@ -78,8 +79,22 @@ def tied_names(config: TrainConfig) -> dict[str, str]:
 
 
 def init_from_hf(path: str, config: TrainConfig, state: TrainState) -> None:
-    """Put the HF directory's weights in this rank's parameters (its shards of them)."""
-    load_state(state, hf_reader(path, config))
+    """Put the HF directory's weights in this rank's parameters, reading only its part of each
+    (hf_slices.py: its tensor-parallel rows, its experts)."""
+    directory, fmt, ours = checked_hf_directory(path, config)
+    tied, cuts = tied_names(config), local_cuts(state)
+
+    def read(keys, prefixes=()) -> dict[str, torch.Tensor]:
+        del prefixes  # optim/...: a fresh optimizer
+        out = {}
+        for key in keys:
+            name = key.removeprefix("model/")
+            source = tied.get(name, name)
+            if source in ours:
+                out[key] = read_local(directory, fmt, source, cuts.get(name, Cut()), ours[source])
+        return out
+
+    load_state(state, read)
 
 
 @torch.no_grad()

@@ -165,6 +165,8 @@ def load_state(state: TrainState, read) -> None:
 
 
 def _local_shard(value: torch.Tensor, layout, state: TrainState, param) -> torch.Tensor:
+    if value.shape == param.shape:  # already this rank's part (a reader that reads only that: hf_slices.py)
+        return value
     if value.dim() > 0 and _expert_split(state, param):  # this rank's experts, before any tp cut
         value = shard(value, 0, state.ep_group.rank, state.ep_group.size)
     if layout is None or value.dim() == 0:
