@@ -12,7 +12,7 @@ experts it chose, once per rank, not once per expert (parallel/expert/dispatch.p
   on the training thread, so all of their time is exposed;
 - rows dispatched, counted from each layer's dispatcher's `sent` record: rows to other ranks
   (their bytes cross the wire), all rows (a rank's rows to itself are a local copy), per token,
-  beside the expectation for uniform routing (`uniform_rows_per_token`) and the k rows per token
+  beside the expectation for uniform routing (`plan.moe.rows_per_token`) and the k rows per token
   of once-per-expert dispatch. Real routing is not uniform: the counted figure is the measurement;
 - the load imbalance from the log entries: max / mean tokens per expert, and per ep rank.
 """
@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from math import comb
 
 import click
 
 from paratrain.data import rank_batch
+from paratrain.plan.moe import rows_per_token as uniform_rows_per_token  # the planner's formula, one place
 from paratrain.environment import Settings
 from paratrain.launch import run
 from paratrain.models import model_config
@@ -39,13 +39,6 @@ from paratrain.train.options import validated_config
 from paratrain.train.report import tokens_per_sample
 
 UNTIMED_STEPS = 1  # the first step allocates and warms up
-
-
-def uniform_rows_per_token(experts: int, top_k: int, ep: int) -> float:
-    """Expected ranks a token needs, its k distinct experts drawn uniformly from E spread over ep
-    ranks of L = E/ep: each rank is needed unless all k choices miss its L experts."""
-    local = experts // ep
-    return ep * (1 - comb(experts - local, top_k) / comb(experts, top_k))
 
 
 class CommClock:

@@ -150,12 +150,16 @@ class Llama(nn.Module):
         config.validate()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
+        self.layers = nn.ModuleList(self._blocks(config))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
         if config.tie_embeddings:
             self.output.weight = self.tok_emb.weight
+
+    def _blocks(self, config) -> list[nn.Module]:
+        """The decoder blocks, in order (a mixture of experts swaps some feed-forwards: moe_llama.py)."""
+        return [LlamaBlock(config) for _ in range(config.n_layer)]
 
     def _init_weights(self) -> None:
         """Normal(0, 0.02), the residual projections scaled by depth (as gpt.py), drawn from
@@ -167,6 +171,11 @@ class Llama(nn.Module):
                 nn.init.normal_(module.weight, std=resid_std if name.endswith(("wo", "w2")) else std)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=std)
+            else:
+                self._init_other(module, std, resid_std)
+
+    def _init_other(self, module: nn.Module, std: float, resid_std: float) -> None:
+        """A module with weights of its own kind (none in a dense Llama)."""
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         if idx_BT.shape[1] > self.config.block_size:

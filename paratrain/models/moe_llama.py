@@ -10,12 +10,10 @@ Its configuration, MoEConfig, is in moe_config.py (re-exported here).
 
 from __future__ import annotations
 
-import math
 
-import torch
 from torch import nn
 
-from paratrain.models.llama import LlamaBlock, LlamaConfig, RMSNorm, llama_parameter_count
+from paratrain.models.llama import Llama, LlamaBlock, LlamaConfig, llama_parameter_count
 from paratrain.models.moe import MoEFeedForward
 from paratrain.models.moe_config import MoEConfig
 from paratrain.models.moe_experts import GroupedExperts
@@ -30,42 +28,20 @@ def _block(config: MoEConfig, dense: LlamaConfig, moe: bool) -> LlamaBlock:
     return block
 
 
-class MoELlama(nn.Module):
-    def __init__(self, config: MoEConfig):
-        super().__init__()
-        config.validate()
-        self.config = config
+class MoELlama(Llama):
+    """The Llama with some feed-forwards swapped for MoE layers; its forward, the Llama's."""
+
+    def _blocks(self, config: MoEConfig) -> list[nn.Module]:
         dense, moe = config.dense_config(), set(config.moe_layer_indices())
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(_block(config, dense, i in moe) for i in range(config.n_layer))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.output = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self._init_weights()
-        if config.tie_embeddings:
-            self.output.weight = self.tok_emb.weight
+        return [_block(config, dense, i in moe) for i in range(config.n_layer)]
 
-    def _init_weights(self) -> None:
-        """As the Llama's: Normal(0, 0.02), residual projections (wo, w2, the experts' w2)
-        scaled by depth, drawn from torch's global RNG in module order."""
-        std = 0.02
-        resid_std = std / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=resid_std if name.endswith(("wo", "w2")) else std)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, GroupedExperts):
-                for weight in (module.w1, module.w3):
-                    nn.init.normal_(weight, std=std)
-                nn.init.normal_(module.w2, std=resid_std)
-
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        if idx_BT.shape[1] > self.config.block_size:
-            raise ValueError(f"sequence length {idx_BT.shape[1]} exceeds block_size {self.config.block_size}")
-        x_BTD = self.tok_emb(idx_BT)
-        for layer in self.layers:
-            x_BTD = layer(x_BTD)
-        return self.output(self.norm(x_BTD))  # logits_BTV
+    def _init_other(self, module: nn.Module, std: float, resid_std: float) -> None:
+        """As the Llama's projections: the experts' w1 and w3 at std, their w2 (the residual
+        projection) scaled by depth."""
+        if isinstance(module, GroupedExperts):
+            for weight in (module.w1, module.w3):
+                nn.init.normal_(weight, std=std)
+            nn.init.normal_(module.w2, std=resid_std)
 
 
 def moe_parameter_counts(config: MoEConfig) -> tuple[int, int]:

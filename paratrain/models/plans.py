@@ -66,18 +66,8 @@ LLAMA_PLAN = {
 # parallelism gathers before the whole mlp, router included: routing needs whole sequences for
 # its per-sequence capacity and balance loss.
 MOE_PLAN = {
-    "tensor_parallel": {
-        "tok_emb": "vocab_embed",
-        "layers.*.attn.wq": "colwise",
-        "layers.*.attn.wk": "colwise",
-        "layers.*.attn.wv": "colwise",
-        "layers.*.attn.wo": "rowwise",
-        "output": "vocab_head",
-    },
-    "head_counts": {"layers.*.attn": ["n_heads", "n_kv_heads"]},
-    "sequence_parallel": {"gather_inputs": ["layers.*.attn", "layers.*.mlp", "output"]},
-    "pipeline": {"blocks": "layers", "before": ["tok_emb"], "after": ["norm", "output"]},
-    "context_parallel": {"attention": ["layers.*.attn"], "positions": ["layers.*.attn.positions"]},
+    **LLAMA_PLAN,
+    "tensor_parallel": {path: style for path, style in LLAMA_PLAN["tensor_parallel"].items() if ".mlp." not in path},
 }
 
 
