@@ -26,13 +26,25 @@ def profile_name() -> str:
     return GPU_PROFILE if torch.cuda.is_available() else CPU_PROFILE
 
 
+def run_layout(config, world: int):
+    """The run's layout as the planner sees it (plan.layout.Layout): axes, micro-batch, schedule,
+    recomputation, ZeRO stage, cp and ep."""
+    from paratrain.plan.layout import Layout
+
+    par = config.parallel
+    dp = world // par.replica_ranks
+    split = par.microbatches if par.pp > 1 else par.grad_accum
+    return Layout(par.tp, par.pp, dp, max(config.data.global_batch // (dp * split), 1), schedule=par.schedule,
+                  virtual_stages=par.virtual_stages, recompute="full" if par.checkpoint_activations else "none",
+                  sequence_parallel=par.sequence_parallel, zero=par.zero, cp=par.cp, ep=par.ep)
+
+
 def context_plan(config, world: int) -> ContextPlan:
     """The run's context-parallel method (`auto` resolved) and the planner's lines on it; a model
     the planner cannot price (not a GPT or Llama) keeps the ring under `auto`, and says so."""
     from paratrain.models import GPTConfig, LlamaConfig, model_config
     from paratrain.plan.cost_model import context_choice
     from paratrain.plan.hardware import load_profile
-    from paratrain.plan.memory import Layout
     from paratrain.plan.shapes import GPTShape
 
     par = config.parallel
@@ -41,10 +53,7 @@ def context_plan(config, world: int) -> ContextPlan:
         method = "ring" if par.cp_method == "auto" else par.cp_method
         return ContextPlan(method, [f"context parallel: {method} (the planner prices GPT and Llama shapes only; "
                                     "auto keeps the ring)"])
-    dp = world // par.replica_ranks
-    split = par.microbatches if par.pp > 1 else par.grad_accum
-    layout = Layout(par.tp, par.pp, dp, max(config.data.global_batch // (dp * split), 1), cp=par.cp,
-                    sequence_parallel=par.sequence_parallel)
+    layout = run_layout(config, world)
     profile = load_profile(profile_name())
     choice = context_choice(GPTShape.from_config(shape_config), layout, profile)
     method = choice.method if par.cp_method == "auto" else par.cp_method

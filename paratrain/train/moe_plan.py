@@ -14,10 +14,9 @@ def moe_plan_lines(config, world: int) -> list[str]:
     from paratrain.models import MoEConfig, model_config
     from paratrain.plan.cost_model import predict
     from paratrain.plan.hardware import load_profile
-    from paratrain.plan.memory import Layout
     from paratrain.plan.moe import describe_dispatch, describe_experts
     from paratrain.plan.shapes import GPTShape
-    from paratrain.train.context_method import profile_name
+    from paratrain.train.context_method import profile_name, run_layout
 
     moe_config = model_config(config.model.name, **config.model.overrides)
     if not isinstance(moe_config, MoEConfig):
@@ -27,15 +26,10 @@ def moe_plan_lines(config, world: int) -> list[str]:
     par = config.parallel
     if par.ep == 1:
         return lines
-    dp = world // par.replica_ranks
-    split = par.microbatches if par.pp > 1 else par.grad_accum
-    global_batch = config.data.global_batch
-    layout = Layout(par.tp, par.pp, dp, max(global_batch // (dp * split), 1), schedule=par.schedule,
-                    virtual_stages=par.virtual_stages, recompute="full" if par.checkpoint_activations else "none",
-                    zero=par.zero, cp=par.cp, ep=par.ep)
+    layout = run_layout(config, world)
     profile = load_profile(profile_name())
     try:
-        ep_comm = predict(shape, layout, profile, global_batch).breakdown["ep_comm"]
+        ep_comm = predict(shape, layout, profile, config.data.global_batch).breakdown["ep_comm"]
     except ValueError as error:  # a layout the planner's schedules or splits refuse
         return lines + [f"expert parallel ep {par.ep}: the planner cannot price this layout ({error})"]
     return lines + [describe_dispatch(shape, layout, ep_comm, f"profile {profile.name}")]
