@@ -75,6 +75,9 @@ class Prepared:
         )
         # Expert parallelism: the experts are outside the strategy, reduced over the ranks holding them.
         self.experts = ExpertGradients(parallel.module, mesh.edp, mesh.dp_cp.size)
+        # The whole model's MoE layers (the log's rows) and which of them this rank runs: found once.
+        self.moe_layers = moe_layers(parallel.model)
+        self._moe_here = {id(layer) for layer in moe_layers(parallel.module)}
         self.scaler = LossScaler(par.loss_scale) if par.precision == "fp16" else None
         self._step = parallel.step_function(mesh, self.dp, par, device, self.scaler)
         self.finite = True  # fp16: the last step's gradients did not overflow (else its step is skipped)
@@ -106,7 +109,8 @@ class Prepared:
             if self.finite:
                 result = step(*args, **kwargs)
                 self.dp.after_step()
-                update_router_bias(self.parallel.module, self._sum_over_data_ranks)
+                if self._moe_here:
+                    update_router_bias(self.parallel.module, self._sum_over_data_ranks)
             else:
                 result = None
             if self.scaler is not None:
@@ -153,13 +157,13 @@ class Prepared:
         pp, each stage adding its own layers), the dropped (token, expert) pairs, and the
         imbalance: the largest over layers of max / mean tokens per expert, and per ep rank.
         None without MoE layers. A collective under pp."""
-        layers = moe_layers(self.parallel.model)
+        layers = self.moe_layers
         if not layers:
             return None
         experts = layers[0].n_experts
         table = torch.zeros(len(layers), experts + 1, dtype=torch.float64)
         for row, layer in zip(table, layers):
-            if layer.step_load is not None and any(m is layer for m in self.parallel.module.modules()):
+            if layer.step_load is not None and id(layer) in self._moe_here:
                 row[:experts], row[experts] = layer.step_load[0].to(torch.float64), layer.step_load[1]
         if self.mesh.pp.size > 1:
             self.mesh.pp.all_reduce(table, "sum")
