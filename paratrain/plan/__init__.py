@@ -5,7 +5,7 @@
     activations.py  activation memory per layer by recompute policy (Korthikanti et al. 2022)
     memory.py       memory per GPU: weights, gradients, optimizer state (by ZeRO stage), activations
     hardware.py     hardware profiles (YAML, shipped under hardware/ or a user's file)
-    comm_model.py   alpha-beta times of collectives and point-to-point on a profile's links
+    comm_model.py   alpha-beta times of collectives and point-to-point; groups on nodes, flat or two-level
     moe.py          a mixture of experts: experts per ep rank, rows per token, the all-to-alls
     cost_model.py   one layout on one profile: step time, its breakdown, memory, MFU
     search.py       every valid layout, those that fit, ranked, with reasons

@@ -79,6 +79,10 @@ def describe_prediction(p: Prediction, shape: GPTShape, global_batch: int, profi
         lines += ["  " + line for line in context_choice(shape, layout, profile).describe(layout.cp_method, profile.name)]
     if layout.ep > 1:
         lines.append("  " + describe_dispatch(shape, layout, b["ep_comm"], profile.name))
+    across = [c.describe(axis) for axis, c in p.collectives.items() if c.where.spans]
+    if across:
+        lines += ["  across nodes, one call each (the step time counts flat, docs/planning.md):"]
+        lines += ["    " + line for line in across]
     m = p.memory
     usable = profile.usable_bytes / GIB
     lines += [

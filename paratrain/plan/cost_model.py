@@ -8,6 +8,9 @@ adds the forward it repeats. Tensor-parallel collectives (two per layer each way
 f and g; sequence parallelism swaps each all-reduce for an all-gather plus a reduce-scatter of
 the same bytes) and the pipeline's sends are charged to the action that waits for them.
 
+Every collective is priced on the group the Mesh's grid makes (comm_model.py: which nodes its
+ranks sit on); the flat algorithm is charged and the two-level one kept beside it (`collectives`).
+
 These per-chunk costs go into the schedule simulator (parallel/pipeline/simulate.py) on the
 actual schedule's lists, so the bubble is the schedule's own, with real costs. The data-parallel
 gradient reduction, less what backward hides, and the optimizer step follow the pipeline.
@@ -20,10 +23,10 @@ expert parallelism's all-to-alls to each MoE layer's forward and backward (`ep_c
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from paratrain.parallel.pipeline.simulate import simulate
-from paratrain.plan.comm_model import collective_seconds, spans_nodes
+from paratrain.plan.comm_model import Priced, collective_seconds, group_placement, price
 from paratrain.plan.flops import (
     attention_matmul_flops,
     flash_backward_flops,
@@ -36,7 +39,7 @@ from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.memory import (
     Layout, Memory, cached_schedule, chunk_layers, context_local, held_parameters, memory_per_gpu,
 )
-from paratrain.plan.moe import MOE_OPS, ep_exchange, expert_reduce_seconds, moe_mlp_width
+from paratrain.plan.moe import MOE_OPS, ep_all_to_all, ep_exchange, expert_reduce, moe_mlp_width
 from paratrain.plan.shapes import GPTShape
 
 LAYER_OPS = 30   # operators per layer, forward and backward: ~10 kernels forward, ~20 backward
@@ -81,11 +84,18 @@ class Prediction:
     mfu: float
     hfu: float
     breakdown: dict[str, float]  # seconds: compute, tp_comm, pp_comm, cp_comm, ep_comm, bubble, dp_comm, optimizer
+    collectives: dict[str, Priced] = field(default_factory=dict)  # one call per group: tp, cp, dp, ep, edp
 
     def to_json(self) -> dict:
         return {"layout": asdict(self.layout), "step_s": self.step_s, "memory_gib": self.memory.as_gib(),
                 "fits": self.fits, "bubble": self.bubble, "mfu": self.mfu, "hfu": self.hfu,
-                "breakdown": self.breakdown}
+                "breakdown": self.breakdown, "across_nodes": self.across_nodes()}
+
+    def across_nodes(self) -> dict[str, dict]:
+        """The collectives whose groups span nodes: one call each, flat and in two levels."""
+        return {axis: {"op": c.op, "nodes": c.where.nodes, "per_node": c.where.per_node, "algorithm": c.algorithm,
+                       "flat_s": c.flat_s, "hier_s": c.hier_s}
+                for axis, c in self.collectives.items() if c.where.spans}
 
 
 def _elementwise_bytes(shape: GPTShape, b: int, profile: HardwareProfile, tp: int, sp: bool, mlp_width: float) -> float:
@@ -104,25 +114,21 @@ def _compute_seconds(matmul: float, attention: float, elementwise: float, ops: f
             + ops * c.op_overhead_us * 1e-6)
 
 
-def tp_exchange(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> float:
+def tp_exchange(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> Priced:
     """One of Megatron's conjugate tensor-parallel exchanges of an activation: an all-reduce, or
     under sequence parallelism an all-gather and a reduce-scatter (Korthikanti et al. 2022,
     Section 4.2.2: the same bytes)."""
-    t = layout.tp
     activation = shape.seq * layout.micro_batch * shape.hidden * profile.software.activation_bytes
-    across = spans_nodes(profile, t, 1, 1)["tp"]
+    where = group_placement(profile, layout, "tp")
     if layout.sequence_parallel:
-        return (collective_seconds(profile, "all_gather", activation, t, across)
-                + collective_seconds(profile, "reduce_scatter", activation, t, across))
-    return collective_seconds(profile, "all_reduce", activation, t, across)
+        return price(profile, "all_gather", activation, where) + price(profile, "reduce_scatter", activation, where)
+    return price(profile, "all_reduce", activation, where)
 
 
-def _context_block(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> tuple[float, bool]:
-    """Bytes of one rank's K/V block (kv heads only, this tp rank's), and whether the cp group
-    spans nodes."""
+def _context_block(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> float:
+    """Bytes of one rank's K/V block (kv heads only, this tp rank's)."""
     kv_width = shape.hidden * shape.kv_heads // shape.heads // layout.tp
-    block = 2 * layout.micro_batch * (shape.seq // layout.cp) * kv_width * profile.software.activation_bytes
-    return block, spans_nodes(profile, layout.tp, layout.pp * layout.cp, 1)["pp"]
+    return 2 * layout.micro_batch * (shape.seq // layout.cp) * kv_width * profile.software.activation_bytes
 
 
 def ring_exposed(shape: GPTShape, layout: Layout, profile: HardwareProfile, attention_s: tuple[float, float]
@@ -134,7 +140,7 @@ def ring_exposed(shape: GPTShape, layout: Layout, profile: HardwareProfile, atte
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
-    block, across = _context_block(shape, layout, profile)
+    block, across = _context_block(shape, layout, profile), group_placement(profile, layout, "cp").spans
     hop = collective_seconds(profile, "p2p", block, 2, across)
     gradient_hop = collective_seconds(profile, "p2p", block * 4 / profile.software.activation_bytes, 2, across)
     forward_step, backward_step = attention_s[0] / cp, attention_s[1] / cp
@@ -142,17 +148,22 @@ def ring_exposed(shape: GPTShape, layout: Layout, profile: HardwareProfile, atte
             (cp - 1) * max(0.0, hop + gradient_hop - backward_step) + max(0.0, gradient_hop - backward_step))
 
 
+def context_gathers(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> tuple[Priced, Priced]:
+    """One layer's context all-gather (parallel/context/allgather.py), forward and backward:
+    forward gathers every rank's K/V; backward gathers them again and reduce-scatters the fp32 dK/dV."""
+    cp, where = layout.cp, group_placement(profile, layout, "cp")
+    block = _context_block(shape, layout, profile)
+    gather = price(profile, "all_gather", cp * block, where)
+    return gather, gather + price(profile, "reduce_scatter", cp * block * 4 / profile.software.activation_bytes, where)
+
+
 def allgather_exposed(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> tuple[float, float]:
-    """Seconds of one layer's context all-gather, forward and backward (parallel/context/allgather.py):
-    nothing computes while it runs, so all of it is exposed. Forward gathers every rank's K/V;
-    backward gathers them again and reduce-scatters the fp32 dK/dV."""
-    cp = layout.cp
-    if cp == 1:
+    """Seconds of one layer's context all-gather, forward and backward: nothing computes while it
+    runs, so all of it is exposed."""
+    if layout.cp == 1:
         return 0.0, 0.0
-    block, across = _context_block(shape, layout, profile)
-    gather = collective_seconds(profile, "all_gather", cp * block, cp, across)
-    scatter = collective_seconds(profile, "reduce_scatter", cp * block * 4 / profile.software.activation_bytes, cp, across)
-    return gather, gather + scatter
+    forward, backward = context_gathers(shape, layout, profile)
+    return forward.seconds, backward.seconds
 
 
 @dataclass(frozen=True)
@@ -214,7 +225,7 @@ def layer_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile, moe:
         input_grad += forward
     elif layout.recompute == "selective":
         input_grad += _compute_seconds(0, att, 0, 0, profile)
-    two = (1 if shape.experts else 2) * tp_exchange(local, layout, profile)
+    two = (1 if shape.experts else 2) * tp_exchange(local, layout, profile).seconds
     recomputed = two if layout.recompute == "full" else 0.0
     choice = context_choice(shape, layout, profile)
     ring_forward, ring_backward = choice.allgather if layout.cp_method == "allgather" else choice.ring
@@ -234,7 +245,7 @@ def head_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> di
     logits = logit_flops(shape, b) / t
     norm = profile.software.activation_bytes * tokens * 2 * shape.hidden
     loss = 4 * tokens * shape.vocab / t  # one fp32 pass over the logits
-    comm = tp_exchange(shape, layout, profile)
+    comm = tp_exchange(shape, layout, profile).seconds
     return {"F": Pass(_compute_seconds(logits, 0, norm + 3 * loss, HEAD_OPS / 3, profile)),
             "B": Pass(_compute_seconds(logits, 0, 2 * norm + 4 * loss, HEAD_OPS / 3, profile), comm),
             "W": Pass(_compute_seconds(logits, 0, 0, HEAD_OPS / 3, profile))}
@@ -247,8 +258,8 @@ def chunk_passes(shape: GPTShape, layout: Layout, profile: HardwareProfile, chun
     t, b = layout.tp, layout.micro_batch
     shape = context_local(shape, profile.software, layout.cp)[0]  # what a stage sends: its tokens
     activation = shape.seq * b * shape.hidden * profile.software.activation_bytes
-    embed_comm = tp_exchange(shape, layout, profile)
-    across = spans_nodes(profile, t, layout.pp, 1)["pp"]
+    embed_comm = tp_exchange(shape, layout, profile).seconds
+    across = group_placement(profile, layout, "pp").spans
     if profile.software.p2p_scatter_gather or layout.sequence_parallel:
         send = (collective_seconds(profile, "p2p", activation / t, 2, across)
                 + (0.0 if layout.sequence_parallel else collective_seconds(profile, "all_gather", activation, t, False)))
@@ -312,7 +323,8 @@ def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_ba
     busiest = max(busy, key=lambda p: p.total)
     per_microbatch = busiest.times(m)
     last_backward = max(sum(passes[c]["B"].total + passes[c]["W"].total for c in mine) for mine in rank_chunks)
-    dp_s, optimizer_s = _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, last_backward)
+    dp_s, optimizer_s, reductions = _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks,
+                                                                 last_backward)
     step = makespan + dp_s + optimizer_s
     memory = memory_per_gpu(shape, layout, global_batch, software)
     peak = profile.compute.peak_tflops * 1e12 * layout.gpus * step
@@ -325,35 +337,56 @@ def predict(shape: GPTShape, layout: Layout, profile: HardwareProfile, global_ba
     if software.flash_attention:
         hardware_flops += flash_backward_flops(shape, global_batch)
     return Prediction(layout, step, memory, memory.total <= profile.usable_bytes, bubble,
-                      step_flops(shape, global_batch) / peak, hardware_flops / peak, breakdown)
+                      step_flops(shape, global_batch) / peak, hardware_flops / peak, breakdown,
+                      _collectives(shape, layout, profile, reductions))
 
 
-def _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, last_backward) -> tuple[float, float]:
-    """Exposed gradient reduction (ZeRO-1/2: reduce-scatter then all-gather, not hidden; ZeRO-3:
-    two all-gathers and a reduce-scatter, hidden as DDP's all-reduce is) and the
-    Adam step, for the pipeline rank holding most parameters. Routed experts' gradients are
-    all-reduced over the edp ranks holding them after the last backward (moe.py): not hidden."""
+def _collectives(shape: GPTShape, layout: Layout, profile: HardwareProfile, reductions: dict[str, Priced]
+                 ) -> dict[str, Priced]:
+    """One call of each group's collective, as priced: a tp exchange, the backward's context
+    all-gather and reduce-scatter (cp all-gather only), a dispatch all-to-all, and the step's
+    gradient reductions; groups of one rank left out."""
+    found = {"tp": tp_exchange(context_local(shape, profile.software, layout.cp)[0], layout, profile)}
+    if layout.cp_method == "allgather":
+        found["cp"] = context_gathers(shape, layout, profile)[1]
+    found["dp"] = reductions["dp"]
+    if shape.experts:
+        found.update(ep=ep_all_to_all(shape, layout, profile), edp=reductions["edp"])
+    return {axis: c for axis, c in found.items() if c.where.size > 1}
+
+
+def _data_parallel_and_optimizer(shape, layout, profile, rank_chunks, chunks, last_backward
+                                 ) -> tuple[float, float, dict[str, Priced]]:
+    """Exposed gradient reduction (ZeRO-1/2: not hidden; DDP and ZeRO-3: hidden as the profile's
+    dp_overlap says) and the Adam step, for the pipeline rank holding most parameters; and the
+    reductions themselves (dp, and edp for routed experts: all-reduced over the edp ranks holding
+    them after the last backward, moe.py, not hidden)."""
     params, routed = held_parameters(shape, layout)
     held = max(sum(params[i][0] for c in mine for i in chunks[c]) for mine in rank_chunks)
     tensors = max(sum(params[i][1] + routed[i][1] for c in mine for i in chunks[c]) for mine in rank_chunks)
     experts = max(sum(routed[i][0] for c in mine for i in chunks[c]) for mine in rank_chunks)
     grad_size = 4 if profile.software.precision == "fp32" else 2
-    grad_bytes = grad_size * held
-    replicas = layout.replicas  # dp x cp: every rank holding these parameters
-    across = spans_nodes(profile, layout.tp, layout.pp, replicas)["dp"]
-    if layout.zero == 3:  # per unit: all-gathers before forward and backward, a reduce-scatter after
-        moved = (collective_seconds(profile, "reduce_scatter", grad_bytes, replicas, across)
-                 + 2 * collective_seconds(profile, "all_gather", grad_bytes, replicas, across))
-        dp_s = moved - min(moved, profile.dp_overlap * last_backward)  # prefetch hides what it can
-    elif layout.zero:
-        dp_s = (collective_seconds(profile, "reduce_scatter", grad_bytes, replicas, across)
-                + collective_seconds(profile, "all_gather", grad_bytes, replicas, across))
-    else:
-        reduce = collective_seconds(profile, "all_reduce", grad_bytes, replicas, across)
-        dp_s = reduce - min(reduce, profile.dp_overlap * last_backward)
-    dp_s += expert_reduce_seconds(shape, layout, profile, experts)
-    updated = held / (replicas if layout.zero else 1) + experts
+    reductions = {"dp": gradient_reduction(layout, profile, grad_size * held),
+                  "edp": expert_reduce(shape, layout, profile, experts)}
+    reduce = reductions["dp"].seconds
+    hidden = 0.0 if layout.zero in (1, 2) else min(reduce, profile.dp_overlap * last_backward)
+    dp_s = reduce - hidden + reductions["edp"].seconds
+    updated = held / (layout.replicas if layout.zero else 1) + experts
     zero_grad = grad_size * (held + experts)
     optimizer_s = ((ADAM_BYTES * updated + zero_grad) / profile.compute.memory_bytes_per_s
                    + 2 * tensors * profile.compute.op_overhead_us * 1e-6)
-    return dp_s, optimizer_s
+    return dp_s, optimizer_s, reductions
+
+
+def gradient_reduction(layout: Layout, profile: HardwareProfile, grad_bytes: float) -> Priced:
+    """One step's gradient traffic over the dp x cp ranks holding the same parameters: DDP's
+    all-reduce; ZeRO-1/2 a reduce-scatter then an all-gather; ZeRO-3 per unit an all-gather
+    before forward and backward and a reduce-scatter after."""
+    where = group_placement(profile, layout, "dp_cp")
+    reduce_scatter = price(profile, "reduce_scatter", grad_bytes, where)
+    all_gather = price(profile, "all_gather", grad_bytes, where)
+    if layout.zero == 3:
+        return reduce_scatter + all_gather + all_gather
+    if layout.zero:
+        return reduce_scatter + all_gather
+    return price(profile, "all_reduce", grad_bytes, where)

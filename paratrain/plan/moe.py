@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from math import comb
 
-from paratrain.plan.comm_model import collective_seconds, spans_nodes
+from paratrain.plan.comm_model import Priced, group_placement, price
 from paratrain.plan.hardware import HardwareProfile
 from paratrain.plan.layout import Layout
 from paratrain.plan.shapes import GPTShape
@@ -56,23 +56,25 @@ def dispatch_bytes(shape: GPTShape, layout: Layout, profile: HardwareProfile) ->
     return rows * shape.hidden * profile.software.activation_bytes
 
 
+def ep_all_to_all(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> Priced:
+    """One dispatch (or combine) all-to-all of one microbatch over an ep group."""
+    return price(profile, "all_to_all", dispatch_bytes(shape, layout, profile), group_placement(profile, layout, "ep"))
+
+
 def ep_exchange(shape: GPTShape, layout: Layout, profile: HardwareProfile) -> tuple[float, float]:
     """Seconds of one MoE layer's all-to-alls for one microbatch, forward and backward: dispatch
     and combine each way."""
     if layout.ep == 1:
         return 0.0, 0.0
-    across = spans_nodes(profile, layout.tp, layout.pp, layout.ep)["dp"]
-    both = 2 * collective_seconds(profile, "all_to_all", dispatch_bytes(shape, layout, profile), layout.ep, across)
+    both = 2 * ep_all_to_all(shape, layout, profile).seconds
     return both, both
 
 
-def expert_reduce_seconds(shape: GPTShape, layout: Layout, profile: HardwareProfile, held: float) -> float:
+def expert_reduce(shape: GPTShape, layout: Layout, profile: HardwareProfile, held: float) -> Priced:
     """The all-reduce of `held` routed-expert parameters' gradients over the edp ranks, after
     the step's last backward (expert/gradients.py): nothing hides it."""
-    edp = layout.replicas // layout.ep
     grad_bytes = (4 if profile.software.precision == "fp32" else 2) * held
-    across = spans_nodes(profile, layout.tp, layout.pp, layout.replicas)["dp"]
-    return collective_seconds(profile, "all_reduce", grad_bytes, edp, across)
+    return price(profile, "all_reduce", grad_bytes, group_placement(profile, layout, "edp"))
 
 
 def describe_experts(shape: GPTShape) -> str:
