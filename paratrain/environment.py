@@ -94,6 +94,9 @@ SPECS = (
          "bytes of each shared-memory ring (default 4 MiB, less beyond 16 peers on the host)"),
     Spec("shm_spin_us", ("PARATRAIN_SHM_SPIN_US",), _whole(0),
          "microseconds a wait polls before it sleeps (default 50000 with a core per rank, else 0)"),
+    Spec("host", ("PARATRAIN_HOST",), _text,
+         "this rank's host name (default: the machine's); ranks with different names never share memory, so "
+         "one machine can play several hosts"),
     Spec("native", ("PARATRAIN_NATIVE",), _not_off,
          "small shared-memory collectives in C, built with the host's compiler on first use (0: torch's ops)"),
     Spec("cc", ("CC",), _text, "the C compiler that builds them (default: cc, gcc or clang, the first found)"),
@@ -242,6 +245,7 @@ class Settings:
     shm: bool = True  # shared memory beat gloo's sockets at every size measured on one host
     shm_bytes: int | None = None  # None: shm_setup sizes the rings by the number of peers
     shm_spin_us: int | None = None  # None: shm_setup decides by the cores and ranks of the host
+    host: str | None = None  # None: the machine's own name (socket.gethostname)
     native: bool = True  # a 16 KiB all-reduce took 7 us through torch's ops (comm/native)
     cc: str | None = None
     server: str | None = None

@@ -61,15 +61,15 @@ def transport_kind(launcher: str, nproc: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
 
 
-def expected_transport(launcher: str, nproc: int, settings: Settings) -> str:
+def expected_transport(launcher: str, nproc: int, settings: Settings, simulate_hosts: int = 0) -> str:
     """The transport kind a world started by `launcher` will have (the algorithm table's key),
     known without starting it: "shm" for gloo processes that all share this host. Under torchrun
     the ranks are its processes, with a process group, whatever `launcher` says (the banner once
-    said "fabric" there: --launcher's default)."""
+    said "fabric" there: --launcher's default). A world playing several hosts is "gloo"."""
     if settings.launch.in_torchrun:
         launcher, nproc = "processes", settings.launch.local_world_size or nproc  # the GPUs a host needs
     kind = transport_kind(launcher, nproc)
-    if kind != "gloo" or not shm_setup.enabled(settings):
+    if kind != "gloo" or not shm_setup.enabled(settings) or simulate_hosts > 1:
         return kind
     if settings.launch.in_torchrun:
         if settings.launch.local_world_size != settings.launch.world_size:
@@ -80,23 +80,45 @@ def expected_transport(launcher: str, nproc: int, settings: Settings) -> str:
 
 def run(fn, nproc: int, *, launcher: str = "threads", args: tuple = (), devices=None,
         timeout: float | None = None, debug: bool | None = None, max_restarts: int = 0,
-        settings: Settings | None = None) -> dict[int, object]:
+        settings: Settings | None = None, simulate_hosts: int = 0) -> dict[int, object]:
     """`max_restarts` (processes only): after a rank fails, the elastic agent stops the others
     and starts every rank again, up to this many times; `fn` sees TORCHELASTIC_RESTART_COUNT.
-    `settings`: this process's (default: resolved now); `timeout` and `debug` override them."""
+    `settings`: this process's (default: resolved now); `timeout` and `debug` override them.
+    `simulate_hosts` (processes only): this machine plays that many hosts, each a block of
+    consecutive ranks named by `simulated_host` (PARATRAIN_HOST, as each rank would be told)."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
     if max_restarts and launcher != "processes":
         raise ValueError("max_restarts needs launcher='processes' (a thread that dies cannot be restarted alone)")
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
+    check_simulated_hosts(simulate_hosts, nproc, launcher)
     settings = (settings or Settings.resolve()).with_flags(timeout=timeout, debug=debug)
     if settings.launch.in_torchrun:
         return _run_here(fn, args, settings)
     table = algorithm_table(settings, nproc)
     if launcher == "threads":
         return _run_threads(fn, nproc, args, devices, settings, table)
-    return _run_processes(fn, nproc, args, settings, table, max_restarts)
+    return _run_processes(fn, nproc, args, settings, table, max_restarts, simulate_hosts)
+
+
+def check_simulated_hosts(hosts: int, nproc: int, launcher: str) -> None:
+    """Raise, in one line, where `--simulate-hosts` cannot be: threads share one process, and
+    hosts hold equal blocks of ranks."""
+    if not hosts:
+        return
+    if not isinstance(hosts, int) or hosts < 1:
+        raise ValueError(f"simulate_hosts must be a positive integer, got {hosts!r}")
+    if launcher != "processes":
+        raise ValueError("simulating hosts needs the processes launcher (--launcher processes): a host's "
+                         "name is a process's, and threads share one")
+    if nproc % hosts:
+        raise ValueError(f"simulating {hosts} hosts needs a number of ranks they share evenly, not {nproc}")
+
+
+def simulated_host(rank: int, world_size: int, hosts: int) -> str:
+    """The host name rank `rank` plays when `hosts` hosts share the world in consecutive blocks."""
+    return f"host{rank // (world_size // hosts)}"
 
 
 def algorithm_table(settings: Settings, world_size: int) -> AlgorithmTable:
@@ -136,7 +158,8 @@ def _run_threads(fn, nproc, args, devices, settings: Settings, table: AlgorithmT
     return dict(sorted(results.items()))
 
 
-def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, max_restarts=0) -> dict[int, object]:
+def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, max_restarts=0,
+                   simulate_hosts: int = 0) -> dict[int, object]:
     """Ranks as processes of PyTorch's elastic agent. What the run leaves goes with it: the
     agent's folder of per-rank logs and error files (else a torchelastic_* folder in the temp
     directory per run), the file torch.multiprocessing names for each rank's exception
@@ -164,7 +187,7 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
                 torch_reads("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"):  # no store of the agent's for the ranks
             return dict(sorted(elastic_launch(config, _process_main)(
                 fn, args, settings, table, child_environment(PARATRAIN_LAUNCHER_PID=str(os.getpid())),
-                forking.Stdio()).items()))
+                forking.Stdio(), False, simulate_hosts).items()))
     except ChildFailedError as failed:
         raise failed_run_error(failed.failures, nproc, run_id, settings.trace_dir) from None
     except SignalException as stopped:  # the agent's handler for SIGTERM, SIGINT, SIGHUP, SIGQUIT
@@ -238,12 +261,13 @@ def _agent_logs_quiet(unless: bool):
 
 @record  # writes the rank's traceback where the elastic agent reports it
 def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_environ=None, _stdio=None,
-                  keep_world: bool = False):
+                  keep_world: bool = False, simulate_hosts: int = 0):
     """One rank of a process world: join the process group, run, leave. `settings` were
     resolved by the launching process; the rank's place in the world is its own. A rank
     forked from the server (paratrain/forking.py) takes `parent_environ` first; the unpickled
     `_stdio` has already pointed its output at the launcher's. `keep_world`: the process group
-    stays for the next run in this process (torchrun's rank; see _run_here)."""
+    stays for the next run in this process (torchrun's rank; see _run_here). `simulate_hosts`:
+    the rank plays its block's host (see simulated_host)."""
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -257,7 +281,10 @@ def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_en
     # mid-run would leave it to the launcher's resource tracker, which warns of it at exit.
     # A rank's progress bar is its own, so a thread lock serves.
     tqdm.set_lock(threading.RLock())
-    group = init_process_group_from_env(settings.in_this_process(), table)
+    settings = settings.in_this_process()
+    if simulate_hosts:
+        settings = settings.with_flags(host=simulated_host(where.rank, where.world_size, simulate_hosts))
+    group = init_process_group_from_env(settings, table)
     try:
         return fn(group, *args)
     except (PeerLostError, TransportFailure):  # in a call, or in setting a transport up

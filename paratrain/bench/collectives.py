@@ -12,6 +12,9 @@ The conventions are nccl-tests' (doc/PERFORMANCE.md there), so numbers compare d
   the slowest rank's.
 - #wrong: inputs hold small integers whose reduction is exact in every dtype; after timing,
   inputs are reset and the collective runs once more, and mismatching elements are counted.
+- crossed: in a world that spans hosts, the bytes that checked call sent from one host to
+  another, all ranks together (transport/base.py's Traffic: our messages counted, the
+  backend's own collectives modelled as gloo's rings).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from paratrain.comm.algorithms import UNEVEN_ALL_TO_ALL
-from paratrain.comm.choice import AlgorithmTable, uneven_all_to_all_choice
+from paratrain.comm.choice import AlgorithmTable
 from paratrain.comm.ops import part_bounds
 
 DTYPES = {
@@ -136,6 +139,8 @@ class Measurement:
     wrong: int
     bursts_us: tuple[float, ...] = ()  # per-call time of each burst, slowest rank's: what --tune weighs
     rounds_us: tuple[float, ...] = ()  # with --peer: each round's time, of which time_us is the median
+    crossed_bytes: int | None = None  # bytes one call sent between hosts, all ranks'; None: one host
+    crossed_modelled: int | None = None  # of which modelled (the backend's own collectives)
 
     @property
     def label(self) -> str:
@@ -215,22 +220,29 @@ def _settle(case: _Case, algo: str, group, device) -> None:
 
 def _measure(group, case: _Case, op: str, algo: str, bursts: list[float], sweep: Sweep, device) -> Measurement:
     case.reset()
+    traffic = group.traffic
+    before = (traffic.counted, traffic.modelled) if traffic is not None else (0, 0)
     case.call(algo)
     _synchronize(device)
+    crossed = (traffic.counted - before[0], traffic.modelled - before[1]) if traffic is not None else (0, 0)
     wrong = case.count_wrong()
-    # Every rank's (median, wrong, bursts...) in one call: the slowest rank's time and bursts,
-    # everyone's wrong elements. Bursts line up across ranks: each starts from a barrier.
-    mine = torch.tensor([statistics.median(bursts), float(wrong), *bursts], dtype=torch.float64, device=device)
+    # Every rank's (median, wrong, crossed bytes, bursts...) in one call: the slowest rank's time
+    # and bursts, everyone's wrong elements and bytes. Bursts line up: each starts from a barrier.
+    mine = torch.tensor([statistics.median(bursts), float(wrong), *crossed, *bursts], dtype=torch.float64,
+                        device=device)
     everyone = group.all_gather(mine.new_empty(mine.numel() * group.size), mine, algo="native")
     everyone = everyone.cpu().view(group.size, mine.numel())
     seconds, wrong = everyone[:, 0].max().item(), int(everyone[:, 1].sum().item())
-    slowest_bursts = tuple(everyone[:, 2:].max(dim=0).values.mul(1e6).tolist())
+    counted, modelled = (int(everyone[:, column].sum().item()) for column in (2, 3))
+    slowest_bursts = tuple(everyone[:, 4:].max(dim=0).values.mul(1e6).tolist())
+    spans = group.hosts is not None and len(group.hosts) > 1
     factor = bus_factor(op, group.size)
     algbw = None if factor is None else case.nbytes / seconds / 1e9
     return Measurement(
         op=op, algo=algo, resolved=_resolved(group, op, algo, case.nbytes), bytes=case.nbytes,
         count=case.count, dtype=sweep.dtype, time_us=seconds * 1e6, algbw_gbps=algbw,
         busbw_gbps=None if factor is None else algbw * factor, wrong=wrong, bursts_us=slowest_bursts,
+        crossed_bytes=counted + modelled if spans else None, crossed_modelled=modelled if spans else None,
     )
 
 
@@ -238,7 +250,7 @@ def _resolved(group, op: str, algo: str, nbytes: int) -> str:
     """What `algo` runs as: the Group's pick for `auto` (with split sizes, by transport alone)."""
     if op != UNEVEN_OP:
         return group.resolve(op, algo, nbytes)
-    return uneven_all_to_all_choice(group.size, group.kind).algo if algo == "auto" else algo
+    return group.choose("all_to_all", None).algo if algo == "auto" else algo
 
 
 def _time_interleaved(group, case: _Case, algos, warmup: int, iters: int, device) -> dict[str, list[float]]:

@@ -24,9 +24,9 @@ from paratrain.bench.overhead import overhead_lines, run_overhead
 from paratrain.bench import mpi_peer
 from paratrain.bench.peer import collectives_lines, side_by_side, sweep_rounds
 from paratrain.bench.tuning import tuned_choices
-from paratrain.comm.algorithms import OPS, SHARED_ALGORITHMS, algorithms_for
+from paratrain.comm.algorithms import HIERARCHICAL, OPS, SHARED_ALGORITHMS, algorithms_for
 from paratrain.comm.choice import AlgorithmTable
-from paratrain.launch import LAUNCHERS, algorithm_table, expected_transport, in_torchrun, run
+from paratrain.launch import LAUNCHERS, algorithm_table, check_simulated_hosts, expected_transport, in_torchrun, run
 from paratrain.environment import Settings
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -62,29 +62,35 @@ def _names(text: str, valid: tuple[str, ...], what: str, option: str) -> list[st
     return names
 
 
-def plan_sweep(ops_text: str | None, algos_text: str | None, skip_auto: bool, kind: str | None = None):
+def plan_sweep(ops_text: str | None, algos_text: str | None, skip_auto: bool, kind: str | None = None,
+               spans_hosts: bool = False):
     """(op, algorithms) pairs to run on a transport of `kind`, and a note for each named algorithm
     some op lacks.
 
     By default every algorithm valid for an op runs (but `auto` with `skip_auto`, when tuning or
-    measuring overhead: it would only repeat another one). An algorithm named explicitly must be
-    valid for at least one named op.
+    measuring overhead: it would only repeat another one; and the hierarchical ones unless the
+    world `spans_hosts`). An algorithm named explicitly must be valid for at least one named op.
     """
     ops = _names(ops_text, OPS, "op", "--ops") if ops_text else list(OPS)
     if algos_text is None:
-        return [(op, tuple(a for a in algorithms_for(op, kind) if not (skip_auto and a == "auto"))) for op in ops], []
+        return [(op, tuple(a for a in algorithms_for(op, kind, spans_hosts) if not (skip_auto and a == "auto")))
+                for op in ops], []
     algos = _names(algos_text, _ALL_ALGOS, "algorithm", "--algos")
+    hier = [algo for algo in algos if algo in HIERARCHICAL]
+    if hier and not spans_hosts:
+        raise _bad("--algos", f"algorithm {hier[0]!r} runs on a world that spans hosts: add --simulate-hosts N, "
+                              "or run under torchrun --nnodes")
     for algo in algos:
-        if not any(algo in algorithms_for(op, kind) for op in ops):
+        if not any(algo in algorithms_for(op, kind, spans_hosts) for op in ops):
             if algo in SHARED_ALGORITHMS:
                 raise _bad("--algos", f"algorithm {algo!r} works through a segment of shared memory: only "
                                       f"on processes of one host (transport shm), not on {kind}")
-            has_it = [op for op in OPS if algo in algorithms_for(op, kind)]
+            has_it = [op for op in OPS if algo in algorithms_for(op, kind, spans_hosts)]
             raise _bad("--algos", f"algorithm {algo!r} is not available for {', '.join(ops)}"
                                   f" (it is for {', '.join(has_it)})")
     plan, notes = [], []
     for op in ops:
-        valid = tuple(a for a in algos if a in algorithms_for(op, kind))
+        valid = tuple(a for a in algos if a in algorithms_for(op, kind, spans_hosts))
         notes += [f"{a} is not available for {op}: skipped" for a in algos if a not in valid]
         if valid:
             plan.append((op, valid))
@@ -166,12 +172,17 @@ def _thread_devices(nproc: int):
                    "in rounds alternating with ours, and print ours / MPI per size. [default --algos: auto]")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="With --peer: rounds of each side, alternating (ours, the peer, ours, ...).")
+@click.option("--simulate-hosts", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Play N hosts on this machine (processes launcher): each block of nproc/N consecutive ranks "
+                   "gets a host name of its own (PARATRAIN_HOST), so they share memory only inside the block and "
+                   "talk gloo between blocks. Adds hier, the hierarchical algorithms, and a column of the bytes "
+                   "each call sent between hosts.")
 @click.option("--splits", type=click.Choice(SPLITS), default="even", show_default=True,
               help=f"all_to_all in equal parts, in uneven ones (rows '{UNEVEN_OP}', with split sizes; with --peer, "
                    f"MPI's Alltoallv) or both. Uneven: {UNEVEN_RULE}. The JSON gives each size's parts.")
 def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype,
                 json_path, plot_path, tune, explain, overhead, table_path, timeout, debug, peer, rounds,
-                splits) -> None:
+                simulate_hosts, splits) -> None:
     """Measure collectives like nccl-tests: time, algbw, busbw and #wrong per op, algorithm, size.
 
     Our algorithms (ring, hd = halving-doubling, tree, direct) run beside the backend's own
@@ -187,15 +198,18 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
       paratrain bench collectives --explain --ops all_reduce,all_gather
       paratrain bench collectives --overhead --algos ring,hd,native --min-bytes 16K --max-bytes 1M
       paratrain bench collectives --peer mpi --ops all_reduce --min-bytes 16K --max-bytes 64M --factor 4
+      paratrain bench collectives --nproc 4 --simulate-hosts 2 --ops all_reduce --min-bytes 1M
     """
     if max_bytes < min_bytes:
         raise _bad("--max-bytes", f"{max_bytes} is smaller than --min-bytes ({min_bytes})")
     mode = _mode_of(tune, explain, overhead, peer, dtype, json_path, plot_path)
     if splits != "even" and mode not in ("sweep", "peer") or splits != "even" and tune:
         raise click.UsageError("--splits uneven or both measures; it takes no --tune, --explain or --overhead")
+    if simulate_hosts and mode != "sweep":
+        raise click.UsageError("--simulate-hosts measures a sweep: it takes no --tune, --explain, --overhead or --peer")
     request = _request(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype,
                        json_path, plot_path, tune, explain, overhead, peer, table_path, timeout, debug, rounds,
-                       splits)
+                       splits, simulate_hosts or 0)
     MODES[mode](request)
 
 
@@ -221,6 +235,7 @@ class Request:
     tune: bool
     explain: bool  # after measuring (with --tune); --explain alone is a mode of its own
     rounds: int  # with --peer
+    simulate_hosts: int = 0  # hosts this machine plays (0: itself alone)
 
 
 def _mode_of(tune, explain, overhead, peer, dtype, json_path, plot_path) -> str:
@@ -240,11 +255,17 @@ def _mode_of(tune, explain, overhead, peer, dtype, json_path, plot_path) -> str:
 
 
 def _request(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, iters, dtype, json_path,
-             plot_path, tune, explain, overhead, peer, table_path, timeout, debug, rounds, splits) -> Request:
+             plot_path, tune, explain, overhead, peer, table_path, timeout, debug, rounds, splits,
+             simulate_hosts) -> Request:
     settings = Settings.resolve(timeout=timeout, debug=debug or None)
-    transport = expected_transport(launcher, nproc, settings)
+    try:
+        check_simulated_hosts(simulate_hosts, nproc, launcher)
+    except ValueError as error:
+        raise _bad("--simulate-hosts", str(error)) from None
+    transport = expected_transport(launcher, nproc, settings, simulate_hosts)
+    spans = simulate_hosts > 1 or settings.launch.in_torchrun and transport == "gloo"
     plan, notes = plan_sweep(ops or ("all_reduce" if overhead else None), algos or ("auto" if peer else None),
-                             tune or overhead, transport)
+                             tune or overhead, transport, spans)
     if splits != "even" and not any(op == "all_to_all" for op, _ in plan):
         raise _bad("--splits", "splits apply to all_to_all alone: add it to --ops")
     plan, split_notes = with_splits(plan, splits)
@@ -263,7 +284,7 @@ def _request(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, 
     counts = element_counts(sweep_sizes(min_bytes, max_bytes, factor), dtype)
     sizes = f"minBytes {min_bytes}  maxBytes {max_bytes}  step: {factor}(factor)"
     return Request(plan, notes, counts, sizes, dtype, warmup, iters, table, nproc, launcher, settings, world,
-                   transport, json_path, plot_path, tune, explain, rounds)
+                   transport, json_path, plot_path, tune, explain, rounds, simulate_hosts)
 
 
 def _explain(request: Request) -> None:
@@ -273,7 +294,8 @@ def _explain(request: Request) -> None:
 
 def _sweep(request: Request) -> None:
     """The sweep (with --tune, the table recorded from it; with --explain too, explained after)."""
-    _report(request, _launch(_sweep_of(request), request.nproc, request.launcher, request.settings), None)
+    _report(request, _launch(_sweep_of(request), request.nproc, request.launcher, request.settings,
+                             simulate_hosts=request.simulate_hosts), None)
 
 
 def _sweep_beside_mpi(request: Request) -> None:
@@ -309,7 +331,7 @@ def _report(request: Request, result, peer_rows: list | None) -> None:
     measurements = side_by_side(result.measurements, peer_rows) if peer_rows is not None else result.measurements
     lines = report.header_lines(info) + [f"# note: {note}" for note in request.notes]
     lines += report.table_lines(measurements, result.world_size) + report.summary_lines(measurements)
-    lines += report.auto_lines(measurements)
+    lines += report.auto_lines(measurements) + report.hosts_lines(measurements)
     if peer_rows is not None:
         lines += collectives_lines(result.measurements, peer_rows, "MPI")
     click.echo("\n".join(lines))
@@ -359,11 +381,11 @@ def run_overhead_with_table(group, table, plan, counts, dtype, warmup, rounds):
 
 
 def _launch(sweep: Sweep | None, nproc: int, launcher: str, settings: Settings,
-            function=run_sweep, args: tuple | None = None):
+            function=run_sweep, args: tuple | None = None, simulate_hosts: int = 0):
     """Run `function` (the sweep) on every rank; rank 0's result, or None in a process without rank 0."""
     devices = _thread_devices(nproc) if launcher == "threads" else None
     results = run(function, nproc, launcher=launcher, args=args or (sweep,), devices=devices,
-                  settings=settings)
+                  settings=settings, simulate_hosts=simulate_hosts)
     if 0 not in results and not in_torchrun():
         raise click.ClickException("benchmark failed: rank 0 returned no measurements")
     return results.get(0)

@@ -58,29 +58,33 @@ def table_lines(measurements: list[Measurement], world_size: int) -> list[str]:
     by_op: dict[str, list[Measurement]] = defaultdict(list)
     for m in measurements:
         by_op[m.op].append(m)
+    spans = any(m.crossed_bytes is not None for m in measurements)  # a world of several hosts
+    crossed = (f"  {'crossed':>10}", f"  {'(B/call)':>10}") if spans else ("", "")
     for op, rows in by_op.items():
         factor = f"busbw = algbw x {_FACTOR_TEXT[op]}" if op in _FACTOR_TEXT else "time only"
         lines += [
             "#",
             f"# {op}  ({factor}, n = {world_size}; 'vs native' = native's time / this time)",
             f"# {'size':>10}  {'count':>12}  {'type':>8}  {'redop':>6}  {'root':>4}  {'algo':<12}"
-            f"  {'time':>8}  {'algbw':>7}  {'busbw':>7}  {'#wrong':>6}  {'vs native':>9}",
+            f"  {'time':>8}  {'algbw':>7}  {'busbw':>7}  {'#wrong':>6}  {'vs native':>9}{crossed[0]}",
             f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>4}  {'':<12}"
-            f"  {'(us)':>8}  {'(GB/s)':>7}  {'(GB/s)':>7}",
+            f"  {'(us)':>8}  {'(GB/s)':>7}  {'(GB/s)':>7}{'':>19}{crossed[1]}",
         ]
         native_time = {m.bytes: m.time_us for m in rows if m.algo == "native"}
-        lines += [_row(m, native_time.get(m.bytes)) for m in rows]
+        lines += [_row(m, native_time.get(m.bytes), spans) for m in rows]
     return lines
 
 
-def _row(m: Measurement, native_time_us: float | None) -> str:
+def _row(m: Measurement, native_time_us: float | None, spans: bool = False) -> str:
     redop = "sum" if m.op in REDUCING_OPS else "none"
     root = ROOT if m.op in ROOTED_OPS else -1
     relative = f"{native_time_us / m.time_us:.2f}x" if native_time_us else "-"
+    # bytes between hosts; "~" where part of them is modelled (the backend's own collectives)
+    crossed = "" if not spans else f"  {('~' if m.crossed_modelled else '') + str(m.crossed_bytes):>10}"
     return (
         f"  {m.bytes:>10}  {m.count:>12}  {m.dtype:>8}  {redop:>6}  {root:>4}  {m.label:<12}"
         f"  {_time(m.time_us):>8}  {_gbps(m.algbw_gbps):>7}  {_gbps(m.busbw_gbps):>7}"
-        f"  {m.wrong:>6}  {relative:>9}"
+        f"  {m.wrong:>6}  {relative:>9}{crossed}"
     )
 
 
@@ -139,6 +143,42 @@ def auto_lines(measurements: list[Measurement]) -> list[str]:
     return lines
 
 
+HIER_FROM_BYTES = 1 << 20  # where the summary compares hier with the flat algorithms
+_OURS_FLAT = ("ring", "hd", "tree", "direct")
+
+
+def hosts_lines(measurements: list[Measurement]) -> list[str]:
+    """In a world of several hosts, per op measured with hier, from HIER_FROM_BYTES up: hier's
+    time over gloo's own (native) and over the fastest of our flat algorithms at each size, and
+    the bytes it sent between hosts over theirs."""
+    lines = []
+    by_op: dict[str, dict[int, dict[str, Measurement]]] = defaultdict(lambda: defaultdict(dict))
+    for m in measurements:
+        if m.bytes >= HIER_FROM_BYTES and m.crossed_bytes is not None:
+            by_op[m.op][m.bytes][m.algo] = m
+    for op, sizes in by_op.items():
+        over_native, over_ours, bytes_native, bytes_ours = [], [], [], []
+        for rows in sizes.values():
+            hier = rows.get("hier")
+            if hier is None:
+                continue
+            ours = min((rows[a] for a in _OURS_FLAT if a in rows), key=lambda m: m.time_us, default=None)
+            for flat, times, volumes in ((rows.get("native"), over_native, bytes_native), (ours, over_ours, bytes_ours)):
+                if flat is not None:
+                    times.append(hier.time_us / flat.time_us)
+                    if flat.crossed_bytes:
+                        volumes.append(hier.crossed_bytes / flat.crossed_bytes)
+        if over_native or over_ours:
+            text = f"# hier, {op} from {_human_bytes(HIER_FROM_BYTES)}:"
+            for name, times, volumes in (("gloo's own", over_native, bytes_native),
+                                         ("our fastest flat", over_ours, bytes_ours)):
+                if times:
+                    text += f" time / {name} {_span(times)}"
+                    text += f", bytes between hosts / its {_span(volumes)};" if volumes else ";"
+            lines.append(text.rstrip(";"))
+    return lines
+
+
 def _span(ratios: list[float]) -> str:
     return f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}x to {max(ratios):.2f}x"
 
@@ -156,6 +196,8 @@ def json_records(measurements: list[Measurement], launcher: str, world_size: int
             record.update(splits=uneven_splits(m.count, world_size), split_rule=UNEVEN_RULE)
         if m.rounds_us:  # with --peer
             record["rounds_us"] = list(m.rounds_us)
+        if m.crossed_bytes is not None:  # a world of several hosts
+            record.update(crossed_bytes=m.crossed_bytes, crossed_modelled=m.crossed_modelled)
         records.append(record)
     return records
 

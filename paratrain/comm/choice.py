@@ -60,6 +60,24 @@ def uneven_all_to_all_choice(world_size: int, transport: str) -> Choice:
     return Choice(choice.algo, f"{choice.reason}; split sizes differ from rank to rank, so picked by transport alone")
 
 
+# Across hosts: the ops with a hierarchical algorithm (algorithms/hierarchical.py), and the
+# message size from which it is `auto`'s pick (below it, the steps' latency outweighs the bytes).
+HIER_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+HIER_LEAST_BYTES = 64 * KIB
+
+
+def across_hosts_choice(op: str, nbytes: int | None, hosts: int, per_host: int) -> Choice | None:
+    """`auto` for a group whose ranks span `hosts` hosts, `per_host` on each: the hierarchical
+    algorithm, or None for the flat one (the table's). `nbytes` None: an uneven all_to_all,
+    picked without its size (see uneven_all_to_all_choice)."""
+    if op not in HIER_OPS or per_host < 2:
+        return None
+    if nbytes is not None and nbytes < HIER_LEAST_BYTES:
+        return None
+    return Choice("hier", f"the group spans {hosts} hosts of {per_host} ranks: hier works inside each host "
+                          f"through shared memory and sends 1/{per_host} of the data across")
+
+
 # On one host (`paratrain bench collectives --peer mpi`, docs/results.md): through the group's
 # shared segment every op beats the same op as messages through the rings (transport/shm.py),
 # which in turn beat gloo's own, because a copy into shared memory is all a message costs there.

@@ -25,11 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from paratrain.comm import checks
-from paratrain.comm.algorithms import ALGORITHMS, OPS, SHARED_ALGORITHMS, algorithms_for, check_takes_splits
+from paratrain.comm.algorithms import (
+    ALGORITHMS, HIERARCHICAL, OPS, SHARED_ALGORITHMS, algorithms_for, check_takes_splits,
+)
 from paratrain.comm.choice import AlgorithmTable, uneven_all_to_all_choice
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
 from paratrain.comm.flight import Call, named_range
 from paratrain.comm.handles import CollectiveHandle, Done, P2PHandle, timed
+from paratrain.comm.hierarchy import Spread
 from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
 from paratrain.comm.ops import check_reduce_op, divide_, part_size, reduced_as
 from paratrain.comm.p2p_calls import USER_TAGS, PointToPoint
@@ -38,7 +41,8 @@ from paratrain.comm.scratch import ScratchPool
 from paratrain.environment import Settings
 
 _DUMPED = (CommTimeoutError, PeerLostError, CollectiveMismatchError)  # failures worth a flight record
-_VALID = {kind: {op: frozenset(algorithms_for(op, kind)) for op in OPS} for kind in (None, "shm")}  # built once
+# Built once; hier is valid by name everywhere, and refused with its reason where it cannot run.
+_VALID = {kind: {op: frozenset(algorithms_for(op, kind, spans_hosts=True)) for op in OPS} for kind in (None, "shm")}
 
 
 class Group:
@@ -83,6 +87,9 @@ class Group:
         self._scratch = ScratchPool()  # collectives run one at a time, so one pool serves all
         self.replays = Replays()  # recent calls' work, run again when their tensors come back
         self._token: torch.Tensor | None = None  # what a barrier reduces
+        # Which ranks share a host (not known on the fabric), and the levels hier runs on (hierarchy.py).
+        self.spread = Spread(getattr(transport, "hosts", None))
+        self.hosts = self.spread.hosts
         # The works of the last calls, freed only once newer calls have finished. gloo frees a
         # finished message's buffer by spinning (sched_yield) until its I/O thread lets go of it;
         # freed the moment it finished, that thread has often just been preempted by ours, and
@@ -167,6 +174,7 @@ class Group:
         )
         if reduce_op is not None:
             args += (reduced_as(reduce_op),)
+        hierarchy = self.spread.levels(self) if chosen in HIERARCHICAL else None  # made here, not on the comm thread
 
         def execute():
             try:
@@ -176,12 +184,14 @@ class Group:
                     with named_range(op_name):
                         if moves:
                             algorithm = ALGORITHMS[op_name][chosen]
-                            if replay is None:
+                            if hierarchy is not None:  # its subgroups' calls: nothing of this group's to replay
+                                algorithm(hierarchy, *args)
+                            elif replay is None:
                                 algorithm(link, *args)
                             else:
                                 replay(link, chosen, algorithm, args)
                 except TRANSPORT_ERRORS as error:  # a native collective's own
-                    raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
+                    raise comm_error(error, self.rank, op_name, seq, self.timeout, self.transport) from original_cause(error)
                 if reduce_op == "avg" and averaged is not None:
                     divide_(averaged, self.size)
                 self._retire(link.finished)
@@ -233,7 +243,7 @@ class Group:
                                     self.segment_bytes, self._scratch)
                         entry.run(link)
             except TRANSPORT_ERRORS as error:  # the shared segment's own waits (Link's say who already)
-                raise comm_error(error, self.rank, op_name, seq, self.timeout) from original_cause(error)
+                raise comm_error(error, self.rank, op_name, seq, self.timeout, self.transport) from original_cause(error)
         except Exception as error:
             self._failed(call, error)
             raise
@@ -255,27 +265,46 @@ class Group:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"comm-rank{self.rank}")
         return self._executor
 
+    @property
+    def traffic(self):
+        """The bytes this process has sent to other hosts (transport/base.py's Traffic); None
+        where the transport keeps no count (the fabric: one host)."""
+        return getattr(self.transport, "traffic", None)
+
     def close(self) -> None:
         """Stop the communication thread (if async calls started one) and free the finished
         works still held (see `_retired`) while their process group is still alive."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self.spread.close()
         self._retired.clear()
         self.replays.clear()
 
     def resolve(self, op_name: str, algo: str, nbytes: int) -> str:
         """The algorithm that will run: `algo` itself, or the table's pick for `auto`."""
         if algo not in self._valid[op_name]:
-            valid = ", ".join(algorithms_for(op_name, self.kind))
+            valid = ", ".join(algorithms_for(op_name, self.kind, self.spread.problem is None))
             if algo in SHARED_ALGORITHMS and algo in ALGORITHMS[op_name]:
                 raise ValueError(f"{op_name}: algorithm {algo!r} works through a segment of shared memory, only "
                                  f"where every rank of the group is a process of this host (transport 'shm'); "
                                  f"this group's transport is '{self.kind}'. Valid here: {valid}")
             raise ValueError(f"{op_name}: unknown algorithm {algo!r}; valid: {valid}")
+        if algo in HIERARCHICAL and self.spread.problem is not None:
+            raise ValueError(f"{op_name}: algorithm {algo!r} {self.spread.problem}")
         if algo != "auto":
             return algo
-        return self.table.choose(op_name, nbytes, self.size, self.kind).algo
+        return self.choose(op_name, nbytes).algo
+
+    def choose(self, op_name: str, nbytes: int | None):
+        """`auto`'s pick (a choice.Choice, with its reason): in a group that spans hosts the
+        hierarchical algorithm where it pays, else the table's. `nbytes` None: an uneven all_to_all."""
+        spread = self.spread.choice(op_name, nbytes)
+        if spread is not None:
+            return spread
+        if nbytes is None:
+            return uneven_all_to_all_choice(self.size, self.kind)
+        return self.table.choose(op_name, nbytes, self.size, self.kind)
 
     # ---- the collectives: each checks its arguments, then runs as _run says -------------
 
@@ -372,7 +401,7 @@ class Group:
         checks.same_dtype("all_to_all", output, input)
         if output_split_sizes is not None or input_split_sizes is not None:
             splits = checks.row_splits("all_to_all", output, input, output_split_sizes, input_split_sizes, self.size)
-            chosen = uneven_all_to_all_choice(self.size, self.kind).algo if algo == "auto" else algo
+            chosen = self.choose("all_to_all", None).algo if algo == "auto" else algo
             check_takes_splits(chosen, self.kind)
             flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
             # every rank takes part, whatever it sends: its peers may send it something

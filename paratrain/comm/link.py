@@ -22,12 +22,15 @@ MAX_SEGMENTS = 4
 TRANSPORT_ERRORS = (TransportTimeout, TransportFailure, FabricAborted)
 
 
-def comm_error(error: Exception, rank: int, op_name: str, seq: int, timeout: float) -> Exception:
-    """The error a caller sees for a transport's `error`: who, in which call, for whom. Raise it
+def comm_error(error: Exception, rank: int, op_name: str, seq: int, timeout: float, transport=None) -> Exception:
+    """The error a caller sees for a transport's `error`: who, in which call, for whom (and, in a
+    group spread over hosts, on which host: `transport`'s host_names). Raise it
     `from original_cause(error)`."""
     if isinstance(error, TransportTimeout):
         return CommTimeoutError(rank, op_name, seq, error.peer, timeout)
-    return PeerLostError(rank, op_name, seq, error.peer, str(error))
+    names = getattr(transport, "host_names", None)
+    host = names[error.peer] if names and error.peer is not None and len(set(names)) > 1 else None
+    return PeerLostError(rank, op_name, seq, error.peer, str(error), host)
 
 
 def original_cause(error: Exception) -> BaseException:
@@ -86,7 +89,7 @@ class Link:
             for work in works:
                 work.wait(self.timeout)
         except TRANSPORT_ERRORS as error:
-            raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
+            raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout, self.transport) from original_cause(error)
         self.finished += works
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
@@ -154,7 +157,7 @@ class Link:
             try:
                 self.finished += compiled(self.tag, self.timeout)
             except TRANSPORT_ERRORS as error:
-                raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
+                raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout, self.transport) from original_cause(error)
             return
         tag = self.tag
         for op in messages:
@@ -189,7 +192,7 @@ class Link:
         try:
             works = self.transport.start(ops)
         except TRANSPORT_ERRORS as error:
-            raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout) from original_cause(error)
+            raise comm_error(error, self.rank, self.op_name, self.seq, self.timeout, self.transport) from original_cause(error)
         if self.schedule is not None:
             self.schedule.append((POST, ops))
             for work in works:

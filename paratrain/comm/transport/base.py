@@ -73,3 +73,20 @@ class Transport(Protocol):
                           splits: Splits | None = None) -> None: ...
 
     def native_barrier(self, timeout: float) -> None: ...
+
+
+class Traffic:
+    """The bytes this process has sent to ranks on other hosts, shared by every group of its
+    world (a subgroup's transport is handed its parent's). `counted`: messages of paratrain's
+    own algorithms and point-to-point, byte for byte. `modelled`: the backend's own collectives,
+    whose messages we cannot see, as the rings gloo runs them (see TorchTransport)."""
+
+    __slots__ = ("counted", "modelled")
+
+    def __init__(self):
+        self.counted = 0
+        self.modelled = 0
+
+    @property
+    def total(self) -> int:
+        return self.counted + self.modelled

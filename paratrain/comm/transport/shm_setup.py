@@ -2,7 +2,8 @@
 share this host, and a ring to each of them.
 
 Every rank of the group takes part (shm_transport.over_process_group calls `connect`): one
-all-gather of (offers shared memory, host key, process id, random token, parent's process id),
+all-gather of (offers shared memory, host key, process id, random token, parent's process id,
+host name), which also tells the process group which of its ranks share a host (`know_hosts`),
 then, where any two ranks share a host, two barriers. Between them each rank creates its
 outgoing rings and its doorbell under /dev/shm, and opens its peers'; after the second every
 peer has opened them, so the names are removed: from then on a crash leaves no file behind.
@@ -27,6 +28,7 @@ import os
 import platform
 import re
 import secrets
+import socket
 import sys
 
 import torch
@@ -72,21 +74,31 @@ def spin_s(settings: Settings, ranks_here: int) -> float:
     return DEFAULT_SPIN_S if ranks_here <= cores else 0.0
 
 
-def _host_key() -> int:
-    """Equal for processes that share /dev/shm and see each other's process ids: the boot,
-    the /dev/shm file system and the process namespace."""
-    with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
-        boot = handle.read().strip()
-    shm = os.stat("/dev/shm")
-    namespace = os.readlink("/proc/self/ns/pid")
-    digest = hashlib.blake2b(b"|".join([boot, str(shm.st_dev).encode(), namespace.encode()]), digest_size=7)
+def host_name(settings: Settings) -> str:
+    """The name this rank gives its host: PARATRAIN_HOST, else the machine's."""
+    return settings.host or socket.gethostname()
+
+
+def _host_key(settings: Settings) -> int:
+    """Equal for processes that share /dev/shm and see each other's process ids (the boot, the
+    /dev/shm file system, the process namespace) and give their host the same name: ranks
+    told different names (PARATRAIN_HOST) are on different hosts, even on one machine."""
+    parts = [host_name(settings).encode()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
+            parts.append(handle.read().strip())
+        parts += [str(os.stat("/dev/shm").st_dev).encode(), os.readlink("/proc/self/ns/pid").encode()]
+    except OSError:  # no /proc (or no /dev/shm): the name alone tells hosts apart
+        pass
+    digest = hashlib.blake2b(b"|".join(parts), digest_size=7)
     return int.from_bytes(digest.digest(), "little")
 
 
 SHM_DIR = "/dev/shm"
 # What each rank says of itself at setup: offers shared memory, host, pid, token, parent pid, has
-# the native kernels.
+# the native kernels; then its host's name, _NAME_BYTES of UTF-8 (cut longer: the key tells hosts apart).
 _FIELDS = 6
+_NAME_BYTES = 64
 _FILE_NAME = re.compile(r"^paratrain-(\d+)-(\d+)-(\d+)-[0-9a-f]{16}-(to-\d+|bell|arena)$")  # namespace, parent, pid
 
 
@@ -159,25 +171,39 @@ def _unlink_one(path: str) -> bool:
     return True
 
 
-def _exchange_offers(inner, settings: Settings, timeout: float) -> tuple[bool, object, list[list[int]]]:
+def _exchange_offers(inner, settings: Settings, timeout: float) -> tuple[bool, object, list[list[int]], list[str]]:
     """What this rank offers (shared memory at all, its host, pid, a token, its launcher, the
-    native kernels loaded), gathered from every rank of `inner`: (offered, kernels, the table of
-    every rank's _FIELDS)."""
-    me = torch.zeros(_FIELDS, dtype=torch.int64)
+    native kernels loaded) and its host's name, gathered from every rank of `inner`: (offered,
+    kernels, the table of every rank's _FIELDS, every rank's host name)."""
+    words = _FIELDS + _NAME_BYTES // 8
+    me = torch.zeros(words, dtype=torch.int64)
+    me[1] = _host_key(settings)
+    name = host_name(settings).encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+    me[_FIELDS:] = torch.frombuffer(bytearray(name), dtype=torch.int64)
     offered = enabled(settings)
     kernels = None
     if offered:
         try:
-            me[:5] = torch.tensor([1, _host_key(), os.getpid(), secrets.randbits(62),
-                                   settings.launch.launcher_pid or os.getppid()])
+            me[0], me[2:5] = 1, torch.tensor([os.getpid(), secrets.randbits(62),
+                                              settings.launch.launcher_pid or os.getppid()])
         except OSError:  # no /proc: not a Linux we know how to watch
             offered = False
     if offered and settings.native and inner.size > 1:
         kernels, _ = native.load(settings.cache_dir, settings.cc)
         me[5] = kernels is not None
-    everyone = torch.empty(inner.size * _FIELDS, dtype=torch.int64)
+    everyone = torch.empty(inner.size * words, dtype=torch.int64)
     inner.native_all_gather(everyone, me, timeout)
-    return offered, kernels, everyone.view(inner.size, _FIELDS).tolist()
+    rows = everyone.view(inner.size, words)
+    names = [bytes(row[_FIELDS:].numpy().tobytes()).rstrip(b"\0").decode(errors="replace") for row in rows]
+    return offered, kernels, rows[:, :_FIELDS].tolist(), names
+
+
+def _by_host(keys: list[int]) -> tuple[tuple[int, ...], ...]:
+    """The ranks of each host, hosts in the order of their first rank."""
+    hosts: dict[int, list[int]] = {}
+    for rank, key in enumerate(keys):
+        hosts.setdefault(key, []).append(rank)
+    return tuple(tuple(ranks) for ranks in hosts.values())
 
 
 def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
@@ -186,7 +212,8 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     None where this rank shares a host with none of the others (or offers no shared memory);
     the returned transport's `arena` is the group's shared segment where all of them do (else None)."""
     timeout = inner.own_timeout or settings.timeout
-    offered, kernels, table = _exchange_offers(inner, settings, timeout)
+    offered, kernels, table, names = _exchange_offers(inner, settings, timeout)
+    inner.know_hosts(_by_host([row[1] for row in table]), tuple(names))
     hosts = {}
     for rank, (offers, key, *_) in enumerate(table):
         if offers:

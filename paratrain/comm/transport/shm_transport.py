@@ -50,6 +50,15 @@ class SharedMemoryTransport:
         self.segment_bytes = inner.segment_bytes
         self.posts_ahead = True  # receives are matched by (source, tag), whenever posted
         self.arena = p2p.arena if self.kind == "shm" else None  # for algorithms/shared.py
+        self.traffic = inner.traffic  # bytes to other hosts: they all go through the process group
+
+    @property
+    def hosts(self):
+        return self.inner.hosts
+
+    @property
+    def host_names(self):
+        return self.inner.host_names
 
     def describe(self) -> str:
         if self.kind == "shm":

@@ -18,7 +18,7 @@ from paratrain.comm.errors import TransportFailure, TransportTimeout
 from paratrain.comm.flight import FlightRecords
 from paratrain.comm.ops import combine_, part_sizes
 from paratrain.comm.scratch import StagingPool
-from paratrain.comm.transport.base import POST, P2POp, Schedule
+from paratrain.comm.transport.base import POST, P2POp, Schedule, Traffic
 
 # torch 2.13 renamed the tensor collectives; keep working on releases before the rename.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -102,10 +102,11 @@ class _GlooReplay:
     Called with a call's tag and timeout; returns gloo's works, which the Group frees later
     (see Group._retired)."""
 
-    __slots__ = ("steps", "staging", "own_timeout")
+    __slots__ = ("steps", "staging", "own_timeout", "traffic", "across")
 
     def __init__(self, transport: TorchTransport, schedule: Schedule):
         self.staging, self.own_timeout = transport.staging, transport.own_timeout
+        self.traffic, self.across = transport.traffic, 0  # bytes each call sends to other hosts
         messages: list[tuple] = []  # per message: (post, tensors, peer, target, reduce)
         self.steps: list[tuple[bool, list]] = []  # (True, messages to post) | (False, numbers to wait for)
         for what, arg in schedule:
@@ -117,6 +118,8 @@ class _GlooReplay:
                 if not 0 <= op.peer < transport.size:
                     raise ValueError(f"peer rank {op.peer} out of range for world size {transport.size}")
                 post = transport.pg.send if op.kind == "send" else transport.pg.recv
+                if op.kind == "send" and transport.crosses[op.peer]:
+                    self.across += _nbytes(op.tensor)
                 reduce = op.reduce if op.kind == "recv" else None
                 message = (post, [_plain(op.tensor)], op.peer, op.tensor, reduce)
                 messages.append(message)
@@ -125,6 +128,7 @@ class _GlooReplay:
 
     def __call__(self, tag: int, timeout: float) -> list:
         delta = None if timeout == self.own_timeout else _delta(timeout)
+        self.traffic.counted += self.across
         works, stagings = [], {}
         for posting, arg in self.steps:
             if posting:
@@ -156,9 +160,14 @@ class TorchTransport:
     """A torch.distributed process group seen as a transport. `flight`: the flight records of
     this process (made here when none is given: a new world's first group). `regroup`: what
     each subgroup's transport is made into (shm_transport.over_process_group, set by it, so that
-    all ranks of a subgroup set up shared memory together); None: nothing."""
+    all ranks of a subgroup set up shared memory together); None: nothing. `traffic`: the
+    bytes sent to other hosts, shared with the world's other groups (made here when none is given).
 
-    def __init__(self, process_group=None, flight: FlightRecords | None = None, regroup=None):
+    Which ranks share a host is known once shared memory was set up (`know_hosts`, from
+    shm_setup.connect); until then, and with NCCL, `hosts` is None: not known."""
+
+    def __init__(self, process_group=None, flight: FlightRecords | None = None, regroup=None,
+                 traffic: Traffic | None = None):
         self.pg = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.pg)
         self.size = dist.get_world_size(self.pg)
@@ -168,6 +177,10 @@ class TorchTransport:
         self._only_peer = 1 - self.rank if self.size == 2 else None
         self.flight = flight if flight is not None else FlightRecords([dist.get_rank()])
         self.regroup = regroup
+        self.traffic = traffic if traffic is not None else Traffic()
+        self.hosts: tuple[tuple[int, ...], ...] | None = None  # the ranks of each host
+        self.host_names: tuple[str, ...] | None = None  # each rank's host, as it names it
+        self.crosses = (False,) * self.size  # per rank: on another host than this one
         backend = str(dist.get_backend(self.pg)).lower()
         self.kind = "nccl" if "nccl" in backend and _cuda_available() else "gloo"
         # gloo moves bytes on its own threads: while one segment is reduced the next arrives.
@@ -181,7 +194,20 @@ class TorchTransport:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.kind == "nccl" else torch.device("cpu")
 
     def describe(self) -> str:
-        return f"{self.kind}: a torch.distributed process group of {self.size} ranks"
+        spread = f" on {len(self.hosts)} hosts" if self.hosts and len(self.hosts) > 1 else ""
+        return f"{self.kind}: a torch.distributed process group of {self.size} ranks{spread}"
+
+    def know_hosts(self, hosts: tuple[tuple[int, ...], ...], names: tuple[str, ...]) -> None:
+        """Learn which ranks share a host (`hosts`, group ranks) and what each calls its host."""
+        self.hosts, self.host_names = hosts, names
+        mine = next(ranks for ranks in hosts if self.rank in ranks)
+        self.crosses = tuple(rank not in mine for rank in range(self.size))
+
+    def _model(self, nbytes: float, successor_gets: bool = True) -> None:
+        """Count what one of the backend's own collectives sends to other hosts, as the ring gloo
+        runs it: `nbytes` to the next rank, where that rank is on another host."""
+        if successor_gets and self.crosses[(self.rank + 1) % self.size]:
+            self.traffic.modelled += int(nbytes)
 
     def start(self, ops: list[P2POp]) -> list:
         """Post `ops` (what Link and Group's point-to-point call) on the process group."""
@@ -190,13 +216,15 @@ class TorchTransport:
         # gloo: each op goes straight to the process group (what dist.isend/irecv end in, less
         # their per-call argument checks, which `Group` has already made), with group ranks.
         handles = []
-        send, recv = self.pg.send, self.pg.recv
+        send, recv, crosses = self.pg.send, self.pg.recv, self.crosses
         for op in ops:
             if not 0 <= op.peer < self.size:
                 raise ValueError(f"peer rank {op.peer} out of range for world size {self.size}")
             staging = None
             try:  # gloo refuses to post on a connection it already knows is closed
                 if op.kind == "send":
+                    if crosses[op.peer]:
+                        self.traffic.counted += _nbytes(op.tensor)
                     work = send([_plain(op.tensor)], op.peer, op.tag)
                 elif op.reduce:  # lands beside its target, combined when waited for
                     staging = self.staging.take(op.tensor)
@@ -215,6 +243,8 @@ class TorchTransport:
         for op, staging in zip(ops, stagings):
             if not 0 <= op.peer < self.size:
                 raise ValueError(f"peer rank {op.peer} out of range for world size {self.size}")
+            if op.kind == "send" and self.crosses[op.peer]:
+                self.traffic.counted += _nbytes(op.tensor)
             p2p.append(dist.P2POp(
                 dist.isend if op.kind == "send" else dist.irecv,
                 op.tensor if staging is None else staging,
@@ -242,7 +272,7 @@ class TorchTransport:
         members = [self._global[r] for r in ranks]
         timeout = None if self.own_timeout is None else _delta(self.own_timeout)
         made = TorchTransport(dist.new_group(members, timeout=timeout, use_local_synchronization=True),
-                              self.flight, self.regroup)
+                              self.flight, self.regroup, self.traffic)
         return made if self.regroup is None else self.regroup(made)
 
     def split_with_everyone(self, ranks: list[int]) -> TorchTransport | None:
@@ -255,7 +285,7 @@ class TorchTransport:
         made = dist.new_group(members, timeout=timeout, group_desc=f"frontend {members}"[:64])
         if self.rank not in ranks:
             return None
-        transport = TorchTransport(made, self.flight, self.regroup)
+        transport = TorchTransport(made, self.flight, self.regroup, self.traffic)
         return transport if self.regroup is None else self.regroup(transport)
 
     # The backend's own collectives. Parts may be uneven (see ops.part_sizes): torch's
@@ -266,10 +296,12 @@ class TorchTransport:
 
     @_native
     def native_all_reduce(self, tensor, op, timeout):
+        self._model(2 * (self.size - 1) / self.size * _nbytes(tensor))
         self._run(dist.all_reduce(tensor, _TORCH_OPS[op], group=self.pg, async_op=True), timeout)
 
     @_native
     def native_reduce_scatter(self, output, input, op, timeout):
+        self._model(2 * (self.size - 1) / self.size * _nbytes(input))  # gloo's: an all-reduce, then a copy
         sizes = part_sizes(input.numel(), self.size)
         width = sizes[0]
         padded = input if len(set(sizes)) == 1 else _pad_parts(input, sizes, width)
@@ -283,6 +315,7 @@ class TorchTransport:
 
     @_native
     def native_all_gather(self, output, input, timeout):
+        self._model((self.size - 1) / self.size * _nbytes(output))
         sizes = part_sizes(output.numel(), self.size)
         if len(set(sizes)) == 1:
             work = _all_gather(output, input, group=self.pg, async_op=True)
@@ -297,11 +330,13 @@ class TorchTransport:
 
     @_native
     def native_broadcast(self, tensor, root, timeout):
+        self._model(_nbytes(tensor), successor_gets=(self.rank + 1) % self.size != root)
         work = dist.broadcast(tensor, self._global[root], group=self.pg, async_op=True)
         self._run(work, timeout)
 
     @_native
     def native_reduce(self, tensor, root, op, timeout):
+        self._model(_nbytes(tensor), successor_gets=self.rank != root)
         # torch may overwrite non-root buffers with partial sums; ours leaves them as they were.
         buffer = tensor if self.rank == root else tensor.clone()
         work = dist.reduce(buffer, self._global[root], _TORCH_OPS[op], group=self.pg, async_op=True)
@@ -314,6 +349,8 @@ class TorchTransport:
             receive_sizes = [send_sizes[self.rank]] * self.size
         else:
             send_sizes, receive_sizes = list(splits.send), list(splits.receive)
+        self.traffic.modelled += sum(size for peer, size in enumerate(send_sizes) if self.crosses[peer]) \
+            * input.element_size()
         work = dist.all_to_all_single(
             output,
             input,
@@ -354,3 +391,7 @@ def _pad_parts(flat: torch.Tensor, sizes: list[int], width: int) -> torch.Tensor
 
 def _cuda_available() -> bool:
     return hasattr(torch, "cuda") and torch.cuda.is_available()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
