@@ -21,6 +21,7 @@ import atexit
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -76,6 +77,26 @@ def expected_transport(launcher: str, nproc: int, settings: Settings, simulate_h
             return "gloo"  # some ranks run on other hosts
         nproc = settings.launch.world_size or nproc
     return "shm" if nproc > 1 else "gloo"
+
+
+def hosts_of(nproc: int, settings: Settings, simulate_hosts: int = 0) -> int:
+    """How many hosts a world of `nproc` ranks spans, known before it starts: those it simulates,
+    or under torchrun its nodes (ranks per node from LOCAL_WORLD_SIZE)."""
+    where = settings.launch
+    if where.in_torchrun and where.world_size and where.local_world_size:
+        return max(1, where.world_size // where.local_world_size)
+    return simulate_hosts or 1
+
+
+def describe_transport(launcher: str, nproc: int, settings: Settings, simulate_hosts: int = 0) -> str:
+    """The transport as the training banner states it: the kind, and for a world of several hosts
+    what carries messages inside and between them."""
+    kind = expected_transport(launcher, nproc, settings, simulate_hosts)
+    hosts = hosts_of(nproc, settings, simulate_hosts)
+    if hosts < 2 or kind != "gloo":
+        return kind
+    inside = "shared memory" if shm_setup.enabled(settings) else "gloo"
+    return f"gloo between {hosts} hosts, {inside} inside each (collectives across hosts: hier)"
 
 
 def run(fn, nproc: int, *, launcher: str = "threads", args: tuple = (), devices=None,
@@ -206,7 +227,6 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
 
 def _loopback_server(host: str, port: int, world_size: int | None, timeout: float, multi_tenant: bool = False):
     """A TCPStore served from a socket bound to `host`:`port` (0: any free port) alone."""
-    import socket
 
     import torch.distributed as dist
 
@@ -287,7 +307,12 @@ def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_en
     group = init_process_group_from_env(settings, table)
     try:
         return fn(group, *args)
-    except (PeerLostError, TransportFailure):  # in a call, or in setting a transport up
+    except (PeerLostError, TransportFailure) as error:  # in a call, or in setting a transport up
+        # Said at once, on this rank's host: where the peer was on another host, its agent
+        # there reports the root cause, and ours may stop this rank before anything is raised
+        # (an elastic agent restarts its ranks when another node's rejoin the rendezvous).
+        print(f"paratrain: rank {where.rank} on host {settings.host or socket.gethostname()}: {error}",
+              file=sys.stderr, flush=True)
         # The peer is dead or dying. Give the agent time to see that first, so the run is
         # reported by its root cause; this rank's error is in its flight record.
         time.sleep(PEER_DEATH_GRACE_S)
@@ -347,7 +372,11 @@ def _store_for(settings: Settings):
     - A local world our launcher started: rank 0 serves it on loopback (see _loopback_server).
     - After an elastic restart, a store may still hold the keys the failed attempt's ranks wrote
       (gloo's addresses among them), and the new ranks would try to connect to dead ones: a
-      prefix per attempt keeps each attempt's keys apart."""
+      prefix per attempt keeps each attempt's keys apart.
+    - Under torchrun with a store of the ranks' own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), rank 0
+      serves a new one at a new port each round: no prefix, and none must be, since with several
+      nodes the attempt count differs from node to node (an agent that restarts its ranks because
+      another node rejoined does not count it) and the ranks would wait on each other's keys."""
     import torch.distributed as dist
 
     where = settings.launch
@@ -356,7 +385,7 @@ def _store_for(settings: Settings):
     timeout = timedelta(seconds=settings.timeout)
     if where.launcher_pid is not None and not where.agent_store and where.rank == 0:
         store = _loopback_server(where.master_addr, where.master_port, where.world_size, settings.timeout)
-    elif where.launcher_pid is not None or where.restart_count:
+    elif where.launcher_pid is not None or where.restart_count and where.agent_store:
         store = dist.TCPStore(where.master_addr, where.master_port, where.world_size,
                               is_master=not where.agent_store and where.rank == 0, timeout=timeout)
     else:

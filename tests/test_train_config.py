@@ -163,23 +163,6 @@ def test_check_passes_a_correct_pipeline_and_fails_an_impossible_tolerance():
     assert failed.exit_code == 1 and "FAIL" in failed.output
 
 
-def test_train_runs_unchanged_under_torchrun(tmp_path):
-    """torchrun sets the world; `paratrain train` reads it instead of starting its own."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", "-m", "paratrain", "train", "--model", "mlp", "--steps", "3",
-         "--metrics-out", str(tmp_path / "m.json")],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "world 2 = dp 2 x pp 1 x tp 1 (torchrun)" in result.stdout
-    assert json.loads((tmp_path / "m.json").read_text())["summary"]["steps"] == 3
-
-
 def test_the_training_pages_example_config_and_error_lines_are_what_runs():
     """docs/training.md's `--config examples/run.yaml` names a file that exists and validates (its
     plan printed, nothing trained), and the page's error lines are what the command prints."""

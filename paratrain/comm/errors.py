@@ -52,9 +52,9 @@ class PeerLostError(_Traced, RuntimeError):
     """A peer died, or the transport failed, while this rank was in a call: the error names
     this rank, the call and the rank it lost; the transport's own error is its __cause__."""
 
-    def __init__(self, rank: int, op: str, seq: int, peer: int | None, detail: str, host: str | None = None):
+    def __init__(self, rank: int, op: str, seq: int, peer: int | None, detail: str, where: str | None = None):
         lost = f"rank {peer}" if peer is not None else "a peer (the backend does not say which)"
-        lost += f" on host {host}" if host else ""  # named where the group spans hosts
+        lost += f" ({where})" if where else ""  # in a group spread over hosts: its world rank and host
         super().__init__(f"rank {rank}: {op} (call #{seq}) lost {lost}: {_without_source_location(detail)}")
         self.rank, self.op, self.seq, self.peer = rank, op, seq, peer
 

@@ -28,9 +28,11 @@ def comm_error(error: Exception, rank: int, op_name: str, seq: int, timeout: flo
     `from original_cause(error)`."""
     if isinstance(error, TransportTimeout):
         return CommTimeoutError(rank, op_name, seq, error.peer, timeout)
-    names = getattr(transport, "host_names", None)
-    host = names[error.peer] if names and error.peer is not None and len(set(names)) > 1 else None
-    return PeerLostError(rank, op_name, seq, error.peer, str(error), host)
+    names, world = getattr(transport, "host_names", None), getattr(transport, "global_ranks", None)
+    where = None
+    if names and error.peer is not None and len(set(names)) > 1:  # a group spread over hosts: which one
+        where = f"world rank {world[error.peer]} on host {names[error.peer]}"
+    return PeerLostError(rank, op_name, seq, error.peer, str(error), where)
 
 
 def original_cause(error: Exception) -> BaseException:

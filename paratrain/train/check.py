@@ -125,7 +125,8 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
         for line in fsdp_units_note(config):
             click.echo(line)
     results = run(functools.partial(train_rank, return_state=True), world, launcher=par.launcher,
-                  args=(config,), timeout=par.timeout, debug=par.debug or None, settings=settings)
+                  args=(config,), timeout=par.timeout, debug=par.debug or None, settings=settings,
+                  simulate_hosts=par.simulate_hosts)
     report = compare(config, results, reference_run(config))
     click.echo(f"{'step':>5} {'loss':>12} {'reference':>12} {'rel. diff':>10}")
     for step, (ours, ref, diff) in enumerate(zip(report["losses"], report["reference_losses"], report["loss_diffs"])):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from paratrain.launch import expected_transport, run
+from paratrain.launch import describe_transport, hosts_of, run
 from paratrain.models import CAUSAL_LM_CONFIGS, GPTConfig, LlamaConfig, count_parameters, format_count, \
     model_config, parameter_count
 from paratrain.parallel.pipeline.split import balanced_partition, layer_costs, pipeline_layers
@@ -84,6 +84,18 @@ def _memory_line(memory: dict[str, list[int]]) -> str:
             f"backward {mib('activations_bytes')} at their peak (largest over ranks)")
 
 
+def placement_line(per_host: int, tp: int, cp: int) -> str:
+    """Whether the mesh keeps the axes that talk every layer (tp, then cp: adjacent ranks) inside a
+    host, `per_host` consecutive ranks each, as it means to, and data parallelism across hosts."""
+    inner, names = tp * cp, "tp x cp" if cp > 1 else "tp"
+    if inner == 1:
+        return f"{per_host} ranks per host: only the data-parallel (and pipeline) groups cross hosts"
+    if per_host % inner == 0:
+        return f"{per_host} ranks per host: {names} ({inner} ranks) inside each host, the other axes across"
+    return (f"{per_host} ranks per host: {names} spans {inner} ranks, which do not fit a host's {per_host}: its "
+            "collectives cross hosts every layer (make it divide the ranks per host)")
+
+
 def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[str]:
     """What is about to run: the world, its mesh and transport, the schedule, and (GPT) memory
     per rank."""
@@ -94,7 +106,10 @@ def describe_run(config: TrainConfig, world: int, settings: Settings) -> list[st
     cp = f" x cp {par.cp} ({context_plan(config, world).method}, {par.cp_layout})" if par.cp > 1 else ""
     ep = f", experts split over ep {par.ep}" if par.ep > 1 else ""
     lines = [f"world {world} = dp {dp} x pp {par.pp}{cp} x tp {par.tp}{ep} ({launcher}), data parallelism {strategy.name} "
-             f"(shards {strategy.shards}), transport {expected_transport(par.launcher, world, settings)}"]
+             f"(shards {strategy.shards}), transport {describe_transport(par.launcher, world, settings, par.simulate_hosts)}"]
+    hosts = hosts_of(world, settings, par.simulate_hosts)
+    if hosts > 1:
+        lines.append(placement_line(world // hosts, par.tp, par.cp))
     if par.pp > 1:
         per_micro = config.data.global_batch // (dp * par.microbatches)
         lines.append(f"global batch {config.data.global_batch}: {config.data.global_batch // dp} per replica, "
@@ -208,7 +223,8 @@ def train(ctx, config_path, plan_only, print_config, benchmark, max_nproc, **fla
         return
     results = run(train_rank, world, launcher=config.parallel.launcher, args=(config,),
                   timeout=config.parallel.timeout, debug=config.parallel.debug or None,
-                  max_restarts=config.checkpoint.max_restarts, settings=settings)
+                  max_restarts=config.checkpoint.max_restarts, settings=settings,
+                  simulate_hosts=config.parallel.simulate_hosts)
     if 0 not in results:
         return
     result = results[0]

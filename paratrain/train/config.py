@@ -53,6 +53,7 @@ class OptimConfig:
 class ParallelConfig:
     nproc: int | None = None  # ranks to start: None means dp x pp x tp, or 2 (ignored under torchrun)
     launcher: str = "threads"  # threads: in-process fabric; processes: torch's elastic launcher
+    simulate_hosts: int = 0  # processes: this machine plays N hosts, a block of consecutive ranks each
     dp_mode: str | None = None  # a strategy of parallel/data/strategy.py; None: what zero and local_sgd say, else ddp
     algo: str = "auto"  # all-reduce algorithm for our modes
     naive_layout: str = "flat"  # naive: one flat buffer, or one all-reduce per parameter

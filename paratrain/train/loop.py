@@ -28,7 +28,9 @@ from paratrain.train.profile import StepProfiler, profiled_steps
 from paratrain.train.config_reference import config_yaml
 from paratrain.train.metric_sinks import MetricSinks
 from paratrain.train.report import Console, run_summary, step_entry, tokens_per_sample
-from paratrain.train.resume import checkpoint_to_resume, layout_of, restore, save_if_due, train_state_for
+from paratrain.train.resume import (
+    checkpoint_to_resume, layout_of, restarted_anywhere, restore, save_if_due, train_state_for,
+)
 from paratrain.train.setup import dataset_for
 
 
@@ -139,7 +141,7 @@ def start(group, config: TrainConfig) -> Run:
     # would rewind the RNG under a rank still initialising and give it other weights.
     group.barrier()
     state = train_state_for(parallel, mesh, job.dp, optimizer)
-    resume_from = checkpoint_to_resume(config, restarted=group.settings.launch.restart_count > 0)
+    resume_from = checkpoint_to_resume(config, restarted=restarted_anywhere(group, config))
     first_step = restore(resume_from, config, group, state, scheduler) if resume_from else 0
     if not resume_from and config.checkpoint.init_from:
         init_from_hf(config.checkpoint.init_from, config, state)

@@ -86,6 +86,9 @@ TRAINING_FLAGS = [
                                      "mean squared error for float ones)."),
     Flag("parallel.nproc", "--nproc", type=int, help="Ranks to start (default 2; torchrun decides under torchrun)."),
     Flag("parallel.launcher", "--launcher", help="threads (in-process fabric) or processes (torch elastic launcher)."),
+    Flag("parallel.simulate_hosts", "--simulate-hosts", type=int,
+         help="processes launcher: play N hosts on this machine, nproc/N consecutive ranks on each (PARATRAIN_HOST): "
+              "shared memory inside a host, gloo between hosts, as on a cluster."),
     Flag("parallel.dp_mode", "--dp-mode", help="Data-parallel strategy (default ddp, or what --zero / --local-sgd "
                                                 "say): naive, ddp, torch-ddp (or torch), zero1, torch-zero1, zero2, fsdp "
                                                 "(or zero3), torch-fsdp, local-sgd. `torch-` ones are PyTorch's."),

@@ -32,6 +32,17 @@ def checkpoint_to_resume(config: TrainConfig, restarted: bool) -> str | None:
     return None
 
 
+def restarted_anywhere(group, config: TrainConfig) -> bool:
+    """Whether the elastic agent of any rank counts a restart (only asked where a restart would
+    resume: a save dir, no --resume). With several nodes, an agent that restarts its ranks because
+    another node's failed does not count that one, and every rank must resume alike."""
+    if config.checkpoint.resume is not None or not config.checkpoint.dir:
+        return False
+    count = torch.tensor([float(group.settings.launch.restart_count)])
+    group.all_reduce(count, "max")
+    return count.item() > 0
+
+
 def checked_reader(path: str | os.PathLike, config: TrainConfig) -> CheckpointReader:
     """A reader of the checkpoint at `path` (its files checked against their checksums), or a
     CheckpointError saying why this run cannot continue from it."""

@@ -10,7 +10,7 @@ from paratrain.data import DATASET_NAMES, build_dataset, dataset_config
 from paratrain.data.user_data import is_data_file
 from paratrain.data.text import is_text_name
 from paratrain.data.token_file import is_token_file_name
-from paratrain.launch import LAUNCHERS
+from paratrain.launch import LAUNCHERS, check_simulated_hosts
 from paratrain.models.user_model import load_function
 import torch
 
@@ -101,6 +101,7 @@ def _layout_problems(problems: list[str], config: TrainConfig, world_size: int) 
     if par.nproc is not None:  # None: dp x pp x tp (see options.world_size_of)
         _at_least(problems, "parallel.nproc", par.nproc, 1)
     _choice(problems, "parallel.launcher", par.launcher, LAUNCHERS)
+    _hosts_problems(problems, par, world_size)
     _choice(problems, "parallel.algo", par.algo, algorithms_for("all_reduce"))
     if _is_int(par.pp) and par.pp == 1:
         ignored = [flag for flag, on in (("--microbatches", par.microbatches != 1), ("--schedule", par.schedule != "1f1b"),
@@ -113,6 +114,19 @@ def _layout_problems(problems: list[str], config: TrainConfig, world_size: int) 
                         "--grad-accum applies to pp = 1")
     tp_pp = par.pp * par.tp if _is_int(par.pp) and _is_int(par.tp) else 1
     problems += strategy_problems(par, tp_pp, algorithms_for("all_reduce"), algorithms_for)
+
+
+def _hosts_problems(problems: list[str], par, world_size: int) -> None:
+    """--simulate-hosts: processes, an even share of ranks per host."""
+    if par.simulate_hosts in (0, None):
+        return
+    if not _is_int(par.simulate_hosts) or par.simulate_hosts < 1:
+        problems.append(f"parallel.simulate_hosts must be a whole number >= 1, got {par.simulate_hosts!r}")
+        return
+    try:
+        check_simulated_hosts(par.simulate_hosts, world_size, par.launcher)
+    except ValueError as error:
+        problems.append(f"parallel.simulate_hosts: {error}")
 
 
 def _communication_problems(problems: list[str], config: TrainConfig, world_size: int) -> None:
