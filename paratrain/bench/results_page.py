@@ -127,7 +127,10 @@ def _time_and_busbw(record: dict | None) -> str:
     busbw = record["busbw_gbps"]
     time_us = record["time_us"]
     shown = f"{time_us:.0f}" if time_us >= 100 else f"{time_us:.3g}"  # small calls keep a tenth of a us
-    return shown + (f" ({busbw:.2f})" if busbw is not None else "")
+    shown += f" ({busbw:.2f})" if busbw is not None else ""
+    if record.get("crossed_bytes") is not None:  # a world of several hosts: what crossed between them
+        shown += f" [{'~' if record['crossed_modelled'] else ''}{record['crossed_bytes'] / 2**20:.2f}]"
+    return shown
 
 
 def render_collectives(records: list[dict]) -> list[str]:
@@ -140,6 +143,9 @@ def render_collectives(records: list[dict]) -> list[str]:
                  "bus bandwidth in GB/s in brackets)"
                  + ("; *auto ran*: the algorithm `auto` picked; *vs native* = native's time / auto's" if has_auto
                     else "")
+                 + ("; in square brackets the MiB one call sent between hosts, all ranks together (~: partly "
+                    "modelled, for gloo's own collectives, whose messages we cannot see)"
+                    if any(r.get("crossed_bytes") is not None for r in records) else "")
                  + ("; *mpi*: MPICH through mpi4py in the same run (the median of rounds alternating with ours), "
                     "*auto / MPI* = our time / MPI's, below 1 ours is faster." if any(r["algo"] == "mpi" for r in records)
                     else "."))

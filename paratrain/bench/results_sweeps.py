@@ -37,6 +37,10 @@ SWEEPS = (
     Sweep("collectives-4", "collectives", "Every collective on 4 processes: the default pick (auto) against gloo's own",
           ("--nproc", "4", "--algos", "auto,native", "--min-bytes", "16K", "--max-bytes", "16M",
            "--factor", "4", "--iters", "10")),
+    Sweep("collectives-hosts", "collectives", "Collectives on 4 processes playing 2 hosts (loopback between them): "
+          "hier against the flat algorithms", ("--nproc", "4", "--simulate-hosts", "2", "--ops",
+                                               "all_reduce,reduce_scatter,all_gather", "--algos", "ring,direct,hier,native",
+                                               "--min-bytes", "64K", "--max-bytes", "16M", "--factor", "4", "--iters", "10")),
     Sweep("collectives-threads", "collectives", "All-reduce on 2 threads (the in-process fabric)",
           ("--launcher", "threads", "--nproc", "2", "--ops", "all_reduce", "--algos", "ring,hd,native",
            "--min-bytes", "64K", "--max-bytes", "64M", "--factor", "4", "--iters", "10")),
