@@ -41,6 +41,7 @@ from paratrain.comm.flight import FlightRecords
 from paratrain.comm.transport import over_process_group, shm_setup
 from paratrain import forking, lifetime
 from paratrain.failure_report import RunStopped, failed_run_error
+from paratrain.stores import loopback_server, store_for
 from paratrain.environment import (
     Settings, child_environment, default_threads_for_children, launch_environment, torch_reads,
 )
@@ -196,7 +197,7 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
     run_id = f"paratrain-{uuid.uuid4().hex[:8]}"
     _sweep_dead_runs()
     logs = tempfile.mkdtemp(prefix=lifetime.run_folder_prefix())
-    rendezvous = _loopback_server("127.0.0.1", 0, None, settings.timeout, multi_tenant=True)
+    rendezvous = loopback_server("127.0.0.1", 0, None, settings.timeout, multi_tenant=True)  # stores.py
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{rendezvous.port}", local_addr="127.0.0.1",
@@ -217,30 +218,6 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
         del rendezvous
         shutil.rmtree(logs, ignore_errors=True)
         shm_setup.remove_files_of_children(os.getpid())
-
-
-# A local world listens on loopback only. PyTorch's TCPStore listens on every interface whatever
-# host it is given, so what a local world serves is started here on a socket bound to 127.0.0.1:
-# the rendezvous (the agent's own TCPStore, multi-tenant, finds ours on its port and shares it)
-# and the ranks' store (rank 0 serves it, `_store_for`), instead of the one the agent would
-# start for them on every interface (TORCH_DISABLE_SHARE_RDZV_TCP_STORE keeps it from starting).
-
-def _loopback_server(host: str, port: int, world_size: int | None, timeout: float, multi_tenant: bool = False):
-    """A TCPStore served from a socket bound to `host`:`port` (0: any free port) alone."""
-
-    import torch.distributed as dist
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-    except BaseException:
-        listener.close()
-        raise
-    return dist.TCPStore(host, port, world_size, True, timedelta(seconds=timeout), multi_tenant=multi_tenant,
-                         master_listen_fd=listener.detach(), use_libuv=True)
 
 
 def _sweep_dead_runs() -> None:
@@ -358,39 +335,12 @@ def init_process_group_from_env(settings: Settings | None = None, table: Algorit
     else:
         backend = "gloo"
     if not dist.is_initialized():
-        store = _store_for(settings)
+        store = store_for(settings)
         joining = {} if store is None else {"store": store, "rank": where.rank, "world_size": where.world_size}
         dist.init_process_group(backend, timeout=timedelta(seconds=settings.timeout), **joining)
     flight = FlightRecords([dist.get_rank()], settings.trace_dir, where.run_name)
     transport = over_process_group(TorchTransport(flight=flight), settings)
     return Group(transport, table=table, settings=settings)
-
-
-def _store_for(settings: Settings):
-    """The store the ranks meet at; None: the default (env://, as torchrun describes it).
-
-    - A local world our launcher started: rank 0 serves it on loopback (see _loopback_server).
-    - After an elastic restart, a store may still hold the keys the failed attempt's ranks wrote
-      (gloo's addresses among them), and the new ranks would try to connect to dead ones: a
-      prefix per attempt keeps each attempt's keys apart.
-    - Under torchrun with a store of the ranks' own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), rank 0
-      serves a new one at a new port each round: no prefix, and none must be, since with several
-      nodes the attempt count differs from node to node (an agent that restarts its ranks because
-      another node rejoined does not count it) and the ranks would wait on each other's keys."""
-    import torch.distributed as dist
-
-    where = settings.launch
-    if where.master_addr is None or where.master_port is None:
-        return None
-    timeout = timedelta(seconds=settings.timeout)
-    if where.launcher_pid is not None and not where.agent_store and where.rank == 0:
-        store = _loopback_server(where.master_addr, where.master_port, where.world_size, settings.timeout)
-    elif where.launcher_pid is not None or where.restart_count and where.agent_store:
-        store = dist.TCPStore(where.master_addr, where.master_port, where.world_size,
-                              is_master=not where.agent_store and where.rank == 0, timeout=timeout)
-    else:
-        return None
-    return dist.PrefixStore(f"paratrain/attempt-{where.restart_count}", store) if where.restart_count else store
 
 
 def gpus_for(local_ranks: int) -> bool:

@@ -17,7 +17,7 @@ from frontend_helpers import run_paratrain
 from paratrain.bench import collectives_cli, overhead, tuning
 from paratrain.comm.group import Group
 from paratrain.bench.collectives import Measurement, bus_factor, element_counts
-from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
+from paratrain.bench.sweep_plan import ByteSize, sweep_sizes
 from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.bench.report import JSON_KEYS
 from paratrain.cli import main

@@ -22,15 +22,16 @@ PACKAGE = Path(__file__).resolve().parent.parent / "paratrain"
 # parallel, and bench in the command line's row. The planner's formulas sit just below train,
 # which asks them (--cp-method auto, the MoE lines of --plan-only); its command and `plan
 # --validate`, which runs the training loop, sit above train. `environment` is below everything:
-# every layer takes its settings from it. launch starts worlds of Groups (the mesh's row); models
-# and data know nothing of communication. An entry with a dot ("plan.cli") places those modules
-# apart from the rest of their package: the longest matching entry wins.
+# every layer takes its settings from it. launch starts worlds of Groups, whose processes meet at
+# stores (the mesh's row); models and data know nothing of communication. An entry with a dot
+# ("plan.cli") places those modules apart from the rest of their package: the longest matching
+# entry wins.
 LAYERS = (
     ("environment", "errors", "cli_errors", "paths", "cli_types", "provenance", "lifetime"),  # the user errors any layer may raise,
     # how a command reports them, the command-line types that refuse bad values, where a figure came from
     ("comm",),
     ("models", "data"),
-    ("mesh", "launch", "forking", "failure_report"),
+    ("mesh", "launch", "stores", "forking", "failure_report"),
     ("parallel",),
     ("plan",),
     ("train", "frontend"),

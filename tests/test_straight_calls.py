@@ -1,5 +1,5 @@
-"""Which collective calls run straight from a replay (comm/replays.py, Group._run_straight) and
-which take the whole path (Group._run): a call made again on the same tensors with the same
+"""Which collective calls run straight from a replay (comm/replays.py, CollectiveCalls.run_straight)
+and which take the whole path (Group._run): a call made again on the same tensors with the same
 algorithm goes straight; auto goes straight only to the replay of the algorithm the table picks
 now; debug and async calls never do. Counted through Group.straight_calls; every result exact."""
 
@@ -49,7 +49,7 @@ def straight_calls(group: Group) -> dict[str, object]:
     seen["recording calls"] = calls_on(tensor, calls=2)
     seen["replayed calls"] = calls_on(tensor)
     last = group._recorder.calls[-1]
-    seen["record"] = (last.op, last.algo, last.tensor.shape, last.tensor.reduce_op, last.seq == group._collective_seq,
+    seen["record"] = (last.op, last.algo, last.tensor.shape, last.tensor.reduce_op, last.seq == group._calls.seq,
                       last.state)
     seen["avg on a replay recorded by sum"] = calls_on(tensor, op="avg")
     averaged = torch.empty(100, dtype=torch.float64)

@@ -1,4 +1,5 @@
-"""What every rank runs for `paratrain bench collectives`: build inputs, warm up, time, check.
+"""What every rank runs for `paratrain bench collectives`: build inputs (collective_cases.py),
+warm up, time, check.
 
 The conventions are nccl-tests' (doc/PERFORMANCE.md there), so numbers compare directly:
 
@@ -22,15 +23,13 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from paratrain.comm.algorithms import UNEVEN_ALL_TO_ALL
+from paratrain.bench.collective_cases import UNEVEN_OP, Case, build_case
 from paratrain.comm.choice import AlgorithmTable
-from paratrain.comm.ops import part_bounds
 
 DTYPES = {
     "float32": torch.float32,
@@ -40,47 +39,9 @@ DTYPES = {
 }
 REDUCING_OPS = ("all_reduce", "reduce_scatter", "reduce")
 ROOTED_OPS = ("broadcast", "reduce")
-ROOT = 0  # nccl-tests' default root
 
 
 BURSTS = 10  # timed bursts per algorithm and size, interleaved across algorithms
-
-# The all-to-all with split sizes, as the sweep names it (--splits uneven): every rank sends the
-# same buffer size as the even all_to_all, cut by UNEVEN_RULE.
-UNEVEN_OP = "all_to_all_uneven"
-UNEVEN_RULE = ("every rank sends part j of its buffer to rank j, part j's size in proportion to 2^(n-1-j) "
-               "(rank 0 receives the most, as a popular expert does): 2/3 and 1/3 on 2 ranks, 4/7, 2/7 and "
-               "1/7 on 3; rounded down, the rest to part 0")
-
-
-SPLITS = ("even", "uneven", "both")
-
-
-def with_splits(plan: list[tuple[str, tuple[str, ...]]], splits: str) -> tuple[list, list[str]]:
-    """The plan's all_to_all in equal parts, in UNEVEN_RULE's (UNEVEN_OP, with the algorithms that
-    take split sizes), or both; and a note for each algorithm the uneven one lacks."""
-    if splits == "even":
-        return plan, []
-    result, notes = [], []
-    for op, algos in plan:
-        if op != "all_to_all":
-            result.append((op, algos))
-            continue
-        if splits == "both":
-            result.append((op, algos))
-        takes = tuple(a for a in algos if a in UNEVEN_ALL_TO_ALL or a == "auto")
-        notes += [f"{a} takes equal parts only: skipped for {UNEVEN_OP}" for a in algos if a not in takes]
-        if takes:
-            result.append((UNEVEN_OP, takes))
-    return result, notes
-
-
-def uneven_splits(count: int, world_size: int) -> list[int]:
-    """UNEVEN_RULE's part sizes of a buffer of `count` elements (the same on every rank)."""
-    weights = [1 << (world_size - 1 - j) for j in range(world_size)]
-    sizes = [count * weight // sum(weights) for weight in weights]
-    sizes[0] += count - sum(sizes)
-    return sizes
 
 
 def bus_factor(op: str, world_size: int) -> float | None:
@@ -171,7 +132,7 @@ def run_sweep(group, sweep: Sweep) -> SweepResult | None:
     with progress:
         for op, algos in sweep.plan:
             for count in sweep.counts_for(op):
-                case = _build_case(group, op, count, DTYPES[sweep.dtype], device)
+                case = build_case(group, op, count, DTYPES[sweep.dtype], device)
                 progress.set_description(f"{op} {case.nbytes} B")
                 seconds = _time_interleaved(group, case, algos, sweep.warmup, sweep.iters, device)
                 for algo in algos:
@@ -190,7 +151,7 @@ def _warm_up(group, sweep: Sweep, device) -> None:
     state, the shared segment's pages, the first calls' code paths, the cores' clocks ramping
     up). Measured: a 16 KiB all-reduce on 2 processes took 8.8 us as the first size of a sweep,
     5.4 us as the third. Every side of a comparison runs this same code (mpi_peer.py too)."""
-    cases = [_build_case(group, op, sweep.counts_for(op)[0], DTYPES[sweep.dtype], device) for op, _ in sweep.plan]
+    cases = [build_case(group, op, sweep.counts_for(op)[0], DTYPES[sweep.dtype], device) for op, _ in sweep.plan]
     _settle(cases[0], sweep.plan[0][1][0], group, device)
     for case, (op, algos) in zip(cases, sweep.plan):
         case.reset()
@@ -202,7 +163,7 @@ def _warm_up(group, sweep: Sweep, device) -> None:
     _synchronize(device)
 
 
-def _settle(case: _Case, algo: str, group, device) -> None:
+def _settle(case: Case, algo: str, group, device) -> None:
     """About SETTLE_S of `case`'s call before anything is timed (rank 0 counts the calls and
     tells the others, so that all make as many). Seen on the 2-core machine: in a world's first
     second or two the 16 KiB all-reduce took 6.1-6.6 us a call, 4.7 us after; started after a
@@ -218,7 +179,7 @@ def _settle(case: _Case, algo: str, group, device) -> None:
         case.call(algo)
 
 
-def _measure(group, case: _Case, op: str, algo: str, bursts: list[float], sweep: Sweep, device) -> Measurement:
+def _measure(group, case: Case, op: str, algo: str, bursts: list[float], sweep: Sweep, device) -> Measurement:
     case.reset()
     traffic = group.traffic
     before = (traffic.counted, traffic.modelled) if traffic is not None else (0, 0)
@@ -253,7 +214,7 @@ def _resolved(group, op: str, algo: str, nbytes: int) -> str:
     return group.choose("all_to_all", None).algo if algo == "auto" else algo
 
 
-def _time_interleaved(group, case: _Case, algos, warmup: int, iters: int, device) -> dict[str, list[float]]:
+def _time_interleaved(group, case: Case, algos, warmup: int, iters: int, device) -> dict[str, list[float]]:
     """Seconds per call of each algorithm on this rank, one figure per burst of calls.
 
     The iterations are run in bursts, the algorithms taking turns (in a rotating order), so
@@ -288,120 +249,3 @@ def _time_interleaved(group, case: _Case, algos, warmup: int, iters: int, device
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# ---- inputs and expected results ---------------------------------------------------------
-
-
-@dataclass
-class _Case:
-    """One op at one size on this rank: its buffers, how to call it, what it must produce."""
-
-    call: Callable[[str], None]  # call(algo) runs the collective once
-    nbytes: int
-    count: int
-    inputs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (buffer, initial)
-    result: torch.Tensor | None = None
-    expected: torch.Tensor | None = None
-
-    def reset(self) -> None:
-        for buffer, initial in self.inputs:
-            buffer.copy_(initial)
-
-    def count_wrong(self) -> int:
-        if self.result is None:
-            return 0
-        return int((self.result != self.expected).sum().item())
-
-
-def _pattern(rank: int, start: int, count: int, span: int, dtype, device) -> torch.Tensor:
-    """Element i of rank r's data is (i + r) % span + 1: it differs between neighbouring ranks
-    and positions, so a misplaced block shows, and stays a small integer."""
-    values = torch.arange(start, start + count, dtype=torch.int64, device=device)
-    return values.add_(rank).remainder_(span).add_(1).to(dtype)
-
-
-def _summed_pattern(n: int, span: int, count: int, dtype, device):
-    """total(start, length): the patterns' sum over n ranks at those positions. The patterns
-    repeat every `span` elements, so their sum does too: one period of it, indexed, gives the
-    expected reduction without building n buffers."""
-    period = torch.tensor([sum((k + r) % span + 1 for r in range(n)) for k in range(span)], device=device)
-
-    def total(start: int = 0, length: int = count) -> torch.Tensor:
-        positions = torch.arange(start, start + length, device=device).remainder_(span)
-        return period[positions].to(dtype)
-    return total
-
-
-def _build_case(group, op: str, count: int, dtype, device) -> _Case:
-    n, rank = group.size, group.rank
-    # Sums of n values up to `span` must stay exact in bfloat16 (integers up to 256).
-    span = max(1, min(4, 256 // n))
-
-    def data(r: int, start: int = 0, length: int = count) -> torch.Tensor:
-        return _pattern(r, start, length, span, dtype, device)
-
-    total = _summed_pattern(n, span, count, dtype, device)
-    nbytes = count * torch.empty(0, dtype=dtype).element_size()
-    bounds = part_bounds(count, n)
-    mine_start, mine_end = bounds[rank]
-
-    if op == "barrier":
-        return _Case(lambda algo: group.barrier(algo=algo), 0, 0)
-    if op == "all_reduce":
-        buf = torch.empty(count, dtype=dtype, device=device)
-        case = _Case(lambda algo: group.all_reduce(buf, "sum", algo=algo), nbytes, count, result=buf)
-        case.inputs, case.expected = [(buf, data(rank))], total()
-        return case
-    if op == "reduce_scatter":
-        inp = torch.empty(count, dtype=dtype, device=device)
-        out = torch.empty(mine_end - mine_start, dtype=dtype, device=device)
-        case = _Case(lambda algo: group.reduce_scatter(out, inp, "sum", algo=algo), nbytes, count, result=out)
-        case.inputs, case.expected = [(inp, data(rank))], total(mine_start, mine_end - mine_start)
-        return case
-    if op == "all_gather":
-        inp = torch.empty(mine_end - mine_start, dtype=dtype, device=device)
-        out = torch.empty(count, dtype=dtype, device=device)
-        case = _Case(lambda algo: group.all_gather(out, inp, algo=algo), nbytes, count, result=out)
-        case.inputs = [(inp, data(rank, mine_start, mine_end - mine_start))]
-        case.expected = torch.cat([data(r, s, e - s) for r, (s, e) in enumerate(bounds)])
-        return case
-    if op == "broadcast":
-        buf = torch.empty(count, dtype=dtype, device=device)
-        case = _Case(lambda algo: group.broadcast(buf, ROOT, algo=algo), nbytes, count, result=buf)
-        case.inputs, case.expected = [(buf, data(rank))], data(ROOT)
-        return case
-    if op == "reduce":
-        buf = torch.empty(count, dtype=dtype, device=device)
-        case = _Case(lambda algo: group.reduce(buf, ROOT, "sum", algo=algo), nbytes, count, result=buf)
-        # Non-root buffers must come back untouched, so they are checked too.
-        case.inputs, case.expected = [(buf, data(rank))], total() if rank == ROOT else data(rank)
-        return case
-    if op == "all_to_all":
-        inp = torch.empty(count, dtype=dtype, device=device)
-        out = torch.empty(n * (mine_end - mine_start), dtype=dtype, device=device)
-        case = _Case(lambda algo: group.all_to_all(out, inp, algo=algo), nbytes, count, result=out)
-        case.inputs = [(inp, data(rank))]
-        case.expected = torch.cat([data(r, mine_start, mine_end - mine_start) for r in range(n)])
-        return case
-    if op == UNEVEN_OP:
-        return _uneven_all_to_all_case(group, count, dtype, device, data)
-    raise ValueError(f"unknown op {op!r}")
-
-
-def _uneven_all_to_all_case(group, count: int, dtype, device, data) -> _Case:
-    """UNEVEN_RULE's all-to-all: part r of every rank's buffer comes to rank r."""
-    n, rank = group.size, group.rank
-    send = uneven_splits(count, n)
-    start, mine = sum(send[:rank]), send[rank]
-    inp = torch.empty(count, dtype=dtype, device=device)
-    out = torch.empty(n * mine, dtype=dtype, device=device)
-    nbytes = count * inp.element_size()
-
-    def call(algo: str) -> None:
-        group.all_to_all(out, inp, algo=algo, output_split_sizes=[mine] * n, input_split_sizes=send)
-
-    case = _Case(call, nbytes, count, result=out)
-    case.inputs = [(inp, data(rank))]
-    case.expected = torch.cat([data(r, start, mine) for r in range(n)])
-    return case

@@ -1,12 +1,12 @@
 """`paratrain bench collectives`: nccl-tests for paratrain's collectives, ours beside the backend's.
 
-All input is checked here, before any rank starts; the ranks run `collectives.run_sweep`, rank 0
-hands its measurements back, and only this process prints.
+All input is checked here (what the sweep measures, in sweep_plan.py), before any rank starts; the
+ranks run `collectives.run_sweep`, rank 0 hands its measurements back, and only this process
+prints.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,95 +15,19 @@ import torch
 
 from paratrain.cli_types import FiniteFloat, OutputPath
 from paratrain.bench import report
-from paratrain.bench.collectives import (
-    DTYPES, SPLITS, UNEVEN_OP, UNEVEN_RULE, Sweep, element_counts, run_sweep, with_splits,
-)
+from paratrain.bench.collective_cases import UNEVEN_OP, UNEVEN_RULE
+from paratrain.bench.collectives import DTYPES, Sweep, element_counts, run_sweep
 from paratrain.bench.explain import print_explain
 from paratrain.plan.membw import copy_bandwidth_gbps
 from paratrain.bench.overhead import overhead_lines, run_overhead
 from paratrain.bench import mpi_peer
 from paratrain.bench.peer import collectives_lines, side_by_side, sweep_rounds
+from paratrain.bench.sweep_plan import SPLITS, ByteSize, bad_option, plan_sweep, sweep_sizes, with_splits
 from paratrain.bench.tuning import tuned_choices
-from paratrain.comm.algorithms import HIERARCHICAL, OPS, SHARED_ALGORITHMS, algorithms_for
+from paratrain.comm.algorithms import OPS
 from paratrain.comm.choice import AlgorithmTable
 from paratrain.launch import LAUNCHERS, algorithm_table, check_simulated_hosts, expected_transport, in_torchrun, run
 from paratrain.environment import Settings
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_ALL_ALGOS = tuple(dict.fromkeys(a for op in OPS for a in algorithms_for(op, "any")))
-
-
-class ByteSize(click.ParamType):
-    """`65536`, `64K`, `64M`, `1G` (K = 1024, as nccl-tests); a trailing B or iB is allowed."""
-
-    name = "size"
-
-    def convert(self, value, param, ctx) -> int:
-        if isinstance(value, int):
-            return value
-        match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", str(value).upper())
-        if not match:
-            self.fail(f"{value!r} is not a size: give bytes, or a number with K, M or G (K=1024), e.g. 64K",
-                      param, ctx)
-        return int(match.group(1)) * _UNITS[match.group(2)]
-
-
-def _bad(option: str, message: str) -> click.BadParameter:
-    return click.BadParameter(message, param_hint=f"'{option}'")  # quoted, as click quotes its own
-
-
-def _names(text: str, valid: tuple[str, ...], what: str, option: str) -> list[str]:
-    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    if not names:
-        raise _bad(option, f"no {what} given; valid: {', '.join(valid)}")
-    for name in names:
-        if name not in valid:
-            raise _bad(option, f"unknown {what} {name!r}; valid: {', '.join(valid)}")
-    return names
-
-
-def plan_sweep(ops_text: str | None, algos_text: str | None, skip_auto: bool, kind: str | None = None,
-               spans_hosts: bool = False):
-    """(op, algorithms) pairs to run on a transport of `kind`, and a note for each named algorithm
-    some op lacks.
-
-    By default every algorithm valid for an op runs (but `auto` with `skip_auto`, when tuning or
-    measuring overhead: it would only repeat another one; and the hierarchical ones unless the
-    world `spans_hosts`). An algorithm named explicitly must be valid for at least one named op.
-    """
-    ops = _names(ops_text, OPS, "op", "--ops") if ops_text else list(OPS)
-    if algos_text is None:
-        return [(op, tuple(a for a in algorithms_for(op, kind, spans_hosts) if not (skip_auto and a == "auto")))
-                for op in ops], []
-    algos = _names(algos_text, _ALL_ALGOS, "algorithm", "--algos")
-    hier = [algo for algo in algos if algo in HIERARCHICAL]
-    if hier and not spans_hosts:
-        raise _bad("--algos", f"algorithm {hier[0]!r} runs on a world that spans hosts: add --simulate-hosts N, "
-                              "or run under torchrun --nnodes")
-    for algo in algos:
-        if not any(algo in algorithms_for(op, kind, spans_hosts) for op in ops):
-            if algo in SHARED_ALGORITHMS:
-                raise _bad("--algos", f"algorithm {algo!r} works through a segment of shared memory: only "
-                                      f"on processes of one host (transport shm), not on {kind}")
-            has_it = [op for op in OPS if algo in algorithms_for(op, kind, spans_hosts)]
-            raise _bad("--algos", f"algorithm {algo!r} is not available for {', '.join(ops)}"
-                                  f" (it is for {', '.join(has_it)})")
-    plan, notes = [], []
-    for op in ops:
-        valid = tuple(a for a in algos if a in algorithms_for(op, kind, spans_hosts))
-        notes += [f"{a} is not available for {op}: skipped" for a in algos if a not in valid]
-        if valid:
-            plan.append((op, valid))
-    return plan, notes
-
-
-def sweep_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
-    """min, min*factor, ... up to max; a zero minimum adds a zero-byte row, then starts at 1."""
-    sizes, size = ([0], 1) if min_bytes == 0 else ([], min_bytes)
-    while size <= max_bytes:
-        sizes.append(size)
-        size *= factor
-    return sizes
 
 
 def _thread_devices(nproc: int):
@@ -201,7 +125,7 @@ def collectives(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmu
       paratrain bench collectives --nproc 4 --simulate-hosts 2 --ops all_reduce --min-bytes 1M
     """
     if max_bytes < min_bytes:
-        raise _bad("--max-bytes", f"{max_bytes} is smaller than --min-bytes ({min_bytes})")
+        raise bad_option("--max-bytes", f"{max_bytes} is smaller than --min-bytes ({min_bytes})")
     mode = _mode_of(tune, explain, overhead, peer, dtype, json_path, plot_path)
     if splits != "even" and mode not in ("sweep", "peer") or splits != "even" and tune:
         raise click.UsageError("--splits uneven or both measures; it takes no --tune, --explain or --overhead")
@@ -248,7 +172,7 @@ def _mode_of(tune, explain, overhead, peer, dtype, json_path, plot_path) -> str:
         raise click.UsageError("--peer runs ranks of its own beside ours: it takes no --tune, --explain or"
                                " --overhead, and does not run under torchrun")
     if peer and dtype not in mpi_peer.DTYPES:
-        raise _bad("--dtype", f"--peer mpi measures {' or '.join(mpi_peer.DTYPES)}: MPI has no standard {dtype} type")
+        raise bad_option("--dtype", f"--peer mpi measures {' or '.join(mpi_peer.DTYPES)}: MPI has no standard {dtype} type")
     if explain and not tune:
         return "explain"
     return "overhead" if overhead else "peer" if peer else "sweep"
@@ -261,13 +185,13 @@ def _request(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, 
     try:
         check_simulated_hosts(simulate_hosts, nproc, launcher)
     except ValueError as error:
-        raise _bad("--simulate-hosts", str(error)) from None
+        raise bad_option("--simulate-hosts", str(error)) from None
     transport = expected_transport(launcher, nproc, settings, simulate_hosts)
     spans = simulate_hosts > 1 or settings.launch.in_torchrun and transport == "gloo"
     plan, notes = plan_sweep(ops or ("all_reduce" if overhead else None), algos or ("auto" if peer else None),
                              tune or overhead, transport, spans)
     if splits != "even" and not any(op == "all_to_all" for op, _ in plan):
-        raise _bad("--splits", "splits apply to all_to_all alone: add it to --ops")
+        raise bad_option("--splits", "splits apply to all_to_all alone: add it to --ops")
     plan, split_notes = with_splits(plan, splits)
     notes += split_notes
     if table_path is not None:
@@ -278,7 +202,7 @@ def _request(ops, algos, min_bytes, max_bytes, factor, nproc, launcher, warmup, 
         table = AlgorithmTable.load(settings.table_path) if tune else algorithm_table(settings, world)
     except ValueError as error:
         if not tune:
-            raise _bad("--table", str(error)) from None
+            raise bad_option("--table", str(error)) from None
         table = AlgorithmTable({}, settings.table_path)  # tuning writes a whole new table anyway
         notes.append(f"{error}: replacing it")
     counts = element_counts(sweep_sizes(min_bytes, max_bytes, factor), dtype)

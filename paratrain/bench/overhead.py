@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from paratrain.bench.collectives import DTYPES, _build_case, _synchronize
+from paratrain.bench.collective_cases import build_case
+from paratrain.bench.collectives import DTYPES, _synchronize
 from paratrain.bench.stand_ins import NullTransport, RecordingTransport
 from paratrain.comm.group import Group
 from paratrain.comm.transport import SharedMemoryTransport
@@ -52,7 +53,7 @@ def call_path_us(group: Group, op: str, count: int, dtype, device, algo: str, ca
     against a NullTransport (the median of five runs of calls/5)."""
     null = Group(NullTransport(group.transport), timeout=group.timeout, table=group.table,
                  segment_bytes=group.segment_bytes)
-    case = _build_case(null, op, count, dtype, device)
+    case = build_case(null, op, count, dtype, device)
     case.reset()
     per_run = max(1, calls // 5)
     for _ in range(per_run):  # warm-up: scratch buffers made, code paths taken once
@@ -71,7 +72,7 @@ def record_call(group: Group, op: str, count: int, dtype, device, algo: str):
     recording group, whose buffers (and the case's) the events' tensors live in."""
     recorder = RecordingTransport(group.transport)
     recording = Group(recorder, timeout=group.timeout, table=group.table, segment_bytes=group.segment_bytes)
-    case = _build_case(recording, op, count, dtype, device)
+    case = build_case(recording, op, count, dtype, device)
     case.reset()
     case.call(algo)
     _synchronize(device)
@@ -222,7 +223,7 @@ def _measure(group, op, algo, count, dtype, device, warmup, rounds) -> OverheadR
     events, keep_alive = record_call(group, op, count, dtype, device, chosen)
     bare = bare_replay(events, group.transport, group.timeout)
     public = bare_replay(events, group.transport, group.timeout, public_api=True)
-    case = _build_case(group, op, count, dtype, device)
+    case = build_case(group, op, count, dtype, device)
     case.reset()
     ours = lambda: case.call(chosen)  # noqa: E731 - the sides below read best side by side
     sides = [("ours", ours), ("bare", bare)] + ([("dist", public)] if public is not None else [])

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from paratrain.cli_types import FiniteFloat, OutputPath
-from paratrain.bench.collectives_cli import ByteSize, sweep_sizes
+from paratrain.bench.sweep_plan import ByteSize, sweep_sizes
 from paratrain.bench.p2p import P2PSweep, run_p2p
 from paratrain.bench import mpi_peer
 from paratrain.bench.peer import p2p_lines, p2p_rounds

@@ -7,9 +7,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.bench.collectives import (
-    REDUCING_OPS, ROOT, ROOTED_OPS, UNEVEN_OP, UNEVEN_RULE, Measurement, uneven_splits,
-)
+from paratrain.bench.collective_cases import ROOT, UNEVEN_OP, UNEVEN_RULE, uneven_splits
+from paratrain.bench.collectives import REDUCING_OPS, ROOTED_OPS, Measurement
 
 JSON_KEYS = (
     "op", "algo", "launcher", "transport", "world_size", "bytes", "count", "dtype",

@@ -1,8 +1,9 @@
 """`Group`: what a rank talks through. Point-to-point (p2p_calls.py, a PointToPoint the Group
 holds), and the collectives with a choice of algorithm (algorithms/, the backend's own among
-them), over any transport. Every collective runs one way (`_run`): checked, numbered, recorded,
-its algorithm looked up in ALGORITHMS; a call made again on the same tensors goes straight to
-what the earlier one worked out (`_run_straight`, from the Group's Replays, replays.py).
+them), over any transport. Every collective runs one way (`_run`): its arguments checked here,
+its algorithm resolved, then numbered, recorded and run by the CollectiveCalls the Group holds
+(collective_calls.py); a call made again on the same tensors goes straight to what the earlier
+one worked out (CollectiveCalls.run_straight, from the Group's Replays, replays.py).
 
 Every collective call gets a sequence number (the same on every rank, since all ranks make
 the same calls in the same order); its messages carry a tag made from it, so they never match
@@ -20,7 +21,6 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,13 +29,13 @@ from paratrain.comm.algorithms import (
     ALGORITHMS, HIERARCHICAL, OPS, SHARED_ALGORITHMS, algorithms_for, check_takes_splits,
 )
 from paratrain.comm.choice import AlgorithmTable, uneven_all_to_all_choice
+from paratrain.comm.collective_calls import CollectiveCalls
 from paratrain.comm.errors import CollectiveMismatchError, CommTimeoutError, PeerLostError
-from paratrain.comm.flight import Call, named_range
-from paratrain.comm.handles import CollectiveHandle, Done, P2PHandle, timed
+from paratrain.comm.flight import Call
+from paratrain.comm.handles import Done, P2PHandle
 from paratrain.comm.hierarchy import Spread
-from paratrain.comm.link import TRANSPORT_ERRORS, Link, comm_error, original_cause
-from paratrain.comm.ops import check_reduce_op, divide_, part_size, reduced_as
-from paratrain.comm.p2p_calls import USER_TAGS, PointToPoint
+from paratrain.comm.ops import check_reduce_op, part_size
+from paratrain.comm.p2p_calls import PointToPoint
 from paratrain.comm.replays import Replays
 from paratrain.comm.scratch import ScratchPool
 from paratrain.environment import Settings
@@ -77,13 +77,10 @@ class Group:
         self._valid = _VALID["shm" if self.kind == "shm" else None]  # checked on every call
         # Ring steps are cut into segments of this size; each transport knows what suits it.
         self.segment_bytes = segment_bytes or transport.segment_bytes
-        self._collective_seq = 0
-        self._whole_calls = 0  # collectives that took the whole path (_run), not a replay's
         self.ranks = tuple(transport.global_ranks)  # this group's ranks, numbered in the world
         self.flight = transport.flight  # every recorder this process holds
         self._recorder = self.flight.recorders[self.ranks[self.rank]]
         self._key = self._recorder.group_key(self.ranks)
-        self._executor: ThreadPoolExecutor | None = None
         self._scratch = ScratchPool()  # collectives run one at a time, so one pool serves all
         self.replays = Replays()  # recent calls' work, run again when their tensors come back
         self._token: torch.Tensor | None = None  # what a barrier reduces
@@ -101,6 +98,8 @@ class Group:
                            failed=self._failed, retire=self._retire)
         self.isend, self.irecv, self.send, self.recv, self.sendrecv = (
             p2p.isend, p2p.irecv, p2p.send, p2p.recv, p2p.sendrecv)
+        self._calls = CollectiveCalls(transport, self._recorder, self._key, self.timeout, self.segment_bytes,
+                                      self._scratch, self.debug, failed=self._failed, retire=self._retire)
 
     def __repr__(self) -> str:
         return f"Group(rank={self.rank}, size={self.size}, transport={self.kind})"
@@ -151,63 +150,12 @@ class Group:
 
     # ---- collectives: the whole path, and the straight one of a call made again ----------
 
-    def _run(self, op_name: str, algo: str, nbytes: int, signature: checks.CallSignature, args: tuple, *,
-             reduce_op: str | None = None, moves: bool = True, averaged: torch.Tensor | None = None,
-             written: tuple | None = None, replay=None, async_op: bool = False):
-        """Resolve the algorithm, number the call, then (check it in debug mode and) run it, here
-        or, with `async_op`, on this group's communication thread.
-
-        The algorithm gets its Link, then `args` (its buffers, flat, and a root), then the reduce
-        op where there is one: an average runs as a sum, and `averaged` is divided after. Nothing
-        runs unless the call `moves` something; `written` = (tensor, buffer): the buffer copied
-        back into the caller's tensor, which is returned. `replay(link, algo, algorithm, args)`,
-        where given, runs the algorithm instead, keeping what it needs to run it again (replays.py).
-        """
+    def _run(self, op_name: str, algo: str, nbytes: int, signature: checks.CallSignature, args: tuple, **how):
+        """Resolve the algorithm, then run the call as CollectiveCalls.run does, with `how` (how
+        it runs: its reduce op, whether it moves anything, what is written back, async or not)."""
         chosen = self.resolve(op_name, algo, nbytes)
-        self._collective_seq += 1
-        self._whole_calls += 1
-        seq = self._collective_seq
-        call = self._recorder.start(self._key, "collective", seq, op_name, signature, chosen)
-        link = Link(
-            self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
-            self.segment_bytes, self._scratch,
-        )
-        if reduce_op is not None:
-            args += (reduced_as(reduce_op),)
         hierarchy = self.spread.levels(self) if chosen in HIERARCHICAL else None  # made here, not on the comm thread
-
-        def execute():
-            try:
-                if self.debug:
-                    checks.same_call_everywhere(link, signature.with_algo(chosen))
-                try:
-                    with named_range(op_name):
-                        if moves:
-                            algorithm = ALGORITHMS[op_name][chosen]
-                            if hierarchy is not None:  # its subgroups' calls: nothing of this group's to replay
-                                algorithm(hierarchy, *args)
-                            elif replay is None:
-                                algorithm(link, *args)
-                            else:
-                                replay(link, chosen, algorithm, args)
-                except TRANSPORT_ERRORS as error:  # a native collective's own
-                    raise comm_error(error, self.rank, op_name, seq, self.timeout, self.transport) from original_cause(error)
-                if reduce_op == "avg" and averaged is not None:
-                    divide_(averaged, self.size)
-                self._retire(link.finished)
-            except Exception as error:
-                self._failed(call, error)
-                raise
-            call.complete()
-            return checks.write_back(*written) if written is not None else None
-
-        if async_op:
-            return CollectiveHandle(self._comm_thread().submit(timed, execute), op_name, seq)
-        if self._executor is not None:
-            # Calls run in the order they were made on every rank, or ranks would wait on each
-            # other's different calls: a blocking call queues behind the pending async ones.
-            return self._executor.submit(execute).result()
-        return execute()
+        return self._calls.run(op_name, chosen, signature, args, hierarchy, **how)
 
     def _goes_straight(self, entry, op_name: str, algo: str) -> bool:
         """Whether a call that found `entry` (a replay, replays.py, or None) runs it."""
@@ -223,47 +171,11 @@ class Group:
         entry.asked = (algo, self.table, self.table.version)
         return True
 
-    def _run_straight(self, op_name: str, entry, result: torch.Tensor, reduce_op: str = ""):
-        """A call made again from what an earlier one kept (replays.py): its `run` and nothing
-        else, numbered, recorded and failed like any other call; an average is divided after.
-        What `_run` and the op would do besides (check the arguments, describe the call) the call
-        that kept it has done for this one. Calls on the communication thread, whose order must
-        hold, and calls in debug mode, which checks every call, never come here."""
-        self._collective_seq += 1
-        seq = self._collective_seq
-        call = self._recorder.start(self._key, "collective", seq, op_name, entry.signature, entry.algo)
-        link = None
-        try:
-            try:
-                with named_range(op_name):
-                    if entry.timed is not None:  # a shared-segment replay: no message, so no Link to make
-                        entry.timed(self.timeout)
-                    else:
-                        link = Link(self.transport, op_name, seq, USER_TAGS + seq % USER_TAGS, self.timeout,
-                                    self.segment_bytes, self._scratch)
-                        entry.run(link)
-            except TRANSPORT_ERRORS as error:  # the shared segment's own waits (Link's say who already)
-                raise comm_error(error, self.rank, op_name, seq, self.timeout, self.transport) from original_cause(error)
-        except Exception as error:
-            self._failed(call, error)
-            raise
-        if reduce_op == "avg":
-            divide_(result, self.size)
-        if link is not None:
-            self._retire(link.finished)
-        call.complete()
-        return result
-
     @property
     def straight_calls(self) -> int:
         """Collectives so far that ran straight from a replay (replays.py, `replays`), skipping
         the checks and the call's description: in a loop on the same tensors, all but the first two."""
-        return self._collective_seq - self._whole_calls
-
-    def _comm_thread(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"comm-rank{self.rank}")
-        return self._executor
+        return self._calls.seq - self._calls.whole
 
     @property
     def traffic(self):
@@ -274,9 +186,7 @@ class Group:
     def close(self) -> None:
         """Stop the communication thread (if async calls started one) and free the finished
         works still held (see `_retired`) while their process group is still alive."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._calls.close()
         self.spread.close()
         self._retired.clear()
         self.replays.clear()
@@ -310,10 +220,10 @@ class Group:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", algo: str = "auto", async_op: bool = False):
         """Reduce `tensor` over all ranks, in place; every rank gets the result."""
-        if not (async_op or self.debug or self._executor is not None):  # see _run_straight
+        if not (async_op or self.debug or self._calls.executor is not None):  # see run_straight
             replay = self.replays.all_reduces.ready(tensor, op)
             if self._goes_straight(replay, "all_reduce", algo):
-                return self._run_straight("all_reduce", replay, tensor, op)
+                return self._calls.run_straight("all_reduce", replay, tensor, op)
         checks.tensor_arg("all_reduce", "tensor", tensor)
         check_reduce_op(op)
         buf = checks.flat_buffer(tensor)
@@ -327,11 +237,11 @@ class Group:
         async_op: bool = False,
     ):
         """Reduce `input` over all ranks; rank r gets part r (torch.tensor_split's parts)."""
-        straight = not (async_op or self.debug or self._executor is not None)  # see _run_straight
+        straight = not (async_op or self.debug or self._calls.executor is not None)  # see run_straight
         if straight:
             repeat = self.replays.repeats.ready("reduce_scatter", output, input, op)
             if self._goes_straight(repeat, "reduce_scatter", algo):
-                return self._run_straight("reduce_scatter", repeat, output, op)
+                return self._calls.run_straight("reduce_scatter", repeat, output, op)
         checks.tensor_arg("reduce_scatter", "output", output)
         checks.tensor_arg("reduce_scatter", "input", input)
         check_reduce_op(op)
@@ -349,11 +259,11 @@ class Group:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, algo: str = "auto", async_op: bool = False):
         """Concatenate every rank's `input` into `output` (rank r's input is part r)."""
-        straight = not (async_op or self.debug or self._executor is not None)  # see _run_straight
+        straight = not (async_op or self.debug or self._calls.executor is not None)  # see run_straight
         if straight:
             repeat = self.replays.repeats.ready("all_gather", output, input, "")
             if self._goes_straight(repeat, "all_gather", algo):
-                return self._run_straight("all_gather", repeat, output)
+                return self._calls.run_straight("all_gather", repeat, output)
         checks.tensor_arg("all_gather", "output", output)
         checks.tensor_arg("all_gather", "input", input)
         checks.same_dtype("all_gather", output, input)

@@ -24,8 +24,8 @@ The messages are recorded as a Schedule (transport/base.py): every post and ever
 call, in order. A transport that can compile one (TorchTransport on gloo) turns it into its own
 calls once, and a replay then runs those with nothing in between (MPI's persistent requests);
 other transports replay the schedule through Link. A call on a replayed tensor goes straight to
-its replay (AllReduceReplays.ready, Group._run_straight), skipping the checks and the description
-of the call that the recording call already made.
+its replay (AllReduceReplays.ready, CollectiveCalls.run_straight), skipping the checks and the
+description of the call that the recording call already made.
 
 A replay holds its tensor's memory, so it is dropped when the tensor is (a weak reference on the
 caller's tensor; the recorded messages alias the memory without referring to the tensor), and it
@@ -116,8 +116,8 @@ class AllReduceReplays:
     def ready(self, tensor, reduce_op: str) -> _Replay | None:
         """`tensor`'s replay if it was recorded by a call just like this one: the same tensor,
         memory, shape, dtype and reduce op. Such a call needs nothing but the replay
-        (Group._run_straight), since the recording call's checks hold for it too. `tensor` may be
-        anything a caller passed: only a recorded tensor matches."""
+        (CollectiveCalls.run_straight), since the recording call's checks hold for it too.
+        `tensor` may be anything a caller passed: only a recorded tensor matches."""
         replay = self.recorded.get(id(tensor))
         if (replay is None or replay.owner() is not tensor
                 or replay.facts != (tensor.data_ptr(), tensor.shape, tensor.dtype, reduce_op)
@@ -198,8 +198,9 @@ class AllReduceReplays:
 
 
 class _Repeat:
-    """A reduce-scatter or all-gather noted with its tensors: what Group._run_straight needs to
-    make it again (its signature for the flight recorder, the algorithm it ran, `run(link)`)."""
+    """A reduce-scatter or all-gather noted with its tensors: what CollectiveCalls.run_straight
+    needs to make it again (its signature for the flight recorder, the algorithm it ran,
+    `run(link)`)."""
 
     __slots__ = ("owners", "pointers", "shapes", "dtype", "algo", "nbytes", "signature", "run", "timed", "asked")
 
@@ -219,8 +220,8 @@ class _Repeat:
 class RepeatedCalls:
     """A group's last reduce-scatters and all-gathers, by the op, their two tensors and the
     reduction: a call like one of them (the same tensors, memory, shapes and dtype, both
-    contiguous) needs none of its checks again and runs straight (Group._run_straight), as an
-    all-reduce's replay does. ZeRO and FSDP make the same calls on the same buffers every step.
+    contiguous) needs none of its checks again and runs straight (CollectiveCalls.run_straight),
+    as an all-reduce's replay does. ZeRO and FSDP make the same calls on the same buffers every step.
     Entries hold views of the tensors' memory, not the tensors, and go when either tensor does.
     As with all-reduces, a call is only seen the first time (its key kept) and noted the second:
     fresh tensors every call (a layer's activations) never pay for an entry."""

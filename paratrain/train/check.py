@@ -128,13 +128,27 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
                   args=(config,), timeout=par.timeout, debug=par.debug or None, settings=settings,
                   simulate_hosts=par.simulate_hosts)
     report = compare(config, results, reference_run(config))
+    limits = Tolerances(loss_rtol, param_atol, progress_rtol)
+    _print_report(config, report, limits)
+    ok = passes(report, limits)
+    if report["missing"]:
+        click.echo(f"parameters no rank reported: {', '.join(report['missing'])}")
+    click.echo("PASS: same model as one process" if ok else "FAIL: beyond tolerance")
+    sys.exit(0 if ok else 1)
+
+
+def _print_report(config, report: dict, limits: Tolerances) -> None:
+    """Each step's loss beside the reference's, the largest differences against `limits`, and
+    what clipping and fp16's skipped steps did on both sides."""
     click.echo(f"{'step':>5} {'loss':>12} {'reference':>12} {'rel. diff':>10}")
     for step, (ours, ref, diff) in enumerate(zip(report["losses"], report["reference_losses"], report["loss_diffs"])):
         click.echo(f"{step:>5} {ours:>12.7f} {ref:>12.7f} {diff:>10.2e}")
-    click.echo(f"largest loss difference      {report['max_loss_diff']:.2e} (relative; tolerance {loss_rtol:g})")
-    click.echo(f"loss decrease difference     {report['progress_diff']:.2e} (relative; tolerance {progress_rtol:g})")
+    click.echo(f"largest loss difference      {report['max_loss_diff']:.2e} "
+               f"(relative; tolerance {limits.loss_rtol:g})")
+    click.echo(f"loss decrease difference     {report['progress_diff']:.2e} "
+               f"(relative; tolerance {limits.progress_rtol:g})")
     click.echo(f"largest parameter difference {report['max_param_diff']:.2e} in {report['worst_param']} "
-               f"(absolute; tolerance {param_atol:g})")
+               f"(absolute; tolerance {limits.param_atol:g})")
     norms = report["grad_norms"]
     if norms:  # a limit that never binds proves nothing about clipping
         limit = config.optim.clip_grad_norm
@@ -150,8 +164,3 @@ def check(config_path, loss_rtol, param_atol, progress_rtol, **flags):
             # so micro-batches (pp, --grad-accum) overflow at twice the scale one batch does.
             click.echo("  (the overflow depends on the tokens one backward sums: with micro-batches it comes "
                        "at a larger scale; compare at a scale neither overflows, e.g. the default)")
-    ok = passes(report, Tolerances(loss_rtol, param_atol, progress_rtol))
-    if report["missing"]:
-        click.echo(f"parameters no rank reported: {', '.join(report['missing'])}")
-    click.echo("PASS: same model as one process" if ok else "FAIL: beyond tolerance")
-    sys.exit(0 if ok else 1)
