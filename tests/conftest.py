@@ -33,11 +33,12 @@ def pytest_addoption(parser):
 
 # The files that take longest (seconds of one xdist worker, measured with `make test
 # PYTEST_ARGS=--durations=0`), in that order. pytest-xdist's --dist loadfile hands files to its
-# workers in collection order, so collecting these first leaves short files to fill the end of
+# workers in collection order (with --no-loadscope-reorder, as the Makefile says: by default it
+# orders them by their number of tests), so collecting these first leaves short files to fill the end of
 # the run, instead of one long file running alone on a core while the others sit idle. A file
 # not named keeps its place after them; a stale list costs only that balance.
 LONGEST_FIRST = (
-    "test_fsdp.py", "test_frontend_faults.py", "test_checkpoint.py", "test_parallel_3d.py",
+    "test_multinode.py", "test_fsdp.py", "test_frontend_faults.py", "test_checkpoint.py", "test_parallel_3d.py",
     "test_frontend_compile.py", "test_docs.py", "test_data_parallel.py", "test_frontend_debug_tools.py",
     "test_shm_arena.py", "test_matrix.py", "test_frontend_workers.py", "test_shm_p2p.py",
     "test_collectives_fabric.py", "test_frontend_gt.py", "test_frontend_demo.py", "test_native_kernels.py",

@@ -181,7 +181,7 @@ def _settle(case: Case, algo: str, group, device) -> None:
 
 def _measure(group, case: Case, op: str, algo: str, bursts: list[float], sweep: Sweep, device) -> Measurement:
     case.reset()
-    traffic = group.traffic
+    traffic = getattr(group, "traffic", None)  # MPI's stand-in group (mpi_peer.py) keeps no count
     before = (traffic.counted, traffic.modelled) if traffic is not None else (0, 0)
     case.call(algo)
     _synchronize(device)
@@ -196,7 +196,8 @@ def _measure(group, case: Case, op: str, algo: str, bursts: list[float], sweep: 
     seconds, wrong = everyone[:, 0].max().item(), int(everyone[:, 1].sum().item())
     counted, modelled = (int(everyone[:, column].sum().item()) for column in (2, 3))
     slowest_bursts = tuple(everyone[:, 4:].max(dim=0).values.mul(1e6).tolist())
-    spans = group.hosts is not None and len(group.hosts) > 1
+    hosts = getattr(group, "hosts", None)
+    spans = hosts is not None and len(hosts) > 1
     factor = bus_factor(op, group.size)
     algbw = None if factor is None else case.nbytes / seconds / 1e9
     return Measurement(
