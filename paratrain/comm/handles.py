@@ -45,7 +45,7 @@ class P2PHandle:
 
 class Done:
     """The handle of an isend already done when it returned: its bytes went straight into a
-    shared-memory ring (Group._went_straight)."""
+    shared-memory ring (PointToPoint._went_straight, p2p_calls.py)."""
 
     completed = True
 
