@@ -181,3 +181,20 @@ def test_bench_collectives_on_simulated_hosts_prints_the_bytes_between_hosts(tmp
     assert records["ring"]["crossed_bytes"] == 3 * S and records["ring"]["crossed_modelled"] == 0
     assert records["hier"]["crossed_bytes"] == 2 * S
     assert all(record["wrong"] == 0 for record in records.values())
+
+
+def test_the_banner_says_whether_tp_fits_inside_a_host():
+    result = CliRunner().invoke(main, ["train", "--model", "gpt-tiny", "--nproc", "4", "--tp", "4", "--launcher",
+                                       "processes", "--simulate-hosts", "2", "--plan-only"])
+    assert result.exit_code == 0, result.output
+    assert "transport gloo between 2 hosts" in result.output
+    assert "tp spans 4 ranks, which do not fit a host's 2" in result.output
+    fits = CliRunner().invoke(main, ["train", "--model", "gpt-tiny", "--nproc", "4", "--tp", "2", "--launcher",
+                                     "processes", "--simulate-hosts", "2", "--plan-only"])
+    assert "tp (2 ranks) inside each host" in fits.output
+
+
+def test_simulated_hosts_on_threads_are_refused_before_any_rank_starts():
+    result = CliRunner().invoke(main, ["train", "--model", "gpt-tiny", "--nproc", "4", "--simulate-hosts", "2"])
+    assert result.exit_code != 0
+    assert "processes launcher" in result.output
