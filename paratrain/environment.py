@@ -15,6 +15,7 @@ This module imports nothing of paratrain: it is the bottom layer, which every ot
 from __future__ import annotations
 
 import os
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -299,6 +300,11 @@ class Settings:
 
     def source(self, name: str) -> str:
         return self.sources.get(name, "default")
+
+    @property
+    def host_name(self) -> str:
+        """The name this process gives its host: PARATRAIN_HOST, else the machine's own."""
+        return self.host or socket.gethostname()
 
     @property
     def table_path(self) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import socket
 from pathlib import Path
 
 import click
@@ -56,6 +57,12 @@ def test_settings_come_from_defaults_the_environment_and_flags_and_say_so():
         Settings.resolve({"PARATRAIN_TIMEOUT": "inf"})
     with pytest.raises(TypeError, match="no such setting: colour"):
         settings.with_flags(colour="red")
+
+
+def test_a_hosts_name_is_paratrain_host_else_the_machines():
+    """One place for the name the shared-memory set-up and a frontend worker give their host."""
+    assert Settings.resolve({"PARATRAIN_HOST": "node1"}).host_name == "node1"
+    assert Settings.resolve({}).host_name == socket.gethostname()
 
 
 def test_a_group_takes_its_settings_from_the_launcher(monkeypatch):

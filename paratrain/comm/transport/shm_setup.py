@@ -28,7 +28,6 @@ import os
 import platform
 import re
 import secrets
-import socket
 import sys
 
 import torch
@@ -74,16 +73,11 @@ def spin_s(settings: Settings, ranks_here: int) -> float:
     return DEFAULT_SPIN_S if ranks_here <= cores else 0.0
 
 
-def host_name(settings: Settings) -> str:
-    """The name this rank gives its host: PARATRAIN_HOST, else the machine's."""
-    return settings.host or socket.gethostname()
-
-
 def _host_key(settings: Settings) -> int:
     """Equal for processes that share /dev/shm and see each other's process ids (the boot, the
     /dev/shm file system, the process namespace) and give their host the same name: ranks
     told different names (PARATRAIN_HOST) are on different hosts, even on one machine."""
-    parts = [host_name(settings).encode()]
+    parts = [settings.host_name.encode()]
     try:
         with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
             parts.append(handle.read().strip())
@@ -178,7 +172,7 @@ def _exchange_offers(inner, settings: Settings, timeout: float) -> tuple[bool, o
     words = _FIELDS + _NAME_BYTES // 8
     me = torch.zeros(words, dtype=torch.int64)
     me[1] = _host_key(settings)
-    name = host_name(settings).encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+    name = settings.host_name.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
     me[_FIELDS:] = torch.frombuffer(bytearray(name), dtype=torch.int64)
     offered = enabled(settings)
     kernels = None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -63,7 +62,8 @@ def run_worker(address: str, token: str | None = None, *, group=None, local_rank
     store to meet at. Waits at most `connect_timeout` seconds for the dispatcher to answer,
     saying so every few seconds. `backend`: see worker_device; `name`: what `paratrain top`
     calls this worker (default: the program's name); `settings`: the process's (timeout,
-    shared memory, algorithm table of the world it forms).
+    shared memory, algorithm table of the world it forms, and the host name it reports, which
+    PARATRAIN_HOST sets as it does a rank's).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -72,7 +72,7 @@ def run_worker(address: str, token: str | None = None, *, group=None, local_rank
     context = zmq.Context()
     sock = None
     hello = messages.Hello("worker", VERSION, os.getpid(), (name or os.path.basename(sys.argv[0] or "python"))[:256],
-                           socket.gethostname()[:256], str(device), group.rank if group is not None else None)
+                           settings.host_name[:256], str(device), group.rank if group is not None else None)
     own_group = group is None
     try:
         sock, welcome = join(context, target, hello, token, connect_timeout, address, on_wait=_waiting_notice(address))
