@@ -21,7 +21,6 @@ import atexit
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -288,7 +287,7 @@ def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_en
         # Said at once, on this rank's host: where the peer was on another host, its agent
         # there reports the root cause, and ours may stop this rank before anything is raised
         # (an elastic agent restarts its ranks when another node's rejoin the rendezvous).
-        print(f"paratrain: rank {where.rank} on host {settings.host or socket.gethostname()}: {error}",
+        print(f"paratrain: rank {where.rank} on host {settings.host_name}: {error}",
               file=sys.stderr, flush=True)
         # The peer is dead or dying. Give the agent time to see that first, so the run is
         # reported by its root cause; this rank's error is in its flight record.

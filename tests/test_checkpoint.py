@@ -279,3 +279,15 @@ def test_a_manifest_changed_after_it_was_written_is_refused(tmp_path):
     path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="manifest.json is corrupted"):
         CheckpointReader(path.parent)
+
+
+def test_a_save_dir_another_node_cannot_see_is_named_in_one_line(tmp_path):
+    """Rank 0 made the step's folder on its own disk: a rank of another node finds none there."""
+    from types import SimpleNamespace
+
+    from paratrain.train.checkpoint import save
+
+    elsewhere = SimpleNamespace(rank=1, size=2, barrier=lambda: None)  # rank 0 is on another node
+    with pytest.raises(CheckpointError, match=r"rank 1 cannot see .*\.tmp-step-000004, which rank 0 made: "
+                                              r"--save-dir must be one folder every node sees"):
+        save(elsewhere, tmp_path, 4, {"w": torch.zeros(2)}, {}, keep=3)

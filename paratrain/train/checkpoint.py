@@ -106,7 +106,11 @@ def save(group, directory: str | Path, step: int, tensors: dict[str, torch.Tenso
         temporary.mkdir()
     group.barrier()
     mine = temporary / f"rank-{group.rank:05d}"
-    mine.mkdir()
+    try:
+        mine.mkdir()
+    except FileNotFoundError:  # rank 0 made it on a disk this rank does not see
+        raise CheckpointError(f"rank {group.rank} cannot see {temporary}, which rank 0 made: --save-dir must be "
+                              "one folder every node sees (a shared file system)") from None
     previous = complete_checkpoints(directory)
     last_good = f"the last complete checkpoint is {previous[-1]}" if previous else "no earlier checkpoint exists"
     with _dcp_call(f"rank {group.rank} could not save {final.name}", last_good, mine):
