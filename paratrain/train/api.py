@@ -52,7 +52,7 @@ from paratrain.train.recompute import recompute_in_backward
 from paratrain.train.setup import plan_for
 
 # ParallelConfig's fields that describe the world or the launch, not what prepare applies.
-_NOT_OPTIONS = {"nproc", "launcher", "dp", "pp", "tp", "cp", "ep", "timeout", "debug"}
+_NOT_OPTIONS = {"nproc", "launcher", "simulate_hosts", "dp", "pp", "tp", "cp", "ep", "timeout", "debug"}
 OPTIONS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name not in _NOT_OPTIONS)
 
 
