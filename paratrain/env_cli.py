@@ -30,6 +30,8 @@ def setting_lines(settings: Settings) -> list[str]:
     rows = []
     for spec in SPECS:
         value = getattr(settings, spec.name)
+        if spec.name == "host" and value is None:
+            value = settings.host_name  # the machine's: what the ranks here will say
         shown = "(set)" if spec.secret and value else ("-" if value is None else str(value))
         rows.append((spec.name, shown, settings.source(spec.name), " / ".join(spec.variables), spec.meaning))
     width = max(len(row[1]) for row in rows)
