@@ -21,9 +21,8 @@ def pytest_configure(config):
     # Results stay within every stated tolerance: only the order of some sums changes.
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
-    config.addinivalue_line("markers", "serial: sweeps what every run on the host shares (/dev/shm), or "
-                                       "its processes spin on every core (MPI ranks): `make test` runs "
-                                       "these after the parallel part, alone")
+    config.addinivalue_line("markers", "serial: sweeps what every run on the host shares (/dev/shm): "
+                                       "`make test` runs these after the parallel part, alone")
 
 
 def pytest_addoption(parser):
@@ -38,25 +37,26 @@ def pytest_addoption(parser):
 # the run, instead of one long file running alone on a core while the others sit idle. A file
 # not named keeps its place after them; a stale list costs only that balance.
 LONGEST_FIRST = (
-    "test_multinode.py", "test_frontend_faults.py", "test_fsdp.py", "test_checkpoint.py", "test_parallel_3d.py",
-    "test_shm_p2p.py", "test_frontend_compile.py", "test_frontend_debug_tools.py", "test_frontend_gt.py",
-    "test_frontend_workers.py", "test_collectives_fabric.py", "test_docs.py", "test_matrix.py",
-    "test_shm_arena.py", "test_moe_training.py", "test_launcher_exposure.py",
-    "test_frontend_instruction_checks.py", "test_replays.py", "test_hf_models.py", "test_native_kernels.py",
-    "test_collectives_gloo.py", "test_bench_collectives.py", "test_bench_training.py", "test_data_parallel.py",
-    "test_frontend_demo.py", "test_compile_training.py", "test_all_to_all_uneven.py", "test_precision.py",
-    "test_context_training.py", "test_hf_export.py", "test_text_data.py", "test_call_path_costs.py",
-    "test_frontend_errors.py", "test_hierarchical.py", "test_shm_straight.py", "test_llama_parallel.py",
-    "test_python_api.py", "test_moe_models.py", "test_own_model.py", "test_comm_errors.py",
-    "test_frontend_peer_limits.py", "test_frontend_backward_placement.py", "test_frontend_resilience.py",
-    "test_layers.py", "test_user_errors.py", "test_grad_clip.py", "test_profile.py",
-    "test_frontend_auto_shard.py", "test_frontend_fuzz.py", "test_pipeline_receives.py",
-    "test_tensor_parallel_gpt.py", "test_groups_and_async.py",
+    "test_multinode.py", "test_fsdp.py", "test_frontend_faults.py", "test_checkpoint.py", "test_parallel_3d.py",
+    "test_frontend_compile.py", "test_docs.py", "test_data_parallel.py", "test_frontend_debug_tools.py",
+    "test_shm_arena.py", "test_matrix.py", "test_frontend_workers.py", "test_shm_p2p.py",
+    "test_collectives_fabric.py", "test_frontend_gt.py", "test_frontend_demo.py", "test_native_kernels.py",
+    "test_collectives_gloo.py", "test_bench_training.py", "test_train_config.py", "test_bench_collectives.py",
+    "test_call_path_costs.py", "test_compile_training.py", "test_replays.py", "test_precision.py",
+    "test_comm_errors.py", "test_frontend_instruction_checks.py", "test_frontend_api.py",
+    "test_context_training.py", "test_text_data.py", "test_frontend_errors.py", "test_fp16.py",
+    "test_user_errors.py", "test_profile.py", "test_frontend_backward_placement.py",
 )
+
+
+# And these after every other file: their MPI ranks spin on their cores while they wait, which
+# costs the tests beside them their share; at the end of the run fewer tests are left to share with.
+LAST = ("test_bench_mpi_peer.py",)
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    rank.update({name: len(LONGEST_FIRST) + 1 + place for place, name in enumerate(LAST)})
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: in-file order kept
 
 
