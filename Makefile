@@ -72,7 +72,8 @@ picture: $(STAMP)
 # worlds): many tests wait on process start-up and rendezvous, which overlap on two cores. Files
 # are handed out longest first (tests/conftest.py's LONGEST_FIRST): --no-loadscope-reorder, or
 # xdist hands them out by their number of tests instead, and a long file can start last. Then,
-# alone, the tests marked serial: they sweep what every run on the host shares (/dev/shm).
+# alone, the tests marked serial: they sweep what every run on the host shares (/dev/shm), or
+# their processes spin while they wait (MPI ranks), which costs every other test its cores.
 # The serial part collects only the files that name the mark (collecting all of them takes 6 s).
 # PYTEST_ARGS adds options to both, e.g. PYTEST_ARGS=--durations=30 for the slowest tests.
 TEST_WORKERS ?= 3

@@ -284,11 +284,12 @@ def _process_main(fn, args, settings: Settings, table: AlgorithmTable, parent_en
     try:
         return fn(group, *args)
     except (PeerLostError, TransportFailure) as error:  # in a call, or in setting a transport up
-        # Said at once, on this rank's host: where the peer was on another host, its agent
-        # there reports the root cause, and ours may stop this rank before anything is raised
-        # (an elastic agent restarts its ranks when another node's rejoin the rendezvous).
-        print(f"paratrain: rank {where.rank} on host {settings.host_name}: {error}",
-              file=sys.stderr, flush=True)
+        # In a world of several hosts, said at once on this one: the root cause is reported by
+        # the lost peer's agent, on its host, and ours may stop this rank before anything is
+        # raised (an elastic agent restarts its ranks when another node's rejoin the rendezvous).
+        # On one host the launcher reports the run in one line, root cause first: nothing here.
+        if group.hosts is not None and len(group.hosts) > 1:
+            print(f"paratrain: rank {where.rank} on host {settings.host_name}: {error}", file=sys.stderr, flush=True)
         # The peer is dead or dying. Give the agent time to see that first, so the run is
         # reported by its root cause; this rank's error is in its flight record.
         time.sleep(PEER_DEATH_GRACE_S)

@@ -21,8 +21,9 @@ def pytest_configure(config):
     # Results stay within every stated tolerance: only the order of some sums changes.
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
-    config.addinivalue_line("markers", "serial: sweeps what every run on the host shares (/dev/shm): "
-                                       "`make test` runs these after the parallel part, alone")
+    config.addinivalue_line("markers", "serial: sweeps what every run on the host shares (/dev/shm), or "
+                                       "its processes spin on every core (MPI ranks): `make test` runs "
+                                       "these after the parallel part, alone")
 
 
 def pytest_addoption(parser):
@@ -49,14 +50,8 @@ LONGEST_FIRST = (
 )
 
 
-# And these after every other file: their MPI ranks spin on their cores while they wait, which
-# costs the tests beside them their share; at the end of the run fewer tests are left to share with.
-LAST = ("test_bench_mpi_peer.py",)
-
-
 def pytest_collection_modifyitems(items):
     rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
-    rank.update({name: len(LONGEST_FIRST) + 1 + place for place, name in enumerate(LAST)})
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: in-file order kept
 
 

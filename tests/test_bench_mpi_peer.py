@@ -28,8 +28,8 @@ from paratrain.bench.report import JSON_KEYS
 from paratrain.cli import main
 
 # MPI ranks spin while they wait: beside other tests they take the cores those need (and run
-# slowly themselves), so these run last in the parallel part of `make test` (conftest.py's LAST),
-# when the fewest tests are left beside them. Their assertions take no time into account.
+# slowly themselves), so these run alone, after the parallel part of `make test`.
+pytestmark = pytest.mark.serial
 needs_mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None,
                                reason="the mpi extra is not installed: pip install -e '.[mpi]'")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "barrier")
