@@ -198,3 +198,13 @@ def test_simulated_hosts_on_threads_are_refused_before_any_rank_starts():
     result = CliRunner().invoke(main, ["train", "--model", "gpt-tiny", "--nproc", "4", "--simulate-hosts", "2"])
     assert result.exit_code != 0
     assert "processes launcher" in result.output
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--nproc", "4", "--simulate-hosts", "3"], "share evenly"),
+    (["--nproc", "4", "--simulate-hosts", "2", "--launcher", "threads"], "processes launcher"),
+    (["--nproc", "4", "--simulate-hosts", "2", "--peer", "mpi"], "no --simulate-hosts"),
+])
+def test_bench_p2p_refuses_hosts_it_cannot_simulate_in_one_line(args, said):
+    result = CliRunner().invoke(main, ["bench", "p2p", *args])
+    assert result.exit_code == 2 and said in result.output, result.output

@@ -19,7 +19,7 @@ from paratrain.bench.p2p import P2PSweep, run_p2p
 from paratrain.bench import mpi_peer
 from paratrain.bench.peer import p2p_lines, p2p_rounds
 from paratrain.bench.report import describe_kind
-from paratrain.launch import LAUNCHERS, in_torchrun, run
+from paratrain.launch import LAUNCHERS, check_simulated_hosts, in_torchrun, run
 
 
 def matrix(records: list[dict], test: str, size: int, n: int, key: str = "gbps") -> list[list[float | None]]:
@@ -132,8 +132,11 @@ def write_heatmap(path: Path, records: list[dict], n: int) -> None:
                    "in rounds alternating with ours, and print ours / MPI per size.")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="With --peer: rounds of each side, alternating (ours, the peer, ours, ...).")
+@click.option("--simulate-hosts", type=click.IntRange(min=1), default=0, metavar="N",
+              help="Play N hosts on this machine (processes launcher), nproc/N consecutive ranks each: pairs "
+                   "inside a host talk through shared memory, pairs across hosts through gloo, as on a cluster.")
 def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below, json_path, plot_path, timeout,
-        peer, rounds):
+        peer, rounds, simulate_hosts):
     """Bandwidth and latency of every pair of ranks, one pair at a time, and the all-to-all aggregate.
 
     \b
@@ -141,15 +144,22 @@ def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below
       paratrain bench p2p --nproc 4 --max-bytes 16M --plot p2p.png
       torchrun --nproc-per-node 8 -m paratrain bench p2p --json p2p.json
       paratrain bench p2p --peer mpi --max-bytes 16M
+      paratrain bench p2p --nproc 4 --simulate-hosts 2 --max-bytes 4M
     """
     if max_bytes < min_bytes:
         raise click.BadParameter(f"{max_bytes} is smaller than --min-bytes ({min_bytes})", param_hint="'--max-bytes'")
     if peer and in_torchrun():
         raise click.UsageError("--peer runs ranks of its own beside ours: it does not run under torchrun")
+    if peer and simulate_hosts:
+        raise click.UsageError("--peer mpi runs on one host as it is: it takes no --simulate-hosts")
+    try:
+        check_simulated_hosts(simulate_hosts, nproc, launcher)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="'--simulate-hosts'") from None
     sweep = P2PSweep(tuple(s for s in sweep_sizes(min_bytes, max_bytes, factor) if s > 0), warmup, iters)
 
     def ours():
-        results = run(run_p2p, nproc, launcher=launcher, args=(sweep,), timeout=timeout)
+        results = run(run_p2p, nproc, launcher=launcher, args=(sweep,), timeout=timeout, simulate_hosts=simulate_hosts)
         if 0 not in results and not in_torchrun():
             raise click.ClickException("benchmark failed: rank 0 returned no measurements")
         return results.get(0)
