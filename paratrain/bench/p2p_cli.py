@@ -132,7 +132,7 @@ def write_heatmap(path: Path, records: list[dict], n: int) -> None:
                    "in rounds alternating with ours, and print ours / MPI per size.")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="With --peer: rounds of each side, alternating (ours, the peer, ours, ...).")
-@click.option("--simulate-hosts", type=click.IntRange(min=1), default=0, metavar="N",
+@click.option("--simulate-hosts", type=click.IntRange(min=1), default=None, metavar="N",
               help="Play N hosts on this machine (processes launcher), nproc/N consecutive ranks each: pairs "
                    "inside a host talk through shared memory, pairs across hosts through gloo, as on a cluster.")
 def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below, json_path, plot_path, timeout,
@@ -152,6 +152,7 @@ def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below
         raise click.UsageError("--peer runs ranks of its own beside ours: it does not run under torchrun")
     if peer and simulate_hosts:
         raise click.UsageError("--peer mpi runs on one host as it is: it takes no --simulate-hosts")
+    simulate_hosts = simulate_hosts or 0
     try:
         check_simulated_hosts(simulate_hosts, nproc, launcher)
     except ValueError as error:
