@@ -208,3 +208,8 @@ def test_simulated_hosts_on_threads_are_refused_before_any_rank_starts():
 def test_bench_p2p_refuses_hosts_it_cannot_simulate_in_one_line(args, said):
     result = CliRunner().invoke(main, ["bench", "p2p", *args])
     assert result.exit_code == 2 and said in result.output, result.output
+
+
+def test_bench_ddp_refuses_hosts_it_cannot_simulate_in_one_line():
+    result = CliRunner().invoke(main, ["bench", "ddp", "--nproc", "4", "--simulate-hosts", "3", "--models", "mlp16"])
+    assert result.exit_code == 2 and "share evenly" in result.output, result.output

@@ -23,7 +23,7 @@ import click
 import torch
 
 from paratrain.cli_types import FiniteFloat, OutputPath
-from paratrain.launch import LAUNCHERS, in_torchrun, run
+from paratrain.launch import LAUNCHERS, check_simulated_hosts, in_torchrun, run
 from paratrain.parallel.data.strategy import DP_MODES, STRATEGIES, resolve_strategy
 from paratrain.environment import launch_environment
 from paratrain.train.config import TrainConfig, apply_overrides
@@ -123,14 +123,14 @@ def train_runs(group, runs: list[Run]) -> list[dict]:
     return measured
 
 
-def run_all(runs: list[Run], nproc: int, launcher: str) -> list[dict] | None:
+def run_all(runs: list[Run], nproc: int, launcher: str, simulate_hosts: int = 0) -> list[dict] | None:
     """Each run's measurements on rank 0, in order; None on other ranks under torchrun.
 
     Processes: one world trains every run, as starting one costs seconds. Threads: a world per
     run, because a fabric can build PyTorch's gloo group for its threads only once (a second
     TorchDataParallel in the same world hangs), and starting threads costs nothing."""
     if launcher == "processes" or in_torchrun():
-        return run(train_runs, nproc, launcher=launcher, args=(runs,)).get(0)
+        return run(train_runs, nproc, launcher=launcher, args=(runs,), simulate_hosts=simulate_hosts).get(0)
     return [m for r in runs for m in run(train_runs, nproc, launcher=launcher, args=([r],))[0]]
 
 
@@ -298,8 +298,11 @@ def _flags(name: str) -> str:
               help="Also write one record per (model, mode) to this file, with keys " + ", ".join(JSON_KEYS) + ".")
 @click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Also draw step time and communication share per model and mode into this PNG file.")
+@click.option("--simulate-hosts", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Play N hosts on this machine (processes launcher), nproc/N consecutive ranks each: gradients "
+                   "are reduced across hosts as on a cluster (our modes through hier where a host holds 2 or more).")
 def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, repeats, bucket_mb,
-        json_path, plot_path) -> None:
+        json_path, plot_path, simulate_hosts) -> None:
     """Time naive data parallelism, our DDP and PyTorch's DDP side by side on the same model,
     world, seed and data, for a range of model sizes.
 
@@ -307,12 +310,17 @@ def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, rep
     Examples:
       paratrain bench ddp --nproc 2
       paratrain bench ddp --models mlp16 --modes ddp,torch --repeats 3 --json ddp.json
+      paratrain bench ddp --nproc 4 --simulate-hosts 2 --models mlp16 --modes ddp,torch
     """
     models = parse_names(models_text, tuple(MODELS), "model", "--models")
     modes = parse_names(modes_text, BENCH_MODES, "mode", "--modes")
     modes = list(dict.fromkeys(resolve_strategy(mode).name for mode in modes))  # an alias names its strategy
     launched = launch_environment()
     world = launched.world_size if launched.in_torchrun else nproc
+    try:
+        check_simulated_hosts(simulate_hosts or 0, nproc, launcher)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="'--simulate-hosts'") from None
     runs = [
         Run(f"{model} {mode}", training_config(*MODELS[model], mode, batch_size * world, warmup + steps, bucket_mb,
                                                launcher),
@@ -322,7 +330,7 @@ def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, rep
     runs = [Run(r.label, r.config, r.warmup, i, len(runs)) for i, r in enumerate(runs, 1)]
     check_configs(runs, world)
 
-    measured = run_all(runs, nproc, launcher)
+    measured = run_all(runs, nproc, launcher, simulate_hosts or 0)
     if measured is None:  # under torchrun, a rank other than 0: rank 0's process prints
         return
     records = build_records(models, modes, measured, launcher="torchrun" if in_torchrun() else launcher,
