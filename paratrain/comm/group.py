@@ -86,7 +86,6 @@ class Group:
         self._token: torch.Tensor | None = None  # what a barrier reduces
         # Which ranks share a host (not known on the fabric), and the levels hier runs on (hierarchy.py).
         self.spread = Spread(getattr(transport, "hosts", None))
-        self.hosts = self.spread.hosts
         # The works of the last calls, freed only once newer calls have finished. gloo frees a
         # finished message's buffer by spinning (sched_yield) until its I/O thread lets go of it;
         # freed the moment it finished, that thread has often just been preempted by ours, and
@@ -176,6 +175,11 @@ class Group:
         """Collectives so far that ran straight from a replay (replays.py, `replays`), skipping
         the checks and the call's description: in a loop on the same tensors, all but the first two."""
         return self._calls.seq - self._calls.whole
+
+    @property
+    def hosts(self) -> tuple[tuple[int, ...], ...] | None:
+        """The group's ranks on each host (None: not known, as on the fabric)."""
+        return self.spread.hosts
 
     @property
     def traffic(self):

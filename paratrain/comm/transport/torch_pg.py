@@ -181,6 +181,7 @@ class TorchTransport:
         self.hosts: tuple[tuple[int, ...], ...] | None = None  # the ranks of each host
         self.host_names: tuple[str, ...] | None = None  # each rank's host, as it names it
         self.crosses = (False,) * self.size  # per rank: on another host than this one
+        self.spans = False  # any of them is: only then is there traffic between hosts to count
         backend = str(dist.get_backend(self.pg)).lower()
         self.kind = "nccl" if "nccl" in backend and _cuda_available() else "gloo"
         # gloo moves bytes on its own threads: while one segment is reduced the next arrives.
@@ -202,11 +203,12 @@ class TorchTransport:
         self.hosts, self.host_names = hosts, names
         mine = next(ranks for ranks in hosts if self.rank in ranks)
         self.crosses = tuple(rank not in mine for rank in range(self.size))
+        self.spans = any(self.crosses)
 
     def _model(self, nbytes: float, successor_gets: bool = True) -> None:
         """Count what one of the backend's own collectives sends to other hosts, as the ring gloo
         runs it: `nbytes` to the next rank, where that rank is on another host."""
-        if successor_gets and self.crosses[(self.rank + 1) % self.size]:
+        if self.spans and successor_gets and self.crosses[(self.rank + 1) % self.size]:
             self.traffic.modelled += int(nbytes)
 
     def start(self, ops: list[P2POp]) -> list:
@@ -349,8 +351,9 @@ class TorchTransport:
             receive_sizes = [send_sizes[self.rank]] * self.size
         else:
             send_sizes, receive_sizes = list(splits.send), list(splits.receive)
-        self.traffic.modelled += sum(size for peer, size in enumerate(send_sizes) if self.crosses[peer]) \
-            * input.element_size()
+        if self.spans:  # a loop over the peers: not on every all-to-all of one host
+            self.traffic.modelled += sum(size for peer, size in enumerate(send_sizes) if self.crosses[peer]) \
+                * input.element_size()
         work = dist.all_to_all_single(
             output,
             input,
