@@ -27,6 +27,8 @@ from paratrain.bench import collectives_cli
 from paratrain.cli import main
 from paratrain.comm import CollectiveMismatchError, Group
 from paratrain.comm.transport.fabric import Fabric
+from paratrain.comm.ops import part_bounds, part_sizes
+from paratrain.comm.transport import cross_memory
 from paratrain.comm.transport.shm_arena import slot_bytes_for
 from paratrain.parallel.expert.ep_comms import all_to_all_rows
 from paratrain.parallel.tensor.tp_comms import copy_to_parallel, gather_from_parallel
@@ -157,7 +159,41 @@ def _in_subgroups_of_every_size(group) -> dict:
     pair = group.split([[0, 1], [2, 3]])
     ran[2] = property_in_world(pair, 6)
     return {"kind": group.kind, "ran": ran, "pieces": _larger_than_a_slot(group),
-            "mismatch": _mismatched_splits(group)}
+            "mismatch": _mismatched_splits(group), "equal parts again": _equal_parts_made_again(group),
+            "equal parts again in 3": _equal_parts_made_again(trio) if trio.size > 1 else {},
+            "rank 1 may not read": _where_one_rank_may_not_read_its_peers(group)}
+
+
+def _where_one_rank_may_not_read_its_peers(group) -> dict:
+    """Rank 1 is refused the reads of its peers' memory (transport/cross_memory.py): its pair
+    (0, 1) passes every part through the slots, both ranks alike, with the same results; the
+    other pair (2, 3) reads where this machine allows it."""
+    if group.rank == 1:
+        cross_memory._process_vm_readv = lambda: None  # as where the kernel has no process_vm_readv
+    pair = group.split([[0, 1], [2, 3]])
+    wrong = {**_equal_parts_made_again(pair), **_larger_than_a_slot(pair)}
+    return {"wrong": sum(wrong.values()), "reads": bool(pair.transport.arena.cross_memory)}
+
+
+def _equal_parts_made_again(group) -> dict[int, int]:
+    """Equal parts through the shared segment, each size called four times on the same tensors
+    with new values (from the third on, the call runs its worked-out copies, shared_replays.py):
+    sizes that do not divide by the ranks, and one over a slot (in pieces). Wrong calls per size."""
+    n, me = group.size, group.rank
+    wrong = {}
+    for count in (1, n + 1, 1000, slot_bytes_for(n) // 4 * n + 5):
+        sizes = part_sizes(count, n)
+        starts = [low for low, _ in part_bounds(count, n)]
+        inp, out = torch.empty(count), torch.empty(n * sizes[me])
+        wrong[count] = 0
+        for call in range(4):
+            made = [torch.arange(count, dtype=torch.float32) + 1000 * rank + 100000 * call for rank in range(n)]
+            inp.copy_(made[me])
+            out.fill_(SENTINEL)
+            group.all_to_all(out, inp, algo="oneshot")
+            expected = torch.cat([made[peer][starts[me]:starts[me] + sizes[me]] for peer in range(n)])
+            wrong[count] += int(not torch.equal(out, expected))
+    return wrong
 
 
 def _larger_than_a_slot(group) -> dict[str, int]:
@@ -201,6 +237,11 @@ def test_every_algorithm_matches_gloo_in_processes_of_one_host_on_2_3_and_4_rank
     assert {result["kind"] for result in results.values()} == {"shm"}
     assert results[0]["ran"][4] >= 4 and results[0]["ran"][3] >= 3 and results[0]["ran"][2] >= 3
     assert all(not any(result["pieces"].values()) for result in results.values()), results
+    for key in ("equal parts again", "equal parts again in 3"):
+        assert all(not any(result[key].values()) for result in results.values()), results
+    refused = [results[rank]["rank 1 may not read"] for rank in range(4)]
+    assert [seen["wrong"] for seen in refused] == [0] * 4, refused
+    assert refused[0]["reads"] is refused[1]["reads"] is False and refused[2]["reads"] is refused[3]["reads"]
     expected = ("all_to_all: rank 0 sends 2 elements to rank 1, which expects 1 from it "
                 "(input_split_sizes[1] on rank 0 and output_split_sizes[0] on rank 1 must count the same rows)")
     assert {result["mismatch"] for result in results.values()} == {expected}

@@ -162,12 +162,12 @@ def test_shared_segment_calls_go_straight_to_their_replay_and_async_calls_run_it
 
 
 def repeated_scatters_and_gathers(group: Group) -> dict:
-    """A reduce-scatter and an all-gather made again on the same tensors: the first two take the
+    """A reduce-scatter, an all-gather and an all-to-all made again on the same tensors: the first two take the
     whole path, the rest go straight, all with the right values; other tensors, or the same
     tensor with new memory, take the whole path again; an entry goes with its tensor."""
     whole = []
     n, me = group.size, group.rank
-    full, part = torch.empty(4 * n), torch.empty(4)
+    full, part, swapped = torch.empty(4 * n), torch.empty(4), torch.empty(4 * n)
     exact = True
     for step in range(5):
         full.copy_(torch.arange(4 * n, dtype=torch.float32) * (me + 1) + step)
@@ -179,6 +179,9 @@ def repeated_scatters_and_gathers(group: Group) -> dict:
         if whole_path(group, lambda: group.all_gather(full, part)):
             whole.append("all_gather")
         exact = exact and torch.equal(full, torch.cat([torch.full((4,), float(r + step)) for r in range(n)]))
+        if whole_path(group, lambda: group.all_to_all(swapped, full)):  # part j of rank i's full to rank j
+            whole.append("all_to_all")
+        exact = exact and torch.equal(swapped, torch.full((4 * n,), float(me + step)))
     seen = {"whole path": whole, "exact": exact, "entries": group.replays.held().repeats}
     full.set_(torch.empty(4 * n).untyped_storage())  # the same tensor, new memory
     seen["new memory takes the whole path"] = whole_path(group, lambda: group.all_gather(full, part))
@@ -192,8 +195,8 @@ def test_repeated_reduce_scatters_and_all_gathers_go_straight(launcher):
     results = run_on_two_ranks(repeated_scatters_and_gathers, launcher)
     for rank in range(2):
         assert results[rank] == {
-            "whole path": ["reduce_scatter", "all_gather"] * 2, "exact": True, "entries": 2,
-            "new memory takes the whole path": True, "entries after a tensor went": 0,  # both held `full`
+            "whole path": ["reduce_scatter", "all_gather", "all_to_all"] * 2, "exact": True, "entries": 3,
+            "new memory takes the whole path": True, "entries after a tensor went": 0,  # all held `full`
         }, rank
 
 

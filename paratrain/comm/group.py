@@ -321,12 +321,20 @@ class Group:
             # every rank takes part, whatever it sends: its peers may send it something
             return self._run("all_to_all", chosen, _nbytes(input), checks.CallSignature.of_rows("all_to_all", input),
                              (flat_in, flat_out, splits), written=(output, flat_out), async_op=async_op)
+        straight = not (async_op or self.debug or self._calls.executor is not None)  # see run_straight
+        if straight:
+            repeat = self.replays.repeats.ready("all_to_all", output, input, "")
+            if self._goes_straight(repeat, "all_to_all", algo):
+                return self._calls.run_straight("all_to_all", repeat, output)
         expected = self.size * part_size(input.numel(), self.size, self.rank)
         checks.numel("all_to_all", "output", output, expected, f"{self.size} pieces of rank {self.rank}'s part")
         flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
         signature = checks.CallSignature.of("all_to_all", input)
-        return self._run("all_to_all", algo, _nbytes(input), signature, (flat_in, flat_out),
-                         moves=flat_in.numel() > 0, written=(output, flat_out), async_op=async_op)
+        nbytes = _nbytes(input)
+        # made again on these tensors, it will run straight
+        repeat = functools.partial(self.replays.repeats.run, output, input, "", nbytes, signature) if straight else None
+        return self._run("all_to_all", algo, nbytes, signature, (flat_in, flat_out),
+                         moves=flat_in.numel() > 0, written=(output, flat_out), replay=repeat, async_op=async_op)
 
     def barrier(self, algo: str = "auto", async_op: bool = False):
         """Return only when every rank has entered the barrier."""

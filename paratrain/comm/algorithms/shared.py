@@ -16,6 +16,9 @@ instead of n times, for one step more.
 
 A message larger than a slot goes through in pieces of a slot each; the halves of the segment
 alternate, so one piece's copy-in does not wait for the peers still reading the previous one.
+An all-to-all's parts of CROSS_MEMORY_LEAST_BYTES or more (in equal parts), or past the first
+piece (uneven), are read instead straight from the peers' inputs (transport/cross_memory.py)
+where the group may: one copy instead of two, and two steps whatever the size.
 
 A call made again on the same tensors replays a form of these worked out once
 (shared_replays.py), in C where it can (shared_kernels.py).
@@ -32,9 +35,14 @@ from paratrain.comm.algorithms import direct
 from paratrain.comm.algorithms.shared_kernels import all_reduce_natively
 from paratrain.comm.link import Link
 from paratrain.comm.ops import Splits, combine_, part_bounds, part_sizes, splits_mismatch
+from paratrain.comm.transport import cross_memory
 from paratrain.comm.transport.shm_arena import LINE, Rows
 
 SHARED_ALGORITHMS = ("oneshot", "twoshot")
+# From here a part is read from its sender's memory (one copy) rather than passed through a slot
+# (two). Below it the reads' system calls and the extra step cost more than the copy they save:
+# at 64 KiB parts on 4 ranks here the reads took 1.5x the slots' time; at 128 KiB on 2 ranks, 0.8x.
+CROSS_MEMORY_LEAST_BYTES = 128 << 10
 
 
 def arena_of(link: Link):
@@ -222,59 +230,125 @@ def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
             reduce_rows(arena.rows(half, buf.dtype, 0, count), buf[start : start + count], op)
 
 
+def block_elements(arena, n: int, size: int) -> int:
+    """Elements of one destination's block in a slot: a rank writes a block for each peer (its
+    own part goes straight from its input to its output), so n - 1 blocks share the slot."""
+    return arena.slot_bytes // (max(1, n - 1) * size)
+
+
+def block_index(destination: int, writer: int) -> int:
+    """Where in `writer`'s slot the block for `destination` lies: its peers in rank order."""
+    return destination - (destination > writer)
+
+
 @_on_cpu(direct.all_to_all)
 def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Splits | None = None) -> None:
-    """Each rank copies its input into its slot, block by destination; rank r copies block r of
-    every slot into its output, part by source."""
+    """Each rank copies its own part straight to its output, and its parts for its peers into its
+    slot, a block per peer; rank r copies its block of every peer's slot into its output."""
     if splits is not None:
         _all_to_all_split(link, input, output, splits)
         return
-    arena, size, n = arena_of(link), input.element_size(), link.size
+    arena, size, n, me = arena_of(link), input.element_size(), link.size, link.rank
     sizes = part_sizes(input.numel(), n)
     starts = [low for low, _ in part_bounds(input.numel(), n)]
-    per_block = arena.slot_bytes // (n * size)
-    source, address, mine = input.data_ptr(), output.data_ptr(), sizes[link.rank]
+    source, address, mine = input.data_ptr(), output.data_ptr(), sizes[me]
+    memmove(address + me * mine * size, source + starts[me] * size, mine * size)
+    if n == 1:
+        return
+    reader = reader_of(link, arena) if sizes[0] * size >= CROSS_MEMORY_LEAST_BYTES else None
+    if reader is not None:
+        peer_inputs = publish_input(arena, source, link.timeout)
+        for peer in range(n):
+            if peer != me and mine:
+                reader.read(peer, address + peer * mine * size, peer_inputs[peer] + starts[me] * size, mine * size)
+        all_have_read(arena, link.timeout)
+        return
+    per_block = block_elements(arena, n, size)
     for offset in _pieces(sizes[0], per_block):
         half = arena.next_half()
-        slot = arena.slot_address(half, link.rank)
+        slot = arena.slot_address(half, me)
         for block in range(n):
             count = max(0, min(per_block, sizes[block] - offset))
-            memmove(slot + block * per_block * size, source + (starts[block] + offset) * size, count * size)
+            if block != me and count:
+                memmove(slot + block_index(block, me) * per_block * size, source + (starts[block] + offset) * size,
+                        count * size)
         arena.arrive_and_wait(link.timeout)
         count = max(0, min(per_block, mine - offset))
         for peer in range(n):  # part `peer` of the output is what rank `peer` sent us
-            memmove(address + (peer * mine + offset) * size,
-                    arena.slot_address(half, peer) + link.rank * per_block * size, count * size)
+            if peer != me and count:
+                memmove(address + (peer * mine + offset) * size,
+                        arena.slot_address(half, peer) + block_index(me, peer) * per_block * size, count * size)
+
+
+def reader_of(link: Link, arena) -> cross_memory.CrossMemory | None:
+    """What reads this group's peers' memory, where every rank of it may (found out by all of
+    them together at the first call that asks, cross_memory.agree), else None."""
+    if arena.cross_memory is None:  # (a segment of our own, Arena.alone, has no peers to read)
+        whole = len(arena.peers) == arena.size - 1
+        arena.cross_memory = (whole and cross_memory.agree(arena, link.timeout)) or False
+    return arena.cross_memory or None
+
+
+def publish_input(arena, address: int, timeout: float) -> list[int]:
+    """A step after which every rank's input is ready: the address of each rank's, rank by rank."""
+    half = arena.next_half()
+    arena.write_words(half, [address])
+    arena.arrive_and_wait(timeout)
+    return [words[0] for words in arena.read_words(half, 1)]
+
+
+def all_have_read(arena, timeout: float) -> None:
+    """A step after which no rank reads another's input any more: each may return (and change it)."""
+    arena.next_half()
+    arena.arrive_and_wait(timeout)
 
 
 def _all_to_all_split(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Splits) -> None:
     """Uneven parts. Blocks of a fixed size per destination, as for equal parts, would leave most
     of a slot empty when one destination takes most of the input, and a rank does not know how
-    long its peers' parts are. So each slot holds a header, the rank's send and receive sizes,
-    then a piece of its input as it lies (its parts one after another); after the first step
-    every rank knows every rank's sizes, so where its part lies in each peer's input and how
-    many pieces the longest input takes (every rank takes as many steps), and it copies out of
-    each piece what falls in its parts. No step more than for equal parts."""
+    long its peers' parts are. So each slot holds a header, the rank's send and receive sizes
+    and its input's address, then a piece of its input as it lies (its parts one after another, its own part left out: it
+    goes straight to the output); after the first step every rank knows every rank's sizes, so
+    where its part lies in each peer's input and how many pieces the longest input takes (every
+    rank takes as many steps), and it copies out of each piece what falls in its parts. No step
+    more than for equal parts."""
     arena, size, n, me = arena_of(link), input.element_size(), link.size, link.rank
-    header = -(-2 * n * 8 // LINE) * LINE  # whole lines, so the data after it is aligned for any dtype
+    header = -(-(2 * n + 1) * 8 // LINE) * LINE  # whole lines, so the data after it is aligned for any dtype
     per_piece = (arena.slot_bytes - header) // size
-    mine = [*splits.send, *splits.receive]
+    mine = [*splits.send, *splits.receive, input.data_ptr()]
     source, address, total = input.data_ptr(), output.data_ptr(), input.numel()
-    piece, pieces, wanted = 0, 1, None
+    own_low = sum(splits.send[:me])
+    own = (own_low, own_low + splits.send[me])  # our part for ourselves, in our input
+    memmove(address + sum(splits.receive[:me]) * size, source + own_low * size, splits.send[me] * size)
+    piece, pieces, wanted, headers = 0, 1, None, None
     while piece < pieces:
         half, start = arena.next_half(), piece * per_piece
         arena.write_words(half, mine)
-        memmove(arena.slot_address(half, me) + header, source + start * size,
-                max(0, min(per_piece, total - start)) * size)
+        slot = arena.slot_address(half, me) + header
+        for low, high in ((start, min(own[0], start + per_piece, total)), (max(own[1], start), min(start + per_piece, total))):
+            if high > low:
+                memmove(slot + (low - start) * size, source + low * size, (high - low) * size)
         arena.arrive_and_wait(link.timeout)
         if wanted is None:
-            wanted, pieces = _plan(link, arena.read_words(half, 2 * n), per_piece)
+            headers = arena.read_words(half, 2 * n + 1)
+            wanted, pieces = _plan(link, [words[:2 * n] for words in headers], per_piece)
         for peer, (low, high, into) in enumerate(wanted):  # elements [low, high) of peer's input land at `into`
             first, last = max(low, start), min(high, start + per_piece)
-            if last > first:
+            if last > first and peer != me:
                 memmove(address + (into + first - low) * size,
                         arena.slot_address(half, peer) + header + (first - start) * size, (last - first) * size)
         piece += 1
+        # Past the first piece, where the group may, the rest of each part is read straight from
+        # its sender's input (asked only now: finding out takes steps, and the peers must be done
+        # with this piece's half first).
+        if piece == 1 < pieces and (reader := reader_of(link, arena)) is not None:
+            for peer, (low, high, into) in enumerate(wanted):
+                first = max(low, per_piece)
+                if high > first and peer != me:
+                    reader.read(peer, address + (into + first - low) * size, headers[peer][2 * n] + first * size,
+                                (high - first) * size)
+            all_have_read(arena, link.timeout)
+            return
 
 
 def _plan(link: Link, headers: list[list[int]], per_piece: int) -> tuple[list[tuple[int, int, int]], int]:

@@ -111,6 +111,9 @@ class Arena:
         self.bell = None  # the read end of this process's doorbell, to sleep on (shm_setup.py)
         self.ring = None  # ring(peer): write a byte to peer's doorbell
         self.native = None  # native.Kernels where every rank of the group loaded them (shm_setup.py)
+        # cross_memory.CrossMemory where every rank may read its peers' memory, False where not,
+        # None until the first call that would use it finds out (algorithms/shared.py)
+        self.cross_memory = None
         self.step = 0
         self.uses = 0  # pieces so far: which half the next one takes
         self._rows: dict[tuple, Rows] = {}
