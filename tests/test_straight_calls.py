@@ -182,7 +182,14 @@ def repeated_scatters_and_gathers(group: Group) -> dict:
         if whole_path(group, lambda: group.all_to_all(swapped, full)):  # part j of rank i's full to rank j
             whole.append("all_to_all")
         exact = exact and torch.equal(swapped, torch.full((4 * n,), float(me + step)))
-    seen = {"whole path": whole, "exact": exact, "entries": group.replays.held().repeats}
+    made = group.replays.repeats.made
+    for step in range(6):  # fresh outputs every call, as a layer's activations: no entry is worked out
+        fresh = torch.empty(4 * n)
+        group.all_gather(fresh, part)
+        group.all_to_all(torch.empty(4 * n), full)
+        exact = exact and torch.equal(fresh, torch.cat([torch.full((4,), float(r + 4)) for r in range(n)]))
+    seen = {"whole path": whole, "exact": exact, "entries": group.replays.held().repeats,
+            "made for fresh tensors": group.replays.repeats.made - made}
     full.set_(torch.empty(4 * n).untyped_storage())  # the same tensor, new memory
     seen["new memory takes the whole path"] = whole_path(group, lambda: group.all_gather(full, part))
     del full
@@ -196,6 +203,7 @@ def test_repeated_reduce_scatters_and_all_gathers_go_straight(launcher):
     for rank in range(2):
         assert results[rank] == {
             "whole path": ["reduce_scatter", "all_gather", "all_to_all"] * 2, "exact": True, "entries": 3,
+            "made for fresh tensors": 0,
             "new memory takes the whole path": True, "entries after a tensor went": 0,  # all held `full`
         }, rank
 

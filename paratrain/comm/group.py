@@ -84,6 +84,7 @@ class Group:
         self._scratch = ScratchPool()  # collectives run one at a time, so one pool serves all
         self.replays = Replays()  # recent calls' work, run again when their tensors come back
         self._token: torch.Tensor | None = None  # what a barrier reduces
+        self._uneven_auto: str | None = None  # auto's pick for an uneven all_to_all, once made
         # Which ranks share a host (not known on the fabric), and the levels hier runs on (hierarchy.py).
         self.spread = Spread(getattr(transport, "hosts", None))
         # The works of the last calls, freed only once newer calls have finished. gloo frees a
@@ -315,7 +316,9 @@ class Group:
         checks.same_dtype("all_to_all", output, input)
         if output_split_sizes is not None or input_split_sizes is not None:
             splits = checks.row_splits("all_to_all", output, input, output_split_sizes, input_split_sizes, self.size)
-            chosen = self.choose("all_to_all", None).algo if algo == "auto" else algo
+            if algo == "auto" and self._uneven_auto is None:  # by transport and hosts alone: the same every call
+                self._uneven_auto = self.choose("all_to_all", None).algo
+            chosen = self._uneven_auto if algo == "auto" else algo
             check_takes_splits(chosen, self.kind)
             flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
             # every rank takes part, whatever it sends: its peers may send it something

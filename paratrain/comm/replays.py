@@ -229,7 +229,11 @@ class RepeatedCalls:
     def __init__(self, capacity: int = CAPACITY):
         self.capacity = capacity
         self.calls: dict[tuple, _Repeat] = {}
-        self.seen: dict[tuple, None] = {}  # keys of calls made once
+        # calls made once: their key, and weak references to their two tensors (Python reuses a
+        # freed tensor's id at once, so a key alone would take a fresh tensor every call, as a
+        # layer's activations are, for the one before it, and work out an entry that never runs)
+        self.seen: dict[tuple, tuple] = {}
+        self.made = 0  # entries worked out so far: fresh tensors every call make none
 
     def ready(self, op_name: str, output, input, reduce_op: str) -> _Repeat | None:
         entry = self.calls.get((op_name, id(output), id(input), reduce_op))
@@ -251,12 +255,12 @@ class RepeatedCalls:
         if not (output.is_contiguous() and input.is_contiguous()):
             return
         key = (op_name, id(output), id(input), reduce_op)
-        if key not in self.seen:  # a first sighting: only its key is kept
+        before = self.seen.pop(key, None)
+        if before is None or before[0]() is not output or before[1]() is not input:  # a first sighting
             if len(self.seen) >= self.capacity:
                 del self.seen[next(iter(self.seen))]
-            self.seen[key] = None
+            self.seen[key] = (weakref.ref(output), weakref.ref(input))
             return
-        del self.seen[key]
         calls = self.calls
 
         def forget(ref) -> None:
@@ -272,6 +276,7 @@ class RepeatedCalls:
         if len(calls) >= self.capacity:
             del calls[next(iter(calls))]
         calls[key] = _Repeat(owners, output, input, algo, nbytes, signature, run, timed)
+        self.made += 1
 
     def clear(self) -> None:
         self.calls.clear()

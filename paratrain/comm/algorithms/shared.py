@@ -331,7 +331,7 @@ def _all_to_all_split(link: Link, input: torch.Tensor, output: torch.Tensor, spl
         arena.arrive_and_wait(link.timeout)
         if wanted is None:
             headers = arena.read_words(half, 2 * n + 1)
-            wanted, pieces = _plan(link, [words[:2 * n] for words in headers], per_piece)
+            wanted, pieces = _plan(link.op_name, n, me, tuple(tuple(words[:2 * n]) for words in headers), per_piece)
         for peer, (low, high, into) in enumerate(wanted):  # elements [low, high) of peer's input land at `into`
             first, last = max(low, start), min(high, start + per_piece)
             if last > first and peer != me:
@@ -351,22 +351,24 @@ def _all_to_all_split(link: Link, input: torch.Tensor, output: torch.Tensor, spl
             return
 
 
-def _plan(link: Link, headers: list[list[int]], per_piece: int) -> tuple[list[tuple[int, int, int]], int]:
+@functools.lru_cache(maxsize=64)
+def _plan(op_name: str, n: int, me: int, headers: tuple[tuple[int, ...], ...],
+          per_piece: int) -> tuple[tuple[tuple[int, int, int], ...], int]:
     """From every rank's header (its send sizes, then its receive sizes): for each peer, where
     this rank's part lies in the peer's input (start, end) and where it goes in this rank's
     output; and the pieces the longest input takes. Every rank reads the same headers, so where
-    they disagree every rank raises here, the same error."""
-    n, me = link.size, link.rank
+    they disagree every rank raises here, the same error. Kept for the headers seen last: a
+    training step's dispatches repeat the same few splits."""
     sends = [row[:n] for row in headers]
-    if sends != [list(column) for column in zip(*(row[n:] for row in headers))]:
+    if sends != [column for column in zip(*(row[n:] for row in headers))]:
         every = [Splits(tuple(row[:n]), tuple(row[n:])) for row in headers]
-        raise ValueError(f"{link.op_name}: {splits_mismatch(every)}")
+        raise ValueError(f"{op_name}: {splits_mismatch(every)}")
     wanted, into = [], 0
     for send in sends:
         low = sum(send[:me])
         wanted.append((low, low + send[me], into))
         into += send[me]
-    return wanted, max(1, max(-(-sum(send) // per_piece) for send in sends))
+    return tuple(wanted), max(1, max(-(-sum(send) // per_piece) for send in sends))
 
 
 def barrier(link: Link, token: torch.Tensor, op: str) -> None:
