@@ -20,6 +20,7 @@ import time
 import click
 import torch
 
+from paratrain.bench.simulated_hosts import checked_hosts, hosts_words, simulate_hosts_option
 from paratrain.cli_types import OutputPath
 from paratrain.launch import run
 from paratrain.parallel.context import LAYOUTS, METHODS, attention_work, context_attention
@@ -144,7 +145,10 @@ def _names(text: str, valid, name: str) -> list[str]:
 @click.option("--launcher", type=click.Choice(["processes", "threads"]), default="processes", show_default=True,
               help="cp gloo processes, or cp threads of this process (the in-process fabric; no PyTorch peer).")
 @click.option("--json", "json_path", type=OutputPath(), help="Write the rows as JSON here.")
-def cp(cps, seqs, methods, layouts, batch, heads, kv_heads, head_dim, steps, warmup, try_torch, launcher, json_path):
+@simulate_hosts_option("Play N hosts on this machine (processes launcher), cp/N consecutive ranks each (every cp "
+                       "above 1 must divide by N; cp 1 runs alone): key/value blocks cross hosts through gloo.")
+def cp(cps, seqs, methods, layouts, batch, heads, kv_heads, head_dim, steps, warmup, try_torch, launcher, json_path,
+       simulate_hosts):
     """Context-parallel attention (forward + backward): step time and exposed communication for
     each cp, sequence length, method and layout, on cp ranks, and each rank's work."""
     cps, seqs = _ints(cps, "--cp"), _ints(seqs, "--seq")
@@ -153,13 +157,16 @@ def cp(cps, seqs, methods, layouts, batch, heads, kv_heads, head_dim, steps, war
         raise click.BadParameter(f"sequence {bad[0][0]} does not divide by 2·cp = {2 * bad[0][1]}", param_hint="--seq")
     if heads % kv_heads:
         raise click.BadParameter(f"{heads} query heads do not divide into {kv_heads}", param_hint="--kv-heads")
+    hosts = checked_hosts(simulate_hosts, launcher, [size for size in cps if size > 1])  # cp 1: no peer to cross to
     args = {"seqs": seqs, "methods": _names(methods, METHODS, "--methods"), "layouts": _names(layouts, LAYOUTS, "--layouts"),
             "batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "steps": steps,
-            "warmup": warmup, "torch": try_torch and launcher == "processes"}
+            "warmup": warmup, "torch": try_torch and launcher == "processes", "simulate_hosts": hosts}
     rows, torch_said = [], None
     for size in cps:
-        click.echo(f"# cp {size}: {size} process(es) ...", err=True)
-        result = run(bench_rank, size, launcher=launcher if size > 1 else "threads", args=(args,))[0]
+        spread = hosts if size > 1 else 0
+        click.echo(f"# cp {size}: {size} process(es){hosts_words(spread)} ...", err=True)
+        result = run(bench_rank, size, launcher=launcher if size > 1 else "threads", args=(args,),
+                     simulate_hosts=spread)[0]
         rows += result["rows"]
         torch_said = result["torch"] or torch_said
     for line in table_lines(rows) + balance_lines(cps, seqs[-1]):

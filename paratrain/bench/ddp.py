@@ -22,8 +22,9 @@ from pathlib import Path
 import click
 import torch
 
+from paratrain.bench.simulated_hosts import checked_hosts, simulate_hosts_option
 from paratrain.cli_types import FiniteFloat, OutputPath
-from paratrain.launch import LAUNCHERS, check_simulated_hosts, in_torchrun, run
+from paratrain.launch import LAUNCHERS, in_torchrun, run
 from paratrain.parallel.data.strategy import DP_MODES, STRATEGIES, resolve_strategy
 from paratrain.environment import launch_environment
 from paratrain.train.config import TrainConfig, apply_overrides
@@ -298,9 +299,8 @@ def _flags(name: str) -> str:
               help="Also write one record per (model, mode) to this file, with keys " + ", ".join(JSON_KEYS) + ".")
 @click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Also draw step time and communication share per model and mode into this PNG file.")
-@click.option("--simulate-hosts", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Play N hosts on this machine (processes launcher), nproc/N consecutive ranks each: gradients "
-                   "are reduced across hosts as on a cluster (our modes through hier where a host holds 2 or more).")
+@simulate_hosts_option("Play N hosts on this machine (processes launcher), nproc/N consecutive ranks each: gradients "
+                       "are reduced across hosts as on a cluster (our modes through hier where a host holds 2 or more).")
 def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, repeats, bucket_mb,
         json_path, plot_path, simulate_hosts) -> None:
     """Time naive data parallelism, our DDP and PyTorch's DDP side by side on the same model,
@@ -317,10 +317,7 @@ def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, rep
     modes = list(dict.fromkeys(resolve_strategy(mode).name for mode in modes))  # an alias names its strategy
     launched = launch_environment()
     world = launched.world_size if launched.in_torchrun else nproc
-    try:
-        check_simulated_hosts(simulate_hosts or 0, nproc, launcher)
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="'--simulate-hosts'") from None
+    hosts = checked_hosts(simulate_hosts, launcher, [nproc])
     runs = [
         Run(f"{model} {mode}", training_config(*MODELS[model], mode, batch_size * world, warmup + steps, bucket_mb,
                                                launcher),
@@ -330,7 +327,7 @@ def ddp(nproc, launcher, models_text, modes_text, batch_size, steps, warmup, rep
     runs = [Run(r.label, r.config, r.warmup, i, len(runs)) for i, r in enumerate(runs, 1)]
     check_configs(runs, world)
 
-    measured = run_all(runs, nproc, launcher, simulate_hosts or 0)
+    measured = run_all(runs, nproc, launcher, hosts)
     if measured is None:  # under torchrun, a rank other than 0: rank 0's process prints
         return
     records = build_records(models, modes, measured, launcher="torchrun" if in_torchrun() else launcher,

@@ -27,13 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.bench.moe_ep import ep_sweep, table_lines as ep_table_lines
+from paratrain.bench.simulated_hosts import checked_hosts, simulate_hosts_option
 from paratrain.cli_types import OutputPath
 from paratrain.models.moe_experts import GroupedExperts
 
 METHODS = ("grouped", "loop", "padded")
 # Options of one part only: giving one to the other part is refused, not ignored.
 MATMUL_ONLY = ("expert_counts", "tokens", "top_k", "d_model", "d_expert", "skew", "methods", "repeats", "warmup")
-EP_ONLY = ("model", "nproc", "steps", "rounds", "global_batch", "launcher")
+EP_ONLY = ("model", "nproc", "steps", "rounds", "global_batch", "launcher", "simulate_hosts")
 
 
 def uneven_counts(n_experts: int, rows: int, skew: float) -> torch.Tensor:
@@ -156,9 +157,11 @@ def _write_json(path: str, record: dict, count: int) -> None:
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: torch's own).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=OutputPath(), help="Write the rows as JSON here.")
+@simulate_hosts_option("With --ep: play N hosts on this machine (processes launcher), nproc/N consecutive ranks "
+                       "each: the all-to-alls of an ep group that spans hosts cross them through gloo.")
 @click.pass_context
 def moe(ctx, expert_counts, tokens, top_k, d_model, d_expert, skew, methods, repeats, warmup, eps, model, nproc,
-        steps, rounds, global_batch, launcher, threads, seed, json_path):
+        steps, rounds, global_batch, launcher, threads, seed, json_path, simulate_hosts):
     """Routed experts (forward + backward), fp32 on the CPU: one grouped_mm per weight, a loop
     over the experts, and padded batched multiplies, on the same uneven rows.
 
@@ -171,13 +174,15 @@ def moe(ctx, expert_counts, tokens, top_k, d_model, d_expert, skew, methods, rep
     Examples:
       paratrain bench moe --experts 8 --experts 64
       paratrain bench moe --ep 1,2,4 --nproc 4 --model moe-tiny
+      paratrain bench moe --ep 1,2,4 --nproc 4 --simulate-hosts 2
     """
     _refuse_mixed(ctx, eps is not None)
     if threads:
         torch.set_num_threads(threads)
     if eps is not None:
+        hosts = checked_hosts(simulate_hosts, launcher, [nproc])
         record = ep_sweep(model, nproc, eps, {"steps": steps, "rounds": rounds, "global_batch": global_batch,
-                                              "launcher": launcher, "seed": seed})
+                                              "launcher": launcher, "seed": seed, "simulate_hosts": hosts})
         for line in ep_table_lines(record["rows"]):
             click.echo(line)
         if json_path:

@@ -25,6 +25,7 @@ import time
 
 import click
 
+from paratrain.bench.simulated_hosts import hosts_words
 from paratrain.data import rank_batch
 from paratrain.plan.moe import rows_per_token as uniform_rows_per_token  # the planner's formula, one place
 from paratrain.environment import Settings
@@ -186,7 +187,7 @@ def train_once(config: TrainConfig, round_: int) -> dict:
     """One world trained at `config`'s ep: every rank's steps (tagged with round, ep and rank) and
     the loads of the log (summed over the data ranks: rank 0's are every rank's)."""
     results = run(ep_rank, config.parallel.nproc, launcher=config.parallel.launcher, args=(config,),
-                  timeout=config.parallel.timeout)
+                  timeout=config.parallel.timeout, simulate_hosts=config.parallel.simulate_hosts)
     tags = {"round": round_, "ep": config.parallel.ep}
     return {"per_rank": [[{**tags, "rank": r, **s} for s in results[r]["steps"]] for r in sorted(results)],
             "loads": [{**tags, **e} for e in results[0]["loads"]], "tokens_per_sample": results[0]["tokens_per_sample"]}
@@ -247,8 +248,10 @@ def table_lines(rows: list[dict]) -> list[str]:
 def markdown_lines(record: dict) -> list[str]:
     """The results page's section (bench/results_page.py) from the JSON `--json` writes."""
     args = record["args"]
+    hosts = hosts_words(args.get("simulate_hosts", 0))  # absent from records written before the option
     head = (f"{args['model']} ({args['experts']} experts, top-{args['top_k']}) on {args['nproc']} ranks "
-            f"({args['launcher']}), global batch {args['global_batch']}, {args['steps']} steps, {args['rounds']} rounds "
+            f"({args['launcher']}{hosts}), global batch {args['global_batch']}, {args['steps']} steps, "
+            f"{args['rounds']} rounds "
             "(the eps in turn in each). *step* and "
             "*exposed*: each step's slowest rank, the median over every round's steps after the first; exposed: the "
             "data-parallel strategy's exposed communication plus expert parallelism's all-to-alls and expert-"
@@ -274,7 +277,7 @@ def ep_config(model: str, nproc: int, ep: int, options: dict) -> TrainConfig:
     """The training configuration of one ep: synthetic data, no evaluation, checkpoints or log lines."""
     flags = {"model": model, "nproc": nproc, "ep": ep, "steps": options["steps"],
              "global_batch": options["global_batch"], "launcher": options["launcher"], "seed": options["seed"],
-             "eval_every": 0, "log_every": 10**9}
+             "simulate_hosts": options["simulate_hosts"], "eval_every": 0, "log_every": 10**9}
     config, _ = validated_config(None, flags, Settings.resolve())
     return config
 
@@ -296,7 +299,8 @@ def ep_sweep(model: str, nproc: int, eps: list[int], options: dict) -> dict:
     for round_ in range(options["rounds"]):
         for config in configs:
             click.echo(f"# round {round_ + 1}/{options['rounds']}, ep {config.parallel.ep}: {model} on {nproc} "
-                       f"ranks ({options['launcher']}), {options['steps']} steps ...", err=True)
+                       f"ranks ({options['launcher']}{hosts_words(config.parallel.simulate_hosts)}), "
+                       f"{options['steps']} steps ...", err=True)
             runs[config.parallel.ep].append(train_once(config, round_))
     rows = [ep_row(config, runs[config.parallel.ep], experts, top_k) for config in configs]
     every = [run_ for ep in eps for run_ in runs[ep]]

@@ -19,7 +19,8 @@ from paratrain.bench.p2p import P2PSweep, run_p2p
 from paratrain.bench import mpi_peer
 from paratrain.bench.peer import p2p_lines, p2p_rounds
 from paratrain.bench.report import describe_kind
-from paratrain.launch import LAUNCHERS, check_simulated_hosts, in_torchrun, run
+from paratrain.bench.simulated_hosts import checked_hosts, simulate_hosts_option
+from paratrain.launch import LAUNCHERS, in_torchrun, run
 
 
 def matrix(records: list[dict], test: str, size: int, n: int, key: str = "gbps") -> list[list[float | None]]:
@@ -132,9 +133,8 @@ def write_heatmap(path: Path, records: list[dict], n: int) -> None:
                    "in rounds alternating with ours, and print ours / MPI per size.")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="With --peer: rounds of each side, alternating (ours, the peer, ours, ...).")
-@click.option("--simulate-hosts", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Play N hosts on this machine (processes launcher), nproc/N consecutive ranks each: pairs "
-                   "inside a host talk through shared memory, pairs across hosts through gloo, as on a cluster.")
+@simulate_hosts_option("Play N hosts on this machine (processes launcher), nproc/N consecutive ranks each: pairs "
+                       "inside a host talk through shared memory, pairs across hosts through gloo, as on a cluster.")
 def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below, json_path, plot_path, timeout,
         peer, rounds, simulate_hosts):
     """Bandwidth and latency of every pair of ranks, one pair at a time, and the all-to-all aggregate.
@@ -152,11 +152,7 @@ def p2p(nproc, launcher, min_bytes, max_bytes, factor, warmup, iters, flag_below
         raise click.UsageError("--peer runs ranks of its own beside ours: it does not run under torchrun")
     if peer and simulate_hosts:
         raise click.UsageError("--peer mpi runs on one host as it is: it takes no --simulate-hosts")
-    simulate_hosts = simulate_hosts or 0
-    try:
-        check_simulated_hosts(simulate_hosts, nproc, launcher)
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="'--simulate-hosts'") from None
+    simulate_hosts = checked_hosts(simulate_hosts, launcher, [nproc])
     sweep = P2PSweep(tuple(s for s in sweep_sizes(min_bytes, max_bytes, factor) if s > 0), warmup, iters)
 
     def ours():

@@ -19,6 +19,7 @@ import time
 import click
 import torch
 
+from paratrain.bench.simulated_hosts import checked_hosts, hosts_words, simulate_hosts_option
 from paratrain.cli_types import OutputPath
 from paratrain.launch import run
 from paratrain.parallel.pipeline.runtime import PipelineRuntime
@@ -159,7 +160,9 @@ def _simulated_bubble(name: str, stages: int, microbatches: int, action_s: torch
 @click.option("--steps", type=click.IntRange(min=1), default=10, show_default=True, help="Timed steps per runner.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps per runner first.")
 @click.option("--json", "json_path", type=OutputPath(), help="Write the records as JSON.")
-def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup, json_path):
+@simulate_hosts_option("Play N hosts on this machine, nproc/N consecutive stages each: activations and gradients "
+                       "pass between hosts through gloo, inside one through shared memory, as on a cluster.")
+def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup, json_path, simulate_hosts):
     """Our pipeline runtime vs torch.distributed.pipelining on the same GPT stages.
 
     Prints step time (slowest rank, forward + backward of all microbatches), the ratio to
@@ -181,10 +184,12 @@ def pipeline(nproc, model, schedules, microbatches, global_batch, steps, warmup,
             build_schedule(name, nproc, microbatches)
         except ValueError as error:
             raise click.BadParameter(str(error), param_hint="--schedules") from None
-    click.echo(f"# pipeline: {model}, {nproc} stages, one process each, {microbatches} microbatches of "
-               f"{global_batch // microbatches}, {steps} timed steps; this machine has {os.cpu_count()} cores")
+    hosts = checked_hosts(simulate_hosts, launcher, [nproc])
+    click.echo(f"# pipeline: {model}, {nproc} stages, one process each{hosts_words(hosts)}, {microbatches} "
+               f"microbatches of {global_batch // microbatches}, {steps} timed steps; this machine has "
+               f"{os.cpu_count()} cores")
     records = run(bench_rank, nproc, launcher=launcher,
-                  args=(model, names, microbatches, global_batch, steps, warmup))[0]
+                  args=(model, names, microbatches, global_batch, steps, warmup), simulate_hosts=hosts)[0]
     reference = {r["schedule"]: r["step_ms"] for r in records if r["impl"] == "torch.pipelining"}
     click.echo(f"{'impl':<17} {'schedule':<9} {'step ms':>9} {'vs torch':>9} {'bubble measured':>16} "
                f"{'(mean)':>7} {'simulated':>10} {'theory F:B:W':>13} {'theoretical':>12}")

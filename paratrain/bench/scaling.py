@@ -18,15 +18,17 @@ import torch
 
 from paratrain.cli_types import OutputPath
 from paratrain.bench.ddp import Run, check_configs, run_all, training_config, write_json
+from paratrain.bench.simulated_hosts import checked_hosts, hosts_words, simulate_hosts_option
 from paratrain.launch import LAUNCHERS, in_torchrun
 from paratrain.models import MODEL_NAMES
 from paratrain.parallel.data import DP_MODES
+from paratrain.train.config import apply_overrides
 
 MODES = ("weak", "strong")
 JSON_KEYS = (
     "mode", "model", "dp_mode", "launcher", "world_size", "batch_per_rank", "global_batch", "steps",
     "warmup", "iter_ms", "iter_ms_stdev", "samples_per_s", "speedup", "efficiency", "comm_ms",
-    "exposed_comm_ms", "cpu_count",
+    "exposed_comm_ms", "cpu_count", "simulate_hosts",
 )
 DEFINITIONS = [
     "# weak:   batch per rank fixed; efficiency = t1/tN, speedup = N*t1/tN (throughput vs 1 rank)",
@@ -63,7 +65,14 @@ def check_divisible(global_batch: int, sizes: list[int]) -> None:
                 param_hint="'--global-batch'")
 
 
-def scaling_runs(sizes, modes, model, dp_mode, batch_size, global_batch, steps, warmup) -> dict[int, list[Run]]:
+def world_hosts(world_size: int, hosts: int) -> int:
+    """The hosts a world of the benchmark plays: the one-rank baseline has no peer to cross to,
+    so it runs alone whatever --simulate-hosts says."""
+    return hosts if world_size > 1 else 0
+
+
+def scaling_runs(sizes, modes, model, dp_mode, batch_size, global_batch, steps, warmup,
+                 hosts: int = 0) -> dict[int, list[Run]]:
     """Per world size, its runs (one per mode), numbered across the whole benchmark."""
     runs, index, total = {}, 0, len(sizes) * len(modes)
     for n in sizes:
@@ -71,13 +80,14 @@ def scaling_runs(sizes, modes, model, dp_mode, batch_size, global_batch, steps, 
         for mode in modes:
             batch = batch_size * n if mode == "weak" else global_batch
             index += 1
-            config = training_config(model, {}, dp_mode, batch, warmup + steps)
+            config = apply_overrides(training_config(model, {}, dp_mode, batch, warmup + steps),
+                                     {"parallel.simulate_hosts": world_hosts(n, hosts)})
             runs[n].append(Run(f"{mode} {model} {dp_mode} batch {batch}", config, warmup, index, total))
     return runs
 
 
 def build_records(measured: dict[int, list[dict]], modes, *, model, dp_mode, launcher, batch_size,
-                  global_batch, steps, warmup) -> list[dict]:
+                  global_batch, steps, warmup, hosts=0) -> list[dict]:
     """One record per (mode, world size), with speedup and efficiency against 1 rank."""
     records = []
     for m, mode in enumerate(modes):
@@ -92,7 +102,7 @@ def build_records(measured: dict[int, list[dict]], modes, *, model, dp_mode, lau
                 "iter_ms": t, "iter_ms_stdev": runs[m]["step_ms_stdev"], "samples_per_s": batch / (t / 1e3),
                 "speedup": speedup, "efficiency": t1 / t if mode == "weak" else speedup / n,
                 "comm_ms": runs[m]["comm_ms"], "exposed_comm_ms": runs[m]["exposed_comm_ms"],
-                "cpu_count": os.cpu_count(),
+                "cpu_count": os.cpu_count(), "simulate_hosts": world_hosts(n, hosts),
             }
             records.append({key: values[key] for key in JSON_KEYS})
     return records
@@ -175,8 +185,11 @@ def write_plot(path: Path, records: list[dict], title: str) -> None:
                    + ", ".join(JSON_KEYS) + ".")
 @click.option("--plot", "plot_path", type=OutputPath(path_type=Path),
               help="Also draw samples/s and efficiency against world size into this PNG file.")
+@simulate_hosts_option("Play N hosts on this machine (processes launcher), world/N consecutive ranks each (every "
+                       "world above 1 must divide by N; the one-rank baseline runs alone): gradients are reduced "
+                       "across hosts as on a cluster.")
 def scaling(mode, model, dp_mode, launcher, max_nproc, nprocs_text, batch_size, global_batch, steps,
-            warmup, json_path, plot_path) -> None:
+            warmup, json_path, plot_path, simulate_hosts) -> None:
     """Weak and strong scaling of data-parallel training over world sizes 1..N: iteration time,
     samples/s, speedup and efficiency against one rank.
 
@@ -184,6 +197,7 @@ def scaling(mode, model, dp_mode, launcher, max_nproc, nprocs_text, batch_size, 
     Examples:
       paratrain bench scaling --max-nproc 4 --model mlp
       paratrain bench scaling --mode strong --global-batch 4096 --nprocs 1,2,4 --plot scaling.png
+      paratrain bench scaling --nprocs 2,4 --simulate-hosts 2
     """
     if in_torchrun():
         raise click.UsageError("bench scaling starts its own worlds of 1..N ranks; run it without torchrun")
@@ -191,18 +205,22 @@ def scaling(mode, model, dp_mode, launcher, max_nproc, nprocs_text, batch_size, 
     modes = MODES if mode == "both" else (mode,)
     if "strong" in modes:
         check_divisible(global_batch, sizes)
-    runs = scaling_runs(sizes, modes, model, dp_mode, batch_size, global_batch, steps, warmup)
+    hosts = checked_hosts(simulate_hosts, launcher, [n for n in sizes if world_hosts(n, simulate_hosts)])
+    runs = scaling_runs(sizes, modes, model, dp_mode, batch_size, global_batch, steps, warmup, hosts)
     for n, world_runs in runs.items():
         check_configs(world_runs, n)
 
     cores = os.cpu_count()
-    click.echo(f"# paratrain bench scaling: {model}, dp-mode {dp_mode}, {launcher}, world sizes"
-               f" {','.join(map(str, sizes))}, {steps} timed steps after {warmup} warm-up")
+    alone = " (world 1 alone)" if hosts else ""
+    click.echo(f"# paratrain bench scaling: {model}, dp-mode {dp_mode}, {launcher}{hosts_words(hosts)}{alone},"
+               f" world sizes {','.join(map(str, sizes))}, {steps} timed steps after {warmup} warm-up")
     click.echo(f"# this machine has {cores} CPU cores (os.cpu_count()): above {cores} ranks, ranks share"
                f" cores, so efficiency there measures oversubscription more than communication")
-    measured = {n: run_all(world_runs, n, launcher) for n, world_runs in runs.items()}
+    measured = {n: run_all(world_runs, n, launcher, world_runs[0].config.parallel.simulate_hosts)
+                for n, world_runs in runs.items()}
     records = build_records(measured, modes, model=model, dp_mode=dp_mode, launcher=launcher,
-                            batch_size=batch_size, global_batch=global_batch, steps=steps, warmup=warmup)
+                            batch_size=batch_size, global_batch=global_batch, steps=steps, warmup=warmup,
+                            hosts=hosts)
     click.echo("\n".join([
         f"# torch {torch.__version__}, {measured[1][0]['torch_threads']} torch thread(s) per rank",
         *table_lines(records), "#", *DEFINITIONS,

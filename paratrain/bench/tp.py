@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.bench.ddp import _quiet
+from paratrain.bench.simulated_hosts import checked_hosts, hosts_words, simulate_hosts_option
 from paratrain.cli_types import OutputPath
 from paratrain.launch import run
 from paratrain.train.config import TrainConfig, apply_overrides
@@ -38,10 +39,10 @@ from paratrain.train.setup import build_seeded_model, dataset_for
 LOSS_RTOL = 1e-4  # float sums in another order over a few steps; a real difference is far larger
 
 
-def bench_config(model: str, tp: int, batch: int, steps: int, n_layer: int | None) -> TrainConfig:
+def bench_config(model: str, tp: int, batch: int, steps: int, n_layer: int | None, hosts: int = 0) -> TrainConfig:
     overrides = {"model.name": model, "parallel.tp": tp, "parallel.nproc": tp, "data.global_batch": batch,
                  "steps": steps, "optim.name": "sgd", "optim.lr": 0.1, "optim.schedule": "constant", "log_every": 10**9,
-                 "parallel.launcher": "processes"}
+                 "parallel.launcher": "processes", "parallel.simulate_hosts": hosts}
     if n_layer:
         overrides["model.n_layer"] = n_layer
     return apply_overrides(TrainConfig(), overrides)
@@ -127,14 +128,17 @@ def both_on_this_rank(group, config: TrainConfig, rounds: int, warmup: int) -> d
               help="Runs of each implementation, alternating; the median is reported.")
 @click.option("--json", "json_path", type=OutputPath(),
               help="Also write one record per size: model, tp, global_batch, steps, warmup, rounds, "
-                   "ours_ms, torch_ms, ratio, max_loss_diff.")
-def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds, json_path) -> None:
+                   "ours_ms, torch_ms, ratio, simulate_hosts, max_loss_diff.")
+@simulate_hosts_option("Play N hosts on this machine, size/N consecutive ranks each (every size must divide by N): "
+                       "the tensor-parallel collectives cross hosts through gloo, as on a cluster.")
+def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds, json_path, simulate_hosts) -> None:
     """Our tensor-parallel GPT beside PyTorch's DTensor tensor parallelism: same weights and
     batches on N gloo processes; same losses first, then step times.
 
     \b
-    Example:
+    Examples:
       paratrain bench tp --nprocs 2,4 --model gpt-tiny
+      paratrain bench tp --nprocs 4 --simulate-hosts 2
     """
     try:
         sizes = [int(n) for n in nprocs.split(",")]
@@ -142,16 +146,19 @@ def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds, json_path) -
         raise click.BadParameter(f"expected comma-separated integers, got {nprocs!r}", param_hint="--nprocs") from None
     if warmup >= steps:
         raise click.BadParameter(f"--warmup {warmup} leaves no timed step of {steps}", param_hint="--warmup")
+    hosts = checked_hosts(simulate_hosts, "processes", sizes)
     click.echo(f"# paratrain bench tp: {model}, global batch {global_batch}, {steps} steps ({warmup} untimed), "
-               f"median of {rounds} alternating runs; gloo processes")
-    click.echo("# ours moves its messages through shared memory between processes of one host, PyTorch's"
+               f"median of {rounds} alternating runs; gloo processes{hosts_words(hosts)}")
+    inside = "inside a host, gloo's sockets between hosts" if hosts else "between processes of one host"
+    click.echo(f"# ours moves its messages through shared memory {inside}, PyTorch's"
                " through gloo's sockets (PARATRAIN_SHM=0: both through the sockets)")
     click.echo(f"# {'tp':>3}  {'ours_ms':>9}  {'torch_ms':>9}  {'ours/torch':>10}  {'max loss diff':>13}")
     failed = False
     records = []
     for size in sizes:
-        config = bench_config(model, size, global_batch, steps, n_layer)
-        result = run(both_on_this_rank, size, launcher="processes", args=(config, rounds, warmup))[0]
+        config = bench_config(model, size, global_batch, steps, n_layer, hosts)
+        result = run(both_on_this_rank, size, launcher=config.parallel.launcher, args=(config, rounds, warmup),
+                     simulate_hosts=config.parallel.simulate_hosts)[0]
         diff = max(abs(a - b) / abs(b) for a, b in zip(result["ours_losses"], result["torch_losses"]))
         failed |= diff > LOSS_RTOL
         click.echo(f"  {size:>3}  {result['ours_ms']:>9.2f}  {result['torch_ms']:>9.2f}  "
@@ -159,7 +166,7 @@ def tp(nprocs, model, n_layer, global_batch, steps, warmup, rounds, json_path) -
         records.append({"model": model, "tp": size, "global_batch": global_batch, "steps": steps,
                         "warmup": warmup, "rounds": rounds, "ours_ms": result["ours_ms"],
                         "torch_ms": result["torch_ms"], "ratio": result["ours_ms"] / result["torch_ms"],
-                        "max_loss_diff": diff})
+                        "simulate_hosts": hosts, "max_loss_diff": diff})
     click.echo(f"# max loss diff: largest relative difference of the two implementations' losses (must be <= {LOSS_RTOL:g})")
     if json_path:
         with open(json_path, "w") as out:
