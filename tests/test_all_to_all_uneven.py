@@ -161,7 +161,34 @@ def _in_subgroups_of_every_size(group) -> dict:
     return {"kind": group.kind, "ran": ran, "pieces": _larger_than_a_slot(group),
             "mismatch": _mismatched_splits(group), "equal parts again": _equal_parts_made_again(group),
             "equal parts again in 3": _equal_parts_made_again(trio) if trio.size > 1 else {},
-            "rank 1 may not read": _where_one_rank_may_not_read_its_peers(group)}
+            "rank 1 may not read": _where_one_rank_may_not_read_its_peers(group),
+            "uneven again": _uneven_parts_made_again(group)}
+
+
+def _uneven_parts_made_again(world) -> dict:
+    """Uneven parts, made again on the same tensors with the same sizes (new values each call):
+    from the third call they run straight (checks skipped, replays.RepeatedCalls); then ranks 2
+    and 3 change what they send each other while 0 and 1 keep their sizes and tensors, so 0 and
+    1 go straight on while 2 and 3 take the whole path, and every result is right. (On a group of
+    its own: one that has made an async call never runs straight.)"""
+    group = Group(world.transport, timeout=world.timeout)
+    first = [[1, 2, 0, 3], [4, 0, 1, 1], [2, 2, 2, 2], [0, 5, 1, 1]]
+    second = [row[:] for row in first]
+    second[2][3], second[3][2] = 6, 0  # only between ranks 2 and 3
+    wrong, straight, tensors = 0, [], {}
+    for matrix in (first, second):
+        send, receive = matrix[group.rank], [row[group.rank] for row in matrix]
+        inp, out = tensors.setdefault((tuple(send), tuple(receive)),
+                                      (torch.empty(sum(send), 3), torch.empty(sum(receive), 3)))
+        before = group.straight_calls
+        for call in range(4):
+            case = (0, 0, 11 + call, matrix)
+            inp.copy_(_rank_input(case, group.rank).view(-1, 1).expand(-1, 3))
+            out.fill_(SENTINEL)
+            group.all_to_all(out, inp, algo="oneshot", output_split_sizes=receive, input_split_sizes=send)
+            wrong += int(not torch.equal(out, _expected(case, group.rank).view(-1, 1).expand(-1, 3)))
+        straight.append(group.straight_calls - before)
+    return {"wrong": wrong, "straight": straight}
 
 
 def _where_one_rank_may_not_read_its_peers(group) -> dict:
@@ -239,6 +266,8 @@ def test_every_algorithm_matches_gloo_in_processes_of_one_host_on_2_3_and_4_rank
     assert all(not any(result["pieces"].values()) for result in results.values()), results
     for key in ("equal parts again", "equal parts again in 3"):
         assert all(not any(result[key].values()) for result in results.values()), results
+    assert [results[rank]["uneven again"] for rank in range(4)] == [
+        {"wrong": 0, "straight": [2, 4]}] * 2 + [{"wrong": 0, "straight": [2, 2]}] * 2, results
     refused = [results[rank]["rank 1 may not read"] for rank in range(4)]
     assert [seen["wrong"] for seen in refused] == [0] * 4, refused
     assert refused[0]["reads"] is refused[1]["reads"] is False and refused[2]["reads"] is refused[3]["reads"]

@@ -19,6 +19,7 @@ without them, the defaults (300 s, no checks, the algorithm defaults of choice.p
 from __future__ import annotations
 
 import functools
+import operator
 from collections import deque
 from collections.abc import Callable
 
@@ -315,15 +316,7 @@ class Group:
         checks.tensor_arg("all_to_all", "input", input)
         checks.same_dtype("all_to_all", output, input)
         if output_split_sizes is not None or input_split_sizes is not None:
-            splits = checks.row_splits("all_to_all", output, input, output_split_sizes, input_split_sizes, self.size)
-            if algo == "auto" and self._uneven_auto is None:  # by transport and hosts alone: the same every call
-                self._uneven_auto = self.choose("all_to_all", None).algo
-            chosen = self._uneven_auto if algo == "auto" else algo
-            check_takes_splits(chosen, self.kind)
-            flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
-            # every rank takes part, whatever it sends: its peers may send it something
-            return self._run("all_to_all", chosen, _nbytes(input), checks.CallSignature.of_rows("all_to_all", input),
-                             (flat_in, flat_out, splits), written=(output, flat_out), async_op=async_op)
+            return self._all_to_all_uneven(output, input, algo, async_op, output_split_sizes, input_split_sizes)
         straight = not (async_op or self.debug or self._calls.executor is not None)  # see run_straight
         if straight:
             repeat = self.replays.repeats.ready("all_to_all", output, input, "")
@@ -339,12 +332,44 @@ class Group:
         return self._run("all_to_all", algo, nbytes, signature, (flat_in, flat_out),
                          moves=flat_in.numel() > 0, written=(output, flat_out), replay=repeat, async_op=async_op)
 
+    def _all_to_all_uneven(self, output: torch.Tensor, input: torch.Tensor, algo: str, async_op: bool,
+                           output_split_sizes, input_split_sizes):
+        """all_to_all with split sizes. Made again on the same tensors with the same sizes, it runs
+        straight (as reduce-scatters and all-gathers do): its checks hold already."""
+        straight = not (async_op or self.debug or self._calls.executor is not None)  # see run_straight
+        key = _splits_key(output_split_sizes, input_split_sizes) if straight else None
+        if key is not None:
+            repeat = self.replays.repeats.ready("all_to_all", output, input, key)
+            if repeat is not None and repeat.algo == (self._uneven_auto if algo == "auto" else algo):
+                return self._calls.run_straight("all_to_all", repeat, output)
+        splits = checks.row_splits("all_to_all", output, input, output_split_sizes, input_split_sizes, self.size)
+        if algo == "auto" and self._uneven_auto is None:  # by transport and hosts alone: the same every call
+            self._uneven_auto = self.choose("all_to_all", None).algo
+        chosen = self._uneven_auto if algo == "auto" else algo
+        check_takes_splits(chosen, self.kind)
+        flat_in, flat_out = checks.flat_view(input), checks.flat_buffer(output)
+        signature, nbytes = checks.CallSignature.of_rows("all_to_all", input), _nbytes(input)
+        repeat = None if key is None else functools.partial(self.replays.repeats.run, output, input, key, nbytes, signature)
+        # every rank takes part, whatever it sends: its peers may send it something
+        return self._run("all_to_all", chosen, nbytes, signature, (flat_in, flat_out, splits),
+                         written=(output, flat_out), replay=repeat, async_op=async_op)
+
     def barrier(self, algo: str = "auto", async_op: bool = False):
         """Return only when every rank has entered the barrier."""
         if self._token is None:  # all zeros, so summing it leaves it as it was: one serves every call
             self._token = torch.zeros(1, device=getattr(self.transport, "device", None) or "cpu")
         signature = checks.CallSignature.of("barrier", None)
         return self._run("barrier", algo, 0, signature, (self._token,), reduce_op="sum", async_op=async_op)
+
+
+def _splits_key(output_split_sizes, input_split_sizes) -> tuple | None:
+    """An uneven all_to_all's split sizes as part of its call's key (replays.RepeatedCalls); None
+    where they are not integers (the checks then say so)."""
+    try:
+        return tuple(None if sizes is None else tuple(map(operator.index, sizes))
+                     for sizes in (output_split_sizes, input_split_sizes))
+    except TypeError:
+        return None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -158,6 +158,6 @@ def replay_of(op_name: str, algo: str, link: Link, input: torch.Tensor, output: 
         return replay_reduce_scatter(link, input, output, op)
     if op_name == "all_gather":
         return replay_all_gather(link, input, output)
-    if op_name == "all_to_all":
+    if op_name == "all_to_all" and op is None:  # equal parts (uneven ones run the algorithm again)
         return replay_all_to_all(link, input, output)
     return None
