@@ -33,10 +33,11 @@ import torch
 
 from paratrain.comm.algorithms import direct
 from paratrain.comm.algorithms.shared_kernels import all_reduce_natively
+from paratrain.comm.algorithms.shared_uneven import UnevenAllToAll
 from paratrain.comm.link import Link
-from paratrain.comm.ops import Splits, combine_, part_bounds, part_sizes, splits_mismatch
+from paratrain.comm.ops import Splits, combine_, part_bounds, part_sizes
 from paratrain.comm.transport import cross_memory
-from paratrain.comm.transport.shm_arena import LINE, Rows
+from paratrain.comm.transport.shm_arena import Rows
 
 SHARED_ALGORITHMS = ("oneshot", "twoshot")
 # From here a part is read from its sender's memory (one copy) rather than passed through a slot
@@ -246,7 +247,7 @@ def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Sp
     """Each rank copies its own part straight to its output, and its parts for its peers into its
     slot, a block per peer; rank r copies its block of every peer's slot into its output."""
     if splits is not None:
-        _all_to_all_split(link, input, output, splits)
+        UnevenAllToAll(arena_of(link), input, output, splits).run(link.op_name, link.timeout)
         return
     arena, size, n, me = arena_of(link), input.element_size(), link.size, link.rank
     sizes = part_sizes(input.numel(), n)
@@ -255,13 +256,13 @@ def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Sp
     memmove(address + me * mine * size, source + starts[me] * size, mine * size)
     if n == 1:
         return
-    reader = reader_of(link, arena) if sizes[0] * size >= CROSS_MEMORY_LEAST_BYTES else None
+    reader = cross_memory.reader_of(arena, link.timeout) if sizes[0] * size >= CROSS_MEMORY_LEAST_BYTES else None
     if reader is not None:
-        peer_inputs = publish_input(arena, source, link.timeout)
+        peer_inputs = cross_memory.publish_input(arena, source, link.timeout)
         for peer in range(n):
             if peer != me and mine:
                 reader.read(peer, address + peer * mine * size, peer_inputs[peer] + starts[me] * size, mine * size)
-        all_have_read(arena, link.timeout)
+        cross_memory.all_have_read(arena, link.timeout)
         return
     per_block = block_elements(arena, n, size)
     for offset in _pieces(sizes[0], per_block):
@@ -278,97 +279,6 @@ def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Sp
             if peer != me and count:
                 memmove(address + (peer * mine + offset) * size,
                         arena.slot_address(half, peer) + block_index(me, peer) * per_block * size, count * size)
-
-
-def reader_of(link: Link, arena) -> cross_memory.CrossMemory | None:
-    """What reads this group's peers' memory, where every rank of it may (found out by all of
-    them together at the first call that asks, cross_memory.agree), else None."""
-    if arena.cross_memory is None:  # (a segment of our own, Arena.alone, has no peers to read)
-        whole = len(arena.peers) == arena.size - 1
-        arena.cross_memory = (whole and cross_memory.agree(arena, link.timeout)) or False
-    return arena.cross_memory or None
-
-
-def publish_input(arena, address: int, timeout: float) -> list[int]:
-    """A step after which every rank's input is ready: the address of each rank's, rank by rank."""
-    half = arena.next_half()
-    arena.write_words(half, [address])
-    arena.arrive_and_wait(timeout)
-    return [words[0] for words in arena.read_words(half, 1)]
-
-
-def all_have_read(arena, timeout: float) -> None:
-    """A step after which no rank reads another's input any more: each may return (and change it)."""
-    arena.next_half()
-    arena.arrive_and_wait(timeout)
-
-
-def _all_to_all_split(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Splits) -> None:
-    """Uneven parts. Blocks of a fixed size per destination, as for equal parts, would leave most
-    of a slot empty when one destination takes most of the input, and a rank does not know how
-    long its peers' parts are. So each slot holds a header, the rank's send and receive sizes
-    and its input's address, then a piece of its input as it lies (its parts one after another, its own part left out: it
-    goes straight to the output); after the first step every rank knows every rank's sizes, so
-    where its part lies in each peer's input and how many pieces the longest input takes (every
-    rank takes as many steps), and it copies out of each piece what falls in its parts. No step
-    more than for equal parts."""
-    arena, size, n, me = arena_of(link), input.element_size(), link.size, link.rank
-    header = -(-(2 * n + 1) * 8 // LINE) * LINE  # whole lines, so the data after it is aligned for any dtype
-    per_piece = (arena.slot_bytes - header) // size
-    mine = [*splits.send, *splits.receive, input.data_ptr()]
-    source, address, total = input.data_ptr(), output.data_ptr(), input.numel()
-    own_low = sum(splits.send[:me])
-    own = (own_low, own_low + splits.send[me])  # our part for ourselves, in our input
-    memmove(address + sum(splits.receive[:me]) * size, source + own_low * size, splits.send[me] * size)
-    piece, pieces, wanted, headers = 0, 1, None, None
-    while piece < pieces:
-        half, start = arena.next_half(), piece * per_piece
-        arena.write_words(half, mine)
-        slot = arena.slot_address(half, me) + header
-        for low, high in ((start, min(own[0], start + per_piece, total)), (max(own[1], start), min(start + per_piece, total))):
-            if high > low:
-                memmove(slot + (low - start) * size, source + low * size, (high - low) * size)
-        arena.arrive_and_wait(link.timeout)
-        if wanted is None:
-            headers = arena.read_words(half, 2 * n + 1)
-            wanted, pieces = _plan(link.op_name, n, me, tuple(tuple(words[:2 * n]) for words in headers), per_piece)
-        for peer, (low, high, into) in enumerate(wanted):  # elements [low, high) of peer's input land at `into`
-            first, last = max(low, start), min(high, start + per_piece)
-            if last > first and peer != me:
-                memmove(address + (into + first - low) * size,
-                        arena.slot_address(half, peer) + header + (first - start) * size, (last - first) * size)
-        piece += 1
-        # Past the first piece, where the group may, the rest of each part is read straight from
-        # its sender's input (asked only now: finding out takes steps, and the peers must be done
-        # with this piece's half first).
-        if piece == 1 < pieces and (reader := reader_of(link, arena)) is not None:
-            for peer, (low, high, into) in enumerate(wanted):
-                first = max(low, per_piece)
-                if high > first and peer != me:
-                    reader.read(peer, address + (into + first - low) * size, headers[peer][2 * n] + first * size,
-                                (high - first) * size)
-            all_have_read(arena, link.timeout)
-            return
-
-
-@functools.lru_cache(maxsize=64)
-def _plan(op_name: str, n: int, me: int, headers: tuple[tuple[int, ...], ...],
-          per_piece: int) -> tuple[tuple[tuple[int, int, int], ...], int]:
-    """From every rank's header (its send sizes, then its receive sizes): for each peer, where
-    this rank's part lies in the peer's input (start, end) and where it goes in this rank's
-    output; and the pieces the longest input takes. Every rank reads the same headers, so where
-    they disagree every rank raises here, the same error. Kept for the headers seen last: a
-    training step's dispatches repeat the same few splits."""
-    sends = [row[:n] for row in headers]
-    if sends != [column for column in zip(*(row[n:] for row in headers))]:
-        every = [Splits(tuple(row[:n]), tuple(row[n:])) for row in headers]
-        raise ValueError(f"{op_name}: {splits_mismatch(every)}")
-    wanted, into = [], 0
-    for send in sends:
-        low = sum(send[:me])
-        wanted.append((low, low + send[me], into))
-        into += send[me]
-    return tuple(wanted), max(1, max(-(-sum(send) // per_piece) for send in sends))
 
 
 def barrier(link: Link, token: torch.Tensor, op: str) -> None:

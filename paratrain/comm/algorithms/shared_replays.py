@@ -11,8 +11,10 @@ from ctypes import memmove
 
 import torch
 
-from paratrain.comm.algorithms.shared import (CROSS_MEMORY_LEAST_BYTES, all_have_read, arena_of, block_elements,
-                                              block_index, publish_input, reduce_rows)
+from paratrain.comm.algorithms.shared import (CROSS_MEMORY_LEAST_BYTES, arena_of, block_elements, block_index,
+                                              reduce_rows)
+from paratrain.comm.algorithms.shared_uneven import UnevenAllToAll
+from paratrain.comm.transport.cross_memory import all_have_read, publish_input
 from paratrain.comm.algorithms.shared_kernels import all_reduce_rows, native_plans, running
 from paratrain.comm.link import Link
 from paratrain.comm.ops import combine_, part_bounds, part_sizes
@@ -158,6 +160,9 @@ def replay_of(op_name: str, algo: str, link: Link, input: torch.Tensor, output: 
         return replay_reduce_scatter(link, input, output, op)
     if op_name == "all_gather":
         return replay_all_gather(link, input, output)
-    if op_name == "all_to_all" and op is None:  # equal parts (uneven ones run the algorithm again)
+    if op_name == "all_to_all" and op is None:
         return replay_all_to_all(link, input, output)
+    if op_name == "all_to_all" and input.device.type == "cpu":  # uneven parts: `op` is their Splits
+        call, name = UnevenAllToAll(arena_of(link), input, output, op), link.op_name
+        return lambda timeout: call.run(name, timeout)
     return None

@@ -85,3 +85,26 @@ def agree(arena, timeout: float) -> CrossMemory | None:
     arena.arrive_and_wait(timeout)  # every rank has read our probe: it may go
     everyone = all(words[0] for words in arena.read_words(half, 1))
     return reader if everyone else None
+
+
+def reader_of(arena, timeout: float) -> CrossMemory | None:
+    """What reads the arena's group's peers' memory, where every rank of it may (found out by all
+    of them together at the first call that asks, `agree`), else None."""
+    if arena.cross_memory is None:  # (a segment of our own, Arena.alone, has no peers to read)
+        whole = len(arena.peers) == arena.size - 1
+        arena.cross_memory = (whole and agree(arena, timeout)) or False
+    return arena.cross_memory or None
+
+
+def publish_input(arena, address: int, timeout: float) -> list[int]:
+    """A step after which every rank's input is ready: the address of each rank's, rank by rank."""
+    half = arena.next_half()
+    arena.write_words(half, [address])
+    arena.arrive_and_wait(timeout)
+    return [words[0] for words in arena.read_words(half, 1)]
+
+
+def all_have_read(arena, timeout: float) -> None:
+    """A step after which no rank reads another's input any more: each may return (and change it)."""
+    arena.next_half()
+    arena.arrive_and_wait(timeout)

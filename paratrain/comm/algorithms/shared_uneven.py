@@ -1,0 +1,129 @@
+"""The all-to-all in uneven parts through the shared segment (`oneshot` of algorithms/shared.py).
+
+Blocks of a fixed size per destination, as for equal parts, would leave most of a slot empty
+when one destination takes most of the input, and a rank does not know how long its peers'
+parts are. So each slot holds a header (the rank's send and receive sizes and its input's
+address), then a piece of its input as it lies: its parts one after another, its own part left
+out (that goes straight from input to output). After the first step every rank knows every
+rank's sizes, so where its part lies in each peer's input and how many pieces the longest input
+takes (every rank takes as many steps), and it copies out of each piece what falls in its parts:
+no step more than for equal parts. Past the first piece, where the group may, the rest of each
+part is read straight from its sender's input (transport/cross_memory.py): one copy, one step.
+
+`UnevenAllToAll` is one call worked out for its tensors and sizes: every call builds one, and a
+call made again on the same tensors and sizes runs the one it kept (shared_replays.py), whose
+copies for the same headers as last time are worked out already.
+"""
+
+from __future__ import annotations
+
+import functools
+from ctypes import memmove
+
+import torch
+
+from paratrain.comm.ops import Splits, splits_mismatch
+from paratrain.comm.transport import cross_memory
+from paratrain.comm.transport.shm_arena import LINE
+
+
+class UnevenAllToAll:
+    """This rank's part of one uneven all-to-all on `input` and `output` (CPU, contiguous)."""
+
+    def __init__(self, arena, input: torch.Tensor, output: torch.Tensor, splits: Splits):
+        n, me, size = arena.size, arena.rank, input.element_size()
+        self.arena, self.n, self.me, self.size = arena, n, me, size
+        self.header = -(-(2 * n + 1) * 8 // LINE) * LINE  # whole lines: the data after it is aligned for any dtype
+        self.per_piece = (arena.slot_bytes - self.header) // size
+        self.source, self.address, self.total = input.data_ptr(), output.data_ptr(), input.numel()
+        self.words = [*splits.send, *splits.receive, self.source]
+        own_low = sum(splits.send[:me])
+        self.own = (own_low, own_low + splits.send[me])  # our part for ourselves, in our input
+        self.own_copy = (self.address + sum(splits.receive[:me]) * size, self.source + own_low * size,
+                         splits.send[me] * size)
+        self.first_in = [self._copies_in(half, 0) for half in (0, 1)]
+        self.last = None  # the headers seen last, their plan, and the first piece's copies out per half
+
+    def run(self, op_name: str, timeout: float) -> None:
+        arena = self.arena
+        memmove(*self.own_copy)
+        piece, pieces = 0, 1
+        while piece < pieces:
+            half = arena.next_half()
+            arena.write_words(half, self.words)
+            for copy in self.first_in[half] if piece == 0 else self._copies_in(half, piece):
+                memmove(*copy)
+            arena.arrive_and_wait(timeout)
+            if piece == 0:
+                headers, wanted, pieces, copies_out = self._plan_of(op_name, half)
+            else:
+                copies_out = self._copies_out(half, piece, wanted)
+            for copy in copies_out:
+                memmove(*copy)
+            piece += 1
+            # Asked only now: finding out takes steps, and the peers must be done with this
+            # piece's half first.
+            if piece == 1 < pieces and (reader := cross_memory.reader_of(arena, timeout)) is not None:
+                self._read_the_rest(reader, headers, wanted)
+                cross_memory.all_have_read(arena, timeout)
+                return
+
+    def _plan_of(self, op_name: str, half: int):
+        """Every rank's header from the slots of `half`, and what follows from them (plan)."""
+        n = self.n
+        headers = self.arena.read_words(half, 2 * n + 1)
+        if self.last is None or self.last[0] != headers:
+            wanted, pieces = plan(op_name, n, self.me, tuple(tuple(words[:2 * n]) for words in headers),
+                                  self.per_piece)
+            self.last = (headers, wanted, pieces, [self._copies_out(each, 0, wanted) for each in (0, 1)])
+        headers, wanted, pieces, copies_out = self.last
+        return headers, wanted, pieces, copies_out[half]
+
+    def _copies_in(self, half: int, piece: int) -> list[tuple[int, int, int]]:
+        """(into, from, bytes) of the piece's part of our input, but our own part, into our slot."""
+        size, start = self.size, piece * self.per_piece
+        end = min(start + self.per_piece, self.total)
+        slot = self.arena.slot_address(half, self.me) + self.header
+        return [(slot + (low - start) * size, self.source + low * size, (high - low) * size)
+                for low, high in ((start, min(self.own[0], end)), (max(self.own[1], start), end)) if high > low]
+
+    def _copies_out(self, half: int, piece: int, wanted) -> list[tuple[int, int, int]]:
+        """(into, from, bytes) of what falls in our parts of each peer's piece, from its slot."""
+        size, start, arena = self.size, piece * self.per_piece, self.arena
+        copies = []
+        for peer, (low, high, into) in enumerate(wanted):  # elements [low, high) of peer's input land at `into`
+            first, last = max(low, start), min(high, start + self.per_piece)
+            if last > first and peer != self.me:
+                copies.append((self.address + (into + first - low) * size,
+                               arena.slot_address(half, peer) + self.header + (first - start) * size,
+                               (last - first) * size))
+        return copies
+
+    def _read_the_rest(self, reader, headers, wanted) -> None:
+        """What lies past the first piece in our parts, read from each peer's input."""
+        size, n = self.size, self.n
+        for peer, (low, high, into) in enumerate(wanted):
+            first = max(low, self.per_piece)
+            if high > first and peer != self.me:
+                reader.read(peer, self.address + (into + first - low) * size, headers[peer][2 * n] + first * size,
+                            (high - first) * size)
+
+
+@functools.lru_cache(maxsize=64)
+def plan(op_name: str, n: int, me: int, headers: tuple[tuple[int, ...], ...],
+         per_piece: int) -> tuple[tuple[tuple[int, int, int], ...], int]:
+    """From every rank's header (its send sizes, then its receive sizes): for each peer, where
+    this rank's part lies in the peer's input (start, end) and where it goes in this rank's
+    output; and the pieces the longest input takes. Every rank reads the same headers, so where
+    they disagree every rank raises here, the same error. Kept for the headers seen last: a
+    training step's dispatches repeat the same few splits."""
+    sends = [row[:n] for row in headers]
+    if sends != [column for column in zip(*(row[n:] for row in headers))]:
+        every = [Splits(tuple(row[:n]), tuple(row[n:])) for row in headers]
+        raise ValueError(f"{op_name}: {splits_mismatch(every)}")
+    wanted, into = [], 0
+    for send in sends:
+        low = sum(send[:me])
+        wanted.append((low, low + send[me], into))
+        into += send[me]
+    return tuple(wanted), max(1, max(-(-sum(send) // per_piece) for send in sends))
