@@ -16,9 +16,8 @@ instead of n times, for one step more.
 
 A message larger than a slot goes through in pieces of a slot each; the halves of the segment
 alternate, so one piece's copy-in does not wait for the peers still reading the previous one.
-An all-to-all's parts of CROSS_MEMORY_LEAST_BYTES or more (in equal parts), or past the first
-piece (uneven), are read instead straight from the peers' inputs (transport/cross_memory.py)
-where the group may: one copy instead of two, and two steps whatever the size.
+The all-to-all, which reads large parts straight from the peers' inputs where the group may,
+is in shared_all_to_all.py.
 
 A call made again on the same tensors replays a form of these worked out once
 (shared_replays.py), in C where it can (shared_kernels.py).
@@ -33,17 +32,12 @@ import torch
 
 from paratrain.comm.algorithms import direct
 from paratrain.comm.algorithms.shared_kernels import all_reduce_natively
-from paratrain.comm.algorithms.shared_uneven import UnevenAllToAll
+from paratrain.comm.algorithms.shared_all_to_all import EqualAllToAll, UnevenAllToAll
 from paratrain.comm.link import Link
-from paratrain.comm.ops import Splits, combine_, part_bounds, part_sizes
-from paratrain.comm.transport import cross_memory
+from paratrain.comm.ops import Splits, combine_, part_bounds
 from paratrain.comm.transport.shm_arena import Rows
 
 SHARED_ALGORITHMS = ("oneshot", "twoshot")
-# From here a part is read from its sender's memory (one copy) rather than passed through a slot
-# (two). Below it the reads' system calls and the extra step cost more than the copy they save:
-# at 64 KiB parts on 4 ranks here the reads took 1.5x the slots' time; at 128 KiB on 2 ranks, 0.8x.
-CROSS_MEMORY_LEAST_BYTES = 128 << 10
 
 
 def arena_of(link: Link):
@@ -231,54 +225,14 @@ def reduce(link: Link, buf: torch.Tensor, root: int, op: str) -> None:
             reduce_rows(arena.rows(half, buf.dtype, 0, count), buf[start : start + count], op)
 
 
-def block_elements(arena, n: int, size: int) -> int:
-    """Elements of one destination's block in a slot: a rank writes a block for each peer (its
-    own part goes straight from its input to its output), so n - 1 blocks share the slot."""
-    return arena.slot_bytes // (max(1, n - 1) * size)
-
-
-def block_index(destination: int, writer: int) -> int:
-    """Where in `writer`'s slot the block for `destination` lies: its peers in rank order."""
-    return destination - (destination > writer)
-
-
 @_on_cpu(direct.all_to_all)
 def all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor, splits: Splits | None = None) -> None:
-    """Each rank copies its own part straight to its output, and its parts for its peers into its
-    slot, a block per peer; rank r copies its block of every peer's slot into its output."""
-    if splits is not None:
-        UnevenAllToAll(arena_of(link), input, output, splits).run(link.op_name, link.timeout)
-        return
-    arena, size, n, me = arena_of(link), input.element_size(), link.size, link.rank
-    sizes = part_sizes(input.numel(), n)
-    starts = [low for low, _ in part_bounds(input.numel(), n)]
-    source, address, mine = input.data_ptr(), output.data_ptr(), sizes[me]
-    memmove(address + me * mine * size, source + starts[me] * size, mine * size)
-    if n == 1:
-        return
-    reader = cross_memory.reader_of(arena, link.timeout) if sizes[0] * size >= CROSS_MEMORY_LEAST_BYTES else None
-    if reader is not None:
-        peer_inputs = cross_memory.publish_input(arena, source, link.timeout)
-        for peer in range(n):
-            if peer != me and mine:
-                reader.read(peer, address + peer * mine * size, peer_inputs[peer] + starts[me] * size, mine * size)
-        cross_memory.all_have_read(arena, link.timeout)
-        return
-    per_block = block_elements(arena, n, size)
-    for offset in _pieces(sizes[0], per_block):
-        half = arena.next_half()
-        slot = arena.slot_address(half, me)
-        for block in range(n):
-            count = max(0, min(per_block, sizes[block] - offset))
-            if block != me and count:
-                memmove(slot + block_index(block, me) * per_block * size, source + (starts[block] + offset) * size,
-                        count * size)
-        arena.arrive_and_wait(link.timeout)
-        count = max(0, min(per_block, mine - offset))
-        for peer in range(n):  # part `peer` of the output is what rank `peer` sent us
-            if peer != me and count:
-                memmove(address + (peer * mine + offset) * size,
-                        arena.slot_address(half, peer) + block_index(me, peer) * per_block * size, count * size)
+    """Each rank copies its own part straight to its output, its parts for its peers into its
+    slot, and its parts from them out of theirs (or reads them from their inputs): see
+    shared_all_to_all.py."""
+    arena = arena_of(link)
+    call = EqualAllToAll(arena, input, output) if splits is None else UnevenAllToAll(arena, input, output, splits)
+    call.run(link.op_name, link.timeout)
 
 
 def barrier(link: Link, token: torch.Tensor, op: str) -> None:

@@ -11,13 +11,11 @@ from ctypes import memmove
 
 import torch
 
-from paratrain.comm.algorithms.shared import (CROSS_MEMORY_LEAST_BYTES, arena_of, block_elements, block_index,
-                                              reduce_rows)
-from paratrain.comm.algorithms.shared_uneven import UnevenAllToAll
-from paratrain.comm.transport.cross_memory import all_have_read, publish_input
+from paratrain.comm.algorithms.shared import arena_of, reduce_rows
+from paratrain.comm.algorithms.shared_all_to_all import EqualAllToAll, UnevenAllToAll
 from paratrain.comm.algorithms.shared_kernels import all_reduce_rows, native_plans, running
 from paratrain.comm.link import Link
-from paratrain.comm.ops import combine_, part_bounds, part_sizes
+from paratrain.comm.ops import combine_, part_bounds
 
 
 def replay_all_reduce(link: Link, buf: torch.Tensor, op: str):
@@ -100,53 +98,6 @@ def replay_all_gather(link: Link, input: torch.Tensor, output: torch.Tensor):
     return run
 
 
-def replay_all_to_all(link: Link, input: torch.Tensor, output: torch.Tensor):
-    """all_to_all's call in equal parts on these tensors worked out once (shared.all_to_all):
-    the copy of our own part and every copy into and out of the slots, for both halves, or
-    every read of the peers' inputs. None where it takes several pieces through the slots, or is
-    empty, off the CPU or on one rank."""
-    arena, n, me, size = arena_of(link), link.size, link.rank, input.element_size()
-    sizes = part_sizes(input.numel(), n)
-    per_block = block_elements(arena, n, size)
-    if input.device.type != "cpu" or n == 1 or sizes[0] == 0:
-        return None
-    starts = [low for low, _ in part_bounds(input.numel(), n)]
-    source, address, mine = input.data_ptr(), output.data_ptr(), sizes[me]
-    own = (address + me * mine * size, source + starts[me] * size, mine * size)
-    peers = [rank for rank in range(n) if rank != me]
-    if sizes[0] * size >= CROSS_MEMORY_LEAST_BYTES and arena.cross_memory:  # as the call, read from the peers
-        reader = arena.cross_memory
-        reads = [(peer, address + peer * mine * size, starts[me] * size, mine * size) for peer in peers if mine]
-
-        def read(timeout: float) -> None:
-            memmove(*own)
-            inputs = publish_input(arena, source, timeout)
-            for peer, into, offset, nbytes in reads:
-                reader.read(peer, into, inputs[peer] + offset, nbytes)
-            all_have_read(arena, timeout)
-
-        return read
-    if sizes[0] > per_block:
-        return None
-    into_slot = [[(arena.slot_address(half, me) + block_index(peer, me) * per_block * size,
-                   source + starts[peer] * size, sizes[peer] * size) for peer in peers if sizes[peer]]
-                 for half in (0, 1)]
-    out_of_slots = [[(address + peer * mine * size,
-                      arena.slot_address(half, peer) + block_index(me, peer) * per_block * size, mine * size)
-                     for peer in peers] if mine else [] for half in (0, 1)]
-
-    def run(timeout: float) -> None:
-        memmove(*own)
-        half = arena.next_half()
-        for copy in into_slot[half]:
-            memmove(*copy)
-        arena.arrive_and_wait(timeout)
-        for copy in out_of_slots[half]:
-            memmove(*copy)
-
-    return run
-
-
 def replay_of(op_name: str, algo: str, link: Link, input: torch.Tensor, output: torch.Tensor,
               op: str | None = None):
     """The replayable form of `algo`'s call of `op_name` on these tensors (flat views of their
@@ -160,9 +111,8 @@ def replay_of(op_name: str, algo: str, link: Link, input: torch.Tensor, output: 
         return replay_reduce_scatter(link, input, output, op)
     if op_name == "all_gather":
         return replay_all_gather(link, input, output)
-    if op_name == "all_to_all" and op is None:
-        return replay_all_to_all(link, input, output)
-    if op_name == "all_to_all" and input.device.type == "cpu":  # uneven parts: `op` is their Splits
-        call, name = UnevenAllToAll(arena_of(link), input, output, op), link.op_name
+    if op_name == "all_to_all" and input.device.type == "cpu":  # `op`: the Splits of uneven parts, or None
+        arena, name = arena_of(link), link.op_name
+        call = EqualAllToAll(arena, input, output) if op is None else UnevenAllToAll(arena, input, output, op)
         return lambda timeout: call.run(name, timeout)
     return None

@@ -1,18 +1,24 @@
-"""The all-to-all in uneven parts through the shared segment (`oneshot` of algorithms/shared.py).
+"""The all-to-all through the shared segment (`oneshot` of algorithms/shared.py), in equal and
+in uneven parts. Each is one call worked out for its tensors (and sizes) as an object whose
+run() makes the call: every call builds one, and a call made again on the same tensors runs the
+one it kept (shared_replays.py, replays.py), so its addresses and copies are worked out once.
 
-Blocks of a fixed size per destination, as for equal parts, would leave most of a slot empty
-when one destination takes most of the input, and a rank does not know how long its peers'
-parts are. So each slot holds a header (the rank's send and receive sizes and its input's
-address), then a piece of its input as it lies: its parts one after another, its own part left
-out (that goes straight from input to output). After the first step every rank knows every
-rank's sizes, so where its part lies in each peer's input and how many pieces the longest input
-takes (every rank takes as many steps), and it copies out of each piece what falls in its parts:
-no step more than for equal parts. Past the first piece, where the group may, the rest of each
-part is read straight from its sender's input (transport/cross_memory.py): one copy, one step.
+Either way a rank's part for itself goes straight from its input to its output, and large parts
+are read straight from the peers' inputs where the group may (transport/cross_memory.py): one
+copy instead of two (into a slot, out of it), and two steps whatever the size.
 
-`UnevenAllToAll` is one call worked out for its tensors and sizes: every call builds one, and a
-call made again on the same tensors and sizes runs the one it kept (shared_replays.py), whose
-copies for the same headers as last time are worked out already.
+Equal parts (`EqualAllToAll`): each rank copies its part for each peer into a block of its slot
+(n - 1 blocks share it), a step, then copies its block of every peer's slot into its output; a
+part larger than a block goes in pieces. Parts of CROSS_MEMORY_LEAST_BYTES or more are read.
+
+Uneven parts (`UnevenAllToAll`): blocks of a fixed size per destination would leave most of a
+slot empty when one destination takes most of the input, and a rank does not know how long its
+peers' parts are. So each slot holds a header (the rank's send and receive sizes and its input's
+address), then a piece of its input as it lies, its own part left out. After the first step every
+rank knows every rank's sizes, so where its part lies in each peer's input and how many pieces
+the longest input takes (every rank takes as many steps), and it copies out of each piece what
+falls in its parts: no step more than for equal parts. Past the first piece, where the group may,
+the rest of each part is read from its sender's input.
 """
 
 from __future__ import annotations
@@ -22,9 +28,80 @@ from ctypes import memmove
 
 import torch
 
-from paratrain.comm.ops import Splits, splits_mismatch
+from paratrain.comm.ops import Splits, part_bounds, part_sizes, splits_mismatch
 from paratrain.comm.transport import cross_memory
 from paratrain.comm.transport.shm_arena import LINE
+
+
+# From here a part is read from its sender's memory (one copy) rather than passed through a slot
+# (two). Below it the reads' system calls and the extra step cost more than the copy they save:
+# at 64 KiB parts on 4 ranks here the reads took 1.5x the slots' time; at 128 KiB on 2 ranks, 0.8x.
+CROSS_MEMORY_LEAST_BYTES = 128 << 10
+
+
+class EqualAllToAll:
+    """This rank's part of one all-to-all in equal parts (torch.tensor_split's) on `input` and
+    `output` (CPU, contiguous)."""
+
+    def __init__(self, arena, input: torch.Tensor, output: torch.Tensor):
+        n, me, size = arena.size, arena.rank, input.element_size()
+        self.arena, self.n, self.me, self.size = arena, n, me, size
+        self.sizes = part_sizes(input.numel(), n)
+        self.starts = [low for low, _ in part_bounds(input.numel(), n)]
+        self.source, self.address, mine = input.data_ptr(), output.data_ptr(), self.sizes[me]
+        self.own_copy = (self.address + me * mine * size, self.source + self.starts[me] * size, mine * size)
+        self.peers = [peer for peer in range(n) if peer != me]
+        self.reads_peers = self.sizes[0] * size >= CROSS_MEMORY_LEAST_BYTES
+        self.per_block = arena.slot_bytes // (max(1, n - 1) * size)  # a block per peer in a slot
+        self.first = [self._copies(half, 0) for half in (0, 1)]
+
+    def run(self, op_name: str, timeout: float) -> None:
+        arena = self.arena
+        memmove(*self.own_copy)
+        if self.n == 1:
+            return
+        reader = cross_memory.reader_of(arena, timeout) if self.reads_peers else None
+        if reader is not None:
+            self._read(reader, timeout)
+            return
+        for offset in range(0, max(1, self.sizes[0]), self.per_block):  # one piece at least: every rank steps alike
+            half = arena.next_half()
+            copies_in, copies_out = self.first[half] if offset == 0 else self._copies(half, offset)
+            for copy in copies_in:
+                memmove(*copy)
+            arena.arrive_and_wait(timeout)
+            for copy in copies_out:
+                memmove(*copy)
+
+    def _read(self, reader, timeout: float) -> None:
+        """Our part of each peer's input, read from it (cross_memory.py), between two steps."""
+        size, mine = self.size, self.sizes[self.me]
+        inputs = cross_memory.publish_input(self.arena, self.source, timeout)
+        for peer in self.peers if mine else ():
+            reader.read(peer, self.address + peer * mine * size, inputs[peer] + self.starts[self.me] * size, mine * size)
+        cross_memory.all_have_read(self.arena, timeout)
+
+    def _copies(self, half: int, offset: int) -> tuple[list, list]:
+        """(into, from, bytes) of the piece from `offset` on of each part: ours for each peer into
+        its block of our slot, and each peer's for us out of its slot."""
+        arena, size, me, block = self.arena, self.size, self.me, self.per_block
+        slot, mine = arena.slot_address(half, me), self.sizes[me]
+        copies_in, copies_out = [], []
+        for peer in self.peers:
+            count = max(0, min(block, self.sizes[peer] - offset))
+            if count:
+                copies_in.append((slot + _block_index(peer, me) * block * size,
+                                  self.source + (self.starts[peer] + offset) * size, count * size))
+            count = max(0, min(block, mine - offset))
+            if count:  # part `peer` of the output is what rank `peer` sent us
+                copies_out.append((self.address + (peer * mine + offset) * size,
+                                   arena.slot_address(half, peer) + _block_index(me, peer) * block * size, count * size))
+        return copies_in, copies_out
+
+
+def _block_index(destination: int, writer: int) -> int:
+    """Where in `writer`'s slot the block for `destination` lies: its peers in rank order."""
+    return destination - (destination > writer)
 
 
 class UnevenAllToAll:
