@@ -204,7 +204,7 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
         logs_specs=DefaultLogsSpecs(log_dir=logs),
     )
     try:
-        with _agent_logs_quiet(unless=settings.debug), _temp_dir(logs), \
+        with _agent_logs_quiet(unless=settings.debug), _temp_dir(logs), _rendezvous_records_cheap(), \
                 torch_reads("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"):  # no store of the agent's for the ranks
             return dict(sorted(elastic_launch(config, _process_main)(
                 fn, args, settings, table, child_environment(PARATRAIN_LAUNCHER_PID=str(os.getpid())),
@@ -234,6 +234,33 @@ def _temp_dir(folder: str):
         yield
     finally:
         tempfile.tempdir = saved
+
+
+@contextmanager
+def _rendezvous_records_cheap():
+    """The elastic agent's c10d rendezvous records each step it takes (about ten a launch) under
+    the name of the method taking it, found by calling `inspect.stack()` twice: that reads the
+    source lines of every frame on the stack, about 0.3 s of CPU per record under a deep caller
+    (a test, a notebook), seconds per launch. While the agent runs, the same name is read from the
+    frame itself; restored after."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    saved = getattr(dynamic_rendezvous, "get_method_name", None)
+    if saved is None:  # a PyTorch that records otherwise: nothing to do
+        yield
+        return
+
+    def method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name  # 0: this function, 1: _record, 2: the method
+        except ValueError:  # a stack not that deep
+            return "no_method_name"
+
+    dynamic_rendezvous.get_method_name = method_name
+    try:
+        yield
+    finally:
+        dynamic_rendezvous.get_method_name = saved
 
 
 @contextmanager
