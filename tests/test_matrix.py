@@ -12,19 +12,20 @@ from paratrain.train.matrix import LAYOUTS, MODELS, cell_config, cells, refusal,
 from paratrain.train.validate_experts import EXPERT_STRATEGIES
 
 
-def diagonal() -> list[tuple[str, str, object]]:
-    """One cell per strategy, the models in turn (so each model comes at least once), each on the
-    first layout, starting from a different one each time, that validation accepts."""
-    chosen = []
-    for i, strategy in enumerate(STRATEGIES):
-        model = list(MODELS)[i % len(MODELS)]
-        turned = LAYOUTS[i % len(LAYOUTS):] + LAYOUTS[:i % len(LAYOUTS)]
-        layout = next(layout for layout in turned if not refusal(cell_config(model, strategy, layout), layout.world))
-        chosen.append((model, strategy, layout))
-    return chosen
+def diagonal_model(i: int) -> str:
+    """The diagonal's model for the i-th strategy: the models in turn, so each comes at least once."""
+    return list(MODELS)[i % len(MODELS)]
 
 
-DIAGONAL = diagonal()
+def diagonal_layout(i: int, model: str, strategy: str):
+    """The first layout validation accepts for this cell, starting from a different one each time.
+    Chosen when the test runs, not when it is collected: validating the cells costs seconds, and
+    every test worker collects this file."""
+    turned = LAYOUTS[i % len(LAYOUTS):] + LAYOUTS[:i % len(LAYOUTS)]
+    return next(layout for layout in turned if not refusal(cell_config(model, strategy, layout), layout.world))
+
+
+DIAGONAL = [(diagonal_model(i), strategy, i) for i, strategy in enumerate(STRATEGIES)]
 
 
 def test_the_diagonal_covers_every_model_and_every_strategy():
@@ -32,9 +33,9 @@ def test_the_diagonal_covers_every_model_and_every_strategy():
     assert {strategy for _, strategy, _ in DIAGONAL} == set(STRATEGIES)
 
 
-@pytest.mark.parametrize("model, strategy, layout", DIAGONAL,
-                         ids=[f"{m}-{s}-{layout.name.replace(' ', '')}" for m, s, layout in DIAGONAL])
-def test_a_cell_trains_the_same_model_as_one_process(model, strategy, layout):
+@pytest.mark.parametrize("model, strategy, i", DIAGONAL, ids=[f"{m}-{s}" for m, s, _ in DIAGONAL])
+def test_a_cell_trains_the_same_model_as_one_process(model, strategy, i):
+    layout = diagonal_layout(i, model, strategy)
     record = run_cell(model, strategy, layout)
     assert record["status"] == "PASS", record
 
