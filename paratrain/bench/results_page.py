@@ -264,10 +264,30 @@ def render_cp(record: dict) -> list[str]:
         ["cp", "sequence", "method", "layout", "step ms", "exposed ms", "exposed", "vs cp 1"], table)
 
 
+def render_expert_matmuls(record: dict) -> list[str]:
+    """bench moe without --ep: the routed experts' forward and backward, grouped against the loop."""
+    args = record["args"]
+    head = (f"Routed SwiGLU experts, forward and backward in fp32: {args['tokens']} tokens x top-{args['top_k']} rows, "
+            f"d_model {args['d_model']}, d_expert {args['d_expert']}, rows per expert uneven (Dirichlet "
+            f"concentration {args['skew']}), {args['threads']} torch threads; median of {args['repeats']} repeats, "
+            "the methods in turn in each. *grouped*: one `grouped_mm` per weight over every expert (the layer's "
+            "default); *loop*: one matmul per expert and weight; *padded*: every expert padded to the busiest "
+            "one's rows, one batched matmul per weight.")
+    loop = {r["experts"]: r["median_ms"] for r in record["rows"] if r["method"] == "loop"}
+    rows = [[str(r["experts"]), str(r["rows"]), f"{r['busiest_over_mean']:.2f}", r["method"], f"{r['median_ms']:.1f}",
+             f"{loop[r['experts']] / r['median_ms']:.2f}" if r["experts"] in loop else "-"] for r in record["rows"]]
+    return [head, ""] + _table(["experts", "rows", "busiest / mean", "method", "median ms", "loop / this"], rows)
+
+
+def render_moe(record: dict) -> list[str]:
+    """bench moe writes one of two records: training at each ep (--ep), or the experts' matmuls."""
+    return markdown_lines(record) if "eps" in record["args"] else render_expert_matmuls(record)
+
+
 RENDERERS = {
     "collectives": render_collectives, "p2p": render_p2p, "ddp": render_ddp, "scaling": render_scaling,
     "pipeline": render_pipeline, "tp": render_tp, "frontend": render_frontend, "cp": render_cp,
-    "moe": markdown_lines,  # bench moe's sweep is its --ep part
+    "moe": render_moe,
 }
 
 
