@@ -67,7 +67,7 @@ SWEEPS = (
           ("--cp", "1,2,4", "--seq", "1024,2048", "--steps", "3")),
     Sweep("moe-experts", "moe", "Routed experts' matmuls at moe-small's widths: one grouped_mm per weight against a "
           "per-expert loop, 8 and 64 experts", ("--experts", "8", "--experts", "64", "--d-model", "128",
-                                                 "--d-expert", "96", "--repeats", "7")),
+                                                 "--d-expert", "96", "--repeats", "15")),
     Sweep("moe-experts-wide", "moe", "Routed experts' matmuls at wider experts (d_model 256, d_expert 512), where the "
           "matmuls themselves take most of the time", ("--experts", "8", "--experts", "64", "--repeats", "7")),
     Sweep("moe-ep", "moe", "Expert parallelism: moe-tiny trained on 4 processes at ep 1, 2 and 4, and the bytes it dispatches",
