@@ -32,7 +32,7 @@ else
 endif
 	$(BIN)/python -c "import importlib, paratrain.forking as f; \
 		[importlib.import_module(m) for m in (*f.PRELOAD, 'torch._inductor.compile_fx', \
-		'torch.distributed.checkpoint', 'sklearn.datasets', 'rich.progress', 'transformers', 'pytest', 'xdist', 'hypothesis.strategies')]"
+		'torch.distributed.checkpoint', 'rich.progress', 'pytest', 'xdist', 'hypothesis.strategies')]"
 	touch $(STAMP)
 
 install: $(STAMP)

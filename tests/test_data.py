@@ -4,6 +4,8 @@ and bad requests fail with a message that says what was wrong."""
 
 import math
 import re
+import subprocess
+import sys
 
 import numpy as np
 
@@ -160,6 +162,24 @@ def test_digits_are_normalised_8x8_images_with_a_fixed_held_out_split():
     assert held_images.shape == (297, 1, 8, 8)
     # The seed changes the order of the training images, never which images are held out.
     assert _batches_equal((held_images, held_labels), other.held_out_set())
+
+
+def test_digits_are_scikit_learns_images_read_without_importing_it():
+    """The file scikit-learn ships, read as its load_digits reads it, bit for bit; the read itself
+    imports neither scikit-learn nor SciPy (seconds of CPU in every rank)."""
+    program = ("import sys; from paratrain.data.digits import _load_images; images, labels = _load_images(); "
+               "print(sorted(m for m in ('sklearn', 'scipy') if m in sys.modules), tuple(images.shape))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "(1797,", "1,", "8,", "8)"]
+    from sklearn.datasets import load_digits
+
+    from paratrain.data.digits import _load_images
+
+    digits = load_digits()
+    images_NCSS, labels_N = _load_images()
+    assert torch.equal(images_NCSS, torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0)
+    assert torch.equal(labels_N, torch.tensor(digits.target, dtype=torch.long))
 
 
 def test_digits_steps_walk_a_fixed_order_and_wrap_around():
