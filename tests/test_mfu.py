@@ -11,7 +11,7 @@ from paratrain.plan.flops import step_flops
 from paratrain.train.config import TrainConfig, apply_overrides
 from paratrain.train.loop import train_rank
 from paratrain.train.mfu import model_flops_per_step, utilization
-from paratrain.train.setup import dataset_for
+from paratrain.train.setup import build_seeded_model, dataset_for
 from paratrain.train.validate import problems_with
 
 OWN_MODEL = "examples/own_model/model.py:build"
@@ -34,6 +34,29 @@ def test_models_without_a_formula_are_counted_too(model):
     dataset = dataset_for(model, {}, None, 0)
     small, large = (model_flops_per_step(model, {}, dataset, batch) for batch in (8, 16))
     assert small > 0 and large == pytest.approx(2 * small)  # linear in the batch
+
+
+def test_a_preset_is_counted_once_per_shape_and_a_users_file_every_time(monkeypatch):
+    """The count is kept for our presets (keyed by model, overrides and batch shape), not for a
+    user's file, which may change between two runs of one process."""
+    import paratrain.train.mfu as mfu
+
+    monkeypatch.setattr(mfu, "_KEPT_COUNTS", {})
+    built = []
+
+    def build_and_note(model_name, *args, **kwargs):
+        built.append(model_name)
+        return build_seeded_model(model_name, *args, **kwargs)
+
+    monkeypatch.setattr(mfu, "build_seeded_model", build_and_note)
+    gpt = dataset_for("gpt-tiny", {}, None, 0)
+    first = model_flops_per_step("gpt-tiny", {}, gpt, 16)
+    assert model_flops_per_step("gpt-tiny", {}, gpt, 16) == first and built == ["gpt-tiny"]
+    assert model_flops_per_step("gpt-tiny", {}, gpt, 8) == pytest.approx(first / 2)  # another shape
+    assert model_flops_per_step("gpt-tiny", {"n_layer": 3}, gpt, 16) > first  # other overrides
+    own = dataset_for(OWN_MODEL, {}, None, 0)
+    counts = [model_flops_per_step(OWN_MODEL, {}, own, 8) for _ in range(2)]
+    assert counts[0] == counts[1] and built == ["gpt-tiny"] * 3 + [OWN_MODEL] * 2
 
 
 def test_utilization_is_flops_over_time_ranks_and_peak():
