@@ -64,3 +64,33 @@ def _parent(pid: int) -> int | None:
             return int(stat.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _rank_of(group):
+    return group.rank
+
+
+def test_a_processes_launch_never_reads_the_stack_with_inspect(monkeypatch):
+    """The elastic agent's rendezvous names each step it records; it did so with inspect.stack(),
+    which reads the source of every frame on the stack (seconds of CPU per launch from a deep
+    caller). While our launcher runs the agent, the name comes from the frame; restored after."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def record():  # as the rendezvous's _record asks: the name of the method that called it
+        return dynamic_rendezvous.get_method_name()
+
+    def keep_alive():
+        return record()
+
+    assert keep_alive() == "keep_alive"  # torch's own, reading the stack
+    with launch._rendezvous_records_cheap():
+        assert keep_alive() == "keep_alive"
+
+    before = dynamic_rendezvous.get_method_name
+    stacks = []
+    real_stack = inspect.stack
+    monkeypatch.setattr(inspect, "stack", lambda *args, **kwargs: stacks.append(1) or real_stack(*args, **kwargs))
+    assert launch.run(_rank_of, 2, launcher="processes") == {0: 0, 1: 1}
+    assert stacks == [] and dynamic_rendezvous.get_method_name is before
