@@ -38,15 +38,17 @@ def pytest_addoption(parser):
 # the run, instead of one long file running alone on a core while the others sit idle. A file
 # not named keeps its place after them; a stale list costs only that balance.
 LONGEST_FIRST = (
-    "test_multinode.py", "test_fsdp.py", "test_frontend_faults.py", "test_checkpoint.py", "test_parallel_3d.py",
-    "test_frontend_compile.py", "test_docs.py", "test_data_parallel.py", "test_frontend_debug_tools.py",
-    "test_shm_arena.py", "test_matrix.py", "test_frontend_workers.py", "test_shm_p2p.py",
-    "test_collectives_fabric.py", "test_frontend_gt.py", "test_frontend_demo.py", "test_native_kernels.py",
-    "test_collectives_gloo.py", "test_bench_training.py", "test_train_config.py", "test_bench_collectives.py",
-    "test_call_path_costs.py", "test_compile_training.py", "test_replays.py", "test_precision.py",
-    "test_comm_errors.py", "test_frontend_instruction_checks.py", "test_frontend_api.py",
-    "test_context_training.py", "test_text_data.py", "test_frontend_errors.py", "test_fp16.py",
-    "test_user_errors.py", "test_profile.py", "test_frontend_backward_placement.py",
+    "test_frontend_faults.py", "test_multinode.py", "test_fsdp.py", "test_frontend_debug_tools.py",
+    "test_frontend_workers.py", "test_checkpoint.py", "test_matrix.py", "test_parallel_3d.py",
+    "test_collectives_fabric.py", "test_frontend_gt.py", "test_docs.py", "test_frontend_compile.py",
+    "test_moe_training.py", "test_data_parallel.py", "test_shm_arena.py", "test_shm_p2p.py",
+    "test_frontend_demo.py", "test_frontend_instruction_checks.py", "test_bench_training.py",
+    "test_native_kernels.py", "test_context_training.py", "test_compile_training.py", "test_hf_models.py",
+    "test_precision.py", "test_launcher_exposure.py", "test_text_data.py", "test_hf_export.py",
+    "test_bench_collectives.py", "test_frontend_errors.py", "test_collectives_gloo.py",
+    "test_frontend_peer_limits.py", "test_replays.py", "test_moe_models.py",
+    "test_frontend_backward_placement.py", "test_frontend_resilience.py", "test_llama_parallel.py",
+    "test_pipeline_receives.py", "test_all_to_all_uneven.py", "test_user_errors.py", "test_frontend_fuzz.py",
 )
 
 
