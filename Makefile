@@ -20,16 +20,16 @@ export PYTHONDONTWRITEBYTECODE :=
 # rank and test process imports writes those modules' .pyc files, and the rest are written the
 # first time something imports them (this Makefile clears PYTHONDONTWRITEBYTECODE for every
 # command it runs), so only what runs is compiled, once.
+ifneq ($(and $(PIP_FIND_LINKS),$(filter file,$(origin TORCH_SPEC))),)
+TORCH_BY_UV := $(foreach folder,$(PIP_FIND_LINKS),--find-links $(folder)) $(TORCH_SPEC)
+else
+TORCH_BY_PIP := $(TORCH_SPEC)
+endif
+
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv --without-pip $(VENV)
-ifneq ($(and $(PIP_FIND_LINKS),$(filter file,$(origin TORCH_SPEC))),)
-	$(PYTHON) -m pip --python $(BIN)/python install --quiet --no-compile uv
-	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install --quiet $(foreach folder,$(PIP_FIND_LINKS),--find-links $(folder)) \
-		$(TORCH_SPEC) pip -e '.[test,mpi,hf]'
-else
-	$(PYTHON) -m pip --python $(BIN)/python install --quiet --no-compile $(TORCH_SPEC) uv
-	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install --quiet pip -e '.[test,mpi,hf]'
-endif
+	$(PYTHON) -m pip --python $(BIN)/python install --quiet --no-compile $(TORCH_BY_PIP) uv
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install --quiet $(TORCH_BY_UV) pip -e '.[test,mpi,hf]'
 	$(BIN)/python -c "import importlib, paratrain.forking as f; \
 		[importlib.import_module(m) for m in (*f.PRELOAD, 'torch._inductor.compile_fx', \
 		'torch.distributed.checkpoint', 'rich.progress', 'pytest', 'xdist', 'hypothesis.strategies')]"

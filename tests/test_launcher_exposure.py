@@ -91,6 +91,11 @@ def test_a_processes_launch_never_reads_the_stack_with_inspect(monkeypatch):
     before = dynamic_rendezvous.get_method_name
     stacks = []
     real_stack = inspect.stack
-    monkeypatch.setattr(inspect, "stack", lambda *args, **kwargs: stacks.append(1) or real_stack(*args, **kwargs))
+
+    def counted_stack(*args, **kwargs):
+        stacks.append(1)
+        return real_stack(*args, **kwargs)
+
+    monkeypatch.setattr(inspect, "stack", counted_stack)
     assert launch.run(_rank_of, 2, launcher="processes") == {0: 0, 1: 1}
     assert stacks == [] and dynamic_rendezvous.get_method_name is before

@@ -43,7 +43,7 @@ def _load_images() -> tuple[torch.Tensor, torch.Tensor]:
     2 s of CPU in every rank that trains on digits."""
     with gzip.open(_digits_path(), "rt") as text:
         rows_N65 = np.loadtxt(text, delimiter=",", dtype=np.float32)
-    images_NCSS = torch.from_numpy(rows_N65[:, :-1].reshape(-1, 1, 8, 8).copy()) / 16.0
+    images_NCSS = torch.from_numpy(rows_N65[:, :-1].reshape(-1, 1, 8, 8)) / 16.0  # a new tensor
     return images_NCSS, torch.from_numpy(rows_N65[:, -1].astype(np.int64))
 
 
