@@ -43,14 +43,19 @@ def uneven_parts_made_again(world) -> dict:
     """Uneven parts, made again on the same tensors with the same sizes (new values each call):
     from the third call they run straight (checks skipped, replays.RepeatedCalls); then ranks 2
     and 3 change what they send each other while 0 and 1 keep their sizes and tensors, so 0 and
-    1 go straight on while 2 and 3 take the whole path, and every result is right. (On a group of
-    its own: one that has made an async call never runs straight.)"""
+    1 go straight on while 2 and 3 take the whole path; then rank 2 alone changes its part for
+    itself, which moves its part for rank 3 in its input: 3 goes straight on with the same sizes
+    and tensors, and must not copy from where that part lay before (the native plan checks its
+    peers' sizes, shared_all_to_all.py). Every result is right. (On a group of its own: one that
+    has made an async call never runs straight.)"""
     group = Group(world.transport, timeout=world.timeout)
     first = [[1, 2, 0, 3], [4, 0, 1, 1], [2, 2, 2, 2], [0, 5, 1, 1]]
     second = [row[:] for row in first]
     second[2][3], second[3][2] = 6, 0  # only between ranks 2 and 3
+    third = [row[:] for row in second]
+    third[2][2] = 5  # only rank 2's part for itself
     wrong, straight, tensors = 0, [], {}
-    for matrix in (first, second):
+    for matrix in (first, second, third):
         send, receive = matrix[group.rank], [row[group.rank] for row in matrix]
         inp, out = tensors.setdefault((tuple(send), tuple(receive)),
                                       (torch.empty(sum(send), 3), torch.empty(sum(receive), 3)))

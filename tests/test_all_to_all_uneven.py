@@ -130,15 +130,20 @@ def test_every_algorithm_matches_gloo_for_random_splits_with_empty_parts_on_thre
 
 def _in_subgroups_of_every_size(group) -> dict:
     """Four processes: the property on all 4, then on 3 (the fourth alone: a world of one), then
-    on two pairs at once; a part larger than a shared-segment slot; mismatched splits."""
+    on two pairs at once; a part larger than a shared-segment slot; mismatched splits; equal parts
+    made again, through the native kernels and (on the pairs) without them."""
     ran = {4: property_in_world(group, 8)}
     trio = group.split([[0, 1, 2], [3]])
     ran[trio.size] = property_in_world(trio, 6)
     pair = group.split([[0, 1], [2, 3]])
     ran[2] = property_in_world(pair, 6)
+    kernels, pair.transport.arena.native = pair.transport.arena.native, None  # every rank of the pair alike
+    without_kernels = equal_parts_made_again(pair)
+    pair.transport.arena.native = kernels
     return {"kind": group.kind, "ran": ran, "pieces": larger_than_a_slot(group, ON_EVERY_TRANSPORT + ON_SHARED_MEMORY),
             "mismatch": mismatched_splits(group), "equal parts again": equal_parts_made_again(group),
             "equal parts again in 3": equal_parts_made_again(trio) if trio.size > 1 else {},
+            "equal parts again without kernels": without_kernels,
             "rank 1 may not read": where_one_rank_may_not_read(group),
             "uneven again": uneven_parts_made_again(group)}
 
@@ -148,10 +153,11 @@ def test_every_algorithm_matches_gloo_in_processes_of_one_host_on_2_3_and_4_rank
     assert {result["kind"] for result in results.values()} == {"shm"}
     assert results[0]["ran"][4] >= 4 and results[0]["ran"][3] >= 3 and results[0]["ran"][2] >= 3
     assert all(not any(result["pieces"].values()) for result in results.values()), results
-    for key in ("equal parts again", "equal parts again in 3"):
+    for key in ("equal parts again", "equal parts again in 3", "equal parts again without kernels"):
         assert all(not any(result[key].values()) for result in results.values()), results
     assert [results[rank]["uneven again"] for rank in range(4)] == [
-        {"wrong": 0, "straight": [2, 4]}] * 2 + [{"wrong": 0, "straight": [2, 2]}] * 2, results
+        {"wrong": 0, "straight": [2, 4, 4]}] * 2 + [{"wrong": 0, "straight": [2, 2, 2]},
+                                                   {"wrong": 0, "straight": [2, 2, 4]}], results
     refused = [results[rank]["rank 1 may not read"] for rank in range(4)]
     assert [seen["wrong"] for seen in refused] == [0] * 4, refused
     assert refused[0]["reads"] is refused[1]["reads"] is False and refused[2]["reads"] is refused[3]["reads"]

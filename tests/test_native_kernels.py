@@ -3,13 +3,16 @@ source into the cache and is found there after, a compiler that fails leaves the
 a reason, and a replayed call through the kernels gives the same bits as the same call through
 torch's ops, on 2 and 3 processes, for each dtype they take, for one piece and several, when the
 peers arrive at once, late
-(the wait goes back to Python) and asleep on their doorbell (they must be rung); with
+(the wait goes back to Python) and asleep on their doorbell (they must be rung); a plan's copies,
+reads and checks (the all-to-alls'; their results are tested in test_all_to_all_uneven.py); with
 PARATRAIN_NATIVE=0 no group loads them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import time
 
 import pytest
@@ -17,7 +20,7 @@ import torch
 
 import paratrain
 from paratrain.comm import Group, native
-from paratrain.comm.transport.shm_arena import slot_bytes_for
+from paratrain.comm.transport.shm_arena import Arena, slot_bytes_for
 
 from collective_checks import assert_no_failures
 from test_p2p import RUN_TIMEOUT_S
@@ -159,6 +162,29 @@ def test_a_late_peer_is_waited_for_and_a_sleeping_one_is_rung(buildable, monkeyp
     monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "0")
     assert_no_failures(paratrain.run(_native_against_torch, 2, args=(0.005, ((0, native.WAIT_AND_RING),), float32),
                                      **late))
+
+
+def test_a_plan_copies_before_and_after_its_step_reads_a_published_address_and_checks_first(buildable):
+    # A segment of our own (its steps wait for nobody) and a read of our own memory: what the
+    # all-to-alls' plans do (algorithms/shared_all_to_all.py), each part alone.
+    kernels, _, _ = buildable
+    arena = Arena.alone(2, 0)
+    arena.native = kernels
+    source, into = torch.arange(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+    published = torch.tensor([source.data_ptr()])  # as a peer publishes its input's address
+    seen, expected = torch.tensor([5]), torch.tensor([5])
+    at, read_from = into.data_ptr(), source.data_ptr()
+    plan = arena.native_plan()
+    plan.set_copies([(at, read_from, 16)], [(at + 16, read_from + 16, 16)])
+    plan.set_reads([(at + 32, published.data_ptr(), 32, 32, os.getpid())])  # elements 4..7, at offset 32
+    plan.set_checks([(seen.data_ptr(), expected.data_ptr(), 8)])
+    assert arena.run_native(ctypes.addressof(plan), 1.0) == native.DONE and into.tolist() == list(range(8))
+    into.zero_()
+    seen[0] = 6  # a peer wrote other sizes than the plan was made for: nothing after the step
+    assert arena.run_native(ctypes.addressof(plan), 1.0) == native.CHANGED and into.tolist() == [0, 1] + [0] * 6
+    seen[0], published[0] = 5, 8  # an address no process maps
+    with pytest.raises(OSError, match="reading a peer's memory .process_vm_readv.: Bad address"):
+        arena.run_native(ctypes.addressof(plan), 1.0)
 
 
 def _has_native(group: Group) -> bool:

@@ -10,6 +10,8 @@ copy instead of two (into a slot, out of it), and two steps whatever the size.
 Equal parts (`EqualAllToAll`): each rank copies its part for each peer into a block of its slot
 (n - 1 blocks share it), a step, then copies its block of every peer's slot into its output; a
 part larger than a block goes in pieces. Parts of CROSS_MEMORY_LEAST_BYTES or more are read.
+Where the group has the native kernels (comm/native) each piece is one call of them, its copies
+in, its step and its copies out; reading, the step, the reads and the second step are two.
 
 Uneven parts (`UnevenAllToAll`): blocks of a fixed size per destination would leave most of a
 slot empty when one destination takes most of the input, and a rank does not know how long its
@@ -18,25 +20,37 @@ address), then a piece of its input as it lies, its own part left out. After the
 rank knows every rank's sizes, so where its part lies in each peer's input and how many pieces
 the longest input takes (every rank takes as many steps), and it copies out of each piece what
 falls in its parts: no step more than for equal parts. Past the first piece, where the group may,
-the rest of each part is read from its sender's input.
+the rest of each part is read from its sender's input. A call made again that fits one piece is
+one native call: copies in, step, then, if every peer's sizes are those it saw last time (a
+peer may change its own while ours stay), the copies out that they gave; else Python reads the
+headers and plans anew.
+
+Against MPICH's Alltoall on 2 and 4 processes of this host the native calls brought the worst
+size from 2.3x MPICH's time to 1.0x (`bench collectives --peer mpi --ops all_to_all`,
+docs/results.md): Python's copies and steps cost 11 us a call, as much as MPICH's whole call
+at 16 KiB.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from ctypes import memmove
 
 import torch
 
+from paratrain.comm import native
 from paratrain.comm.ops import Splits, part_bounds, part_sizes, splits_mismatch
 from paratrain.comm.transport import cross_memory
 from paratrain.comm.transport.shm_arena import LINE
 
 
 # From here a part is read from its sender's memory (one copy) rather than passed through a slot
-# (two). Below it the reads' system calls and the extra step cost more than the copy they save:
-# at 64 KiB parts on 4 ranks here the reads took 1.5x the slots' time; at 128 KiB on 2 ranks, 0.8x.
-CROSS_MEMORY_LEAST_BYTES = 128 << 10
+# (two). Below it the reads' system calls and the extra step cost more than the copy they save.
+# In native calls here: 64 KiB parts on 4 ranks took 83-114 us read, 180-240 us through the
+# slots (the reader copies lines its peer's core has just written); 128 KiB parts on 2 ranks,
+# 18-21 us read, 32-42 through the slots; 32 KiB parts on 2 ranks, the same either way.
+CROSS_MEMORY_LEAST_BYTES = 64 << 10
 
 
 class EqualAllToAll:
@@ -54,15 +68,23 @@ class EqualAllToAll:
         self.reads_peers = self.sizes[0] * size >= CROSS_MEMORY_LEAST_BYTES
         self.per_block = arena.slot_bytes // (max(1, n - 1) * size)  # a block per peer in a slot
         self.first = [self._copies(half, 0) for half in (0, 1)]
+        self.published = ctypes.c_int64(self.source)  # what a native call writes in our slot's first word
+        self.plans = None  # the native plans of each half, made at the first call (_native_plans)
 
     def run(self, op_name: str, timeout: float) -> None:
         arena = self.arena
-        memmove(*self.own_copy)
         if self.n == 1:
+            memmove(*self.own_copy)
             return
-        reader = cross_memory.reader_of(arena, timeout) if self.reads_peers else None
-        if reader is not None:
-            self._read(reader, timeout)
+        reads = self.reads_peers and cross_memory.reader_of(arena, timeout) is not None
+        if arena.native is not None:
+            if self.plans is None:
+                self.plans = self._native_plans(reads)
+            self._run_natively(reads, timeout)
+            return
+        memmove(*self.own_copy)
+        if reads:
+            self._read(cross_memory.reader_of(arena, timeout), timeout)
             return
         for offset in range(0, max(1, self.sizes[0]), self.per_block):  # one piece at least: every rank steps alike
             half = arena.next_half()
@@ -72,6 +94,43 @@ class EqualAllToAll:
             arena.arrive_and_wait(timeout)
             for copy in copies_out:
                 memmove(*copy)
+
+    def _native_plans(self, reads: bool) -> list[tuple]:
+        """For each half, the native plans (native.OneShotPlan) of this call: where it `reads` its
+        peers' inputs, the whole call's first step (our own part copied, our input's address
+        published in our slot; then each peer's part for us read from its input); else the first
+        piece's copies through the slots, and a plan for any later piece's."""
+        arena, size, mine = self.arena, self.size, self.sizes[self.me]
+        plans = []
+        for half in (0, 1):
+            first, later = arena.native_plan(), arena.native_plan()
+            if reads:
+                slot = arena.slot_address(half, self.me)
+                first.set_copies([self.own_copy, (slot, ctypes.addressof(self.published), 8)], [])
+                first.set_reads([(self.address + peer * mine * size, arena.slot_address(half, peer),
+                                  self.starts[self.me] * size, mine * size, arena.peers[peer][0])
+                                 for peer in self.peers])
+            else:
+                first.set_copies([self.own_copy, *self.first[half][0]], self.first[half][1])
+            plans.append((first, later, ctypes.addressof(first), ctypes.addressof(later)))
+        return plans
+
+    def _run_natively(self, reads: bool, timeout: float) -> None:
+        """Each piece one call of the native kernel: its copies in (the first piece's own part
+        too), the step, its copies out; or, reading the peers' inputs, the first step and the
+        reads in one call, then a step after which no peer reads our input."""
+        arena = self.arena
+        if reads:
+            arena.run_native(self.plans[arena.next_half()][2], timeout)
+            arena.next_half()
+            arena.barrier(timeout)
+            return
+        for offset in range(0, max(1, self.sizes[0]), self.per_block):
+            half = arena.next_half()
+            first, later, first_address, later_address = self.plans[half]
+            if offset:
+                later.set_copies(*self._copies(half, offset))
+            arena.run_native(later_address if offset else first_address, timeout)
 
     def _read(self, reader, timeout: float) -> None:
         """Our part of each peer's input, read from it (cross_memory.py), between two steps."""
@@ -120,30 +179,63 @@ class UnevenAllToAll:
                          splits.send[me] * size)
         self.first_in = [self._copies_in(half, 0) for half in (0, 1)]
         self.last = None  # the headers seen last, their plan, and the first piece's copies out per half
+        self.header_words = (ctypes.c_int64 * len(self.words))(*self.words)
+        self.plans = None  # the addresses of the native plans of each half (_plan_natively)
 
     def run(self, op_name: str, timeout: float) -> None:
         arena = self.arena
-        memmove(*self.own_copy)
-        piece, pieces = 0, 1
-        while piece < pieces:
-            half = arena.next_half()
+        half = arena.next_half()
+        if self.plans is not None and arena.run_native(self.plans[half], timeout) == native.DONE:
+            return  # the peers' headers were those the plan was made for: it copied out too
+        if self.plans is None:  # else the native plan took the step, and found other headers
+            memmove(*self.own_copy)
             arena.write_words(half, self.words)
-            for copy in self.first_in[half] if piece == 0 else self._copies_in(half, piece):
+            for copy in self.first_in[half]:
                 memmove(*copy)
             arena.arrive_and_wait(timeout)
-            if piece == 0:
-                headers, wanted, pieces, copies_out = self._plan_of(op_name, half)
-            else:
-                copies_out = self._copies_out(half, piece, wanted)
-            for copy in copies_out:
+        headers, wanted, pieces, copies_out = self._plan_of(op_name, half)
+        for copy in copies_out:
+            memmove(*copy)
+        self._plan_natively()
+        if pieces == 1:
+            return
+        # Asked only now: finding out takes steps, and the peers must be done with the first
+        # piece's half first.
+        if (reader := cross_memory.reader_of(arena, timeout)) is not None:
+            self._read_the_rest(reader, headers, wanted)
+            cross_memory.all_have_read(arena, timeout)
+            return
+        for piece in range(1, pieces):
+            half = arena.next_half()
+            for copy in self._copies_in(half, piece):
                 memmove(*copy)
-            piece += 1
-            # Asked only now: finding out takes steps, and the peers must be done with this
-            # piece's half first.
-            if piece == 1 < pieces and (reader := cross_memory.reader_of(arena, timeout)) is not None:
-                self._read_the_rest(reader, headers, wanted)
-                cross_memory.all_have_read(arena, timeout)
-                return
+            arena.arrive_and_wait(timeout)
+            for copy in self._copies_out(half, piece, wanted):
+                memmove(*copy)
+
+    def _plan_natively(self) -> None:
+        """For a call that takes one piece, with the headers seen last: the native plan of each
+        half, which copies in, steps, checks that every peer's header is the one seen last and
+        copies out; the next call runs it. None where the kernels are not loaded, or the call
+        takes several pieces."""
+        arena, n = self.arena, self.n
+        headers, _, pieces, copies_out = self.last
+        if arena.native is None or pieces > 1 or n > native.MOST_ROWS:
+            self.plans = None
+            return
+        if self.plans is not None and self.planned_for == headers:
+            return
+        self.expected = [(ctypes.c_int64 * (2 * n))(*words[:2 * n]) for words in headers]
+        plans = []
+        for half in (0, 1):
+            plan = arena.native_plan()
+            header = (arena.slot_address(half, self.me), ctypes.addressof(self.header_words), 8 * len(self.words))
+            plan.set_copies([self.own_copy, header, *self.first_in[half]], copies_out[half])
+            plan.set_checks([(arena.slot_address(half, peer), ctypes.addressof(self.expected[peer]), 16 * n)
+                             for peer in range(n) if peer != self.me])
+            plans.append(plan)
+        self.kept_plans, self.planned_for = plans, headers
+        self.plans = [ctypes.addressof(plan) for plan in plans]
 
     def _plan_of(self, op_name: str, half: int):
         """Every rank's header from the slots of `half`, and what follows from them (plan)."""

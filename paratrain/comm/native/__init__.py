@@ -31,8 +31,23 @@ MODULE = "_arena_kernels"  # the name its PyInit_ function carries
 # -O3 vectorizes the folds; no -ffast-math, so each add is the IEEE add torch's is (the same bits).
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
 MOST_ROWS = 64  # arena_kernels.c's MOST_ROWS: a plan reads at most this many rows
+MOST_COPIES = 2 * MOST_ROWS  # and makes at most this many copies besides (before and after its step)
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
-DONE, WAIT, WAIT_AND_RING = 0, 1, 2
+DONE, WAIT, WAIT_AND_RING, CHANGED = 0, 1, 2, 3
+
+
+class Copy(ctypes.Structure):
+    """arena_kernels.c's struct copy."""
+
+    _fields_ = [("into", ctypes.c_void_p), ("source", ctypes.c_void_p), ("bytes", ctypes.c_int64)]
+
+
+class PeerRead(ctypes.Structure):
+    """arena_kernels.c's struct peer_read: `bytes` of process `pid` from the address it published
+    in the word at `published`, plus `offset`, into `into`."""
+
+    _fields_ = [("into", ctypes.c_void_p), ("published", ctypes.c_void_p), ("offset", ctypes.c_int64),
+                ("bytes", ctypes.c_int64), ("pid", ctypes.c_int64)]
 
 
 class OneShotPlan(ctypes.Structure):
@@ -41,13 +56,37 @@ class OneShotPlan(ctypes.Structure):
     _fields_ = [("slot", ctypes.c_void_p), ("input", ctypes.c_void_p), ("copy_bytes", ctypes.c_int64),
                 ("words", ctypes.c_void_p), ("mine", ctypes.c_int64), ("peers", ctypes.c_int64 * MOST_ROWS),
                 ("npeers", ctypes.c_int64), ("out", ctypes.c_void_p), ("rows", ctypes.c_void_p * MOST_ROWS),
-                ("nrows", ctypes.c_int64), ("count", ctypes.c_int64), ("dtype", ctypes.c_int64)]
+                ("nrows", ctypes.c_int64), ("count", ctypes.c_int64), ("dtype", ctypes.c_int64),
+                ("before", ctypes.c_int64), ("after", ctypes.c_int64), ("copies", Copy * MOST_COPIES),
+                ("nreads", ctypes.c_int64), ("reads", PeerRead * MOST_ROWS),
+                ("nchecks", ctypes.c_int64), ("checks", Copy * MOST_ROWS)]
+
+    def set_copies(self, before: list[tuple[int, int, int]], after: list[tuple[int, int, int]]) -> None:
+        """The (into, from, bytes) copies made before the step and after it (at most MOST_COPIES)."""
+        self.before, self.after = len(before), len(after)
+        for slot, (into, source, nbytes) in zip(self.copies, (*before, *after)):
+            slot.into, slot.source, slot.bytes = into, source, nbytes
+
+    def set_checks(self, checks: list[tuple[int, int, int]]) -> None:
+        """The (at, expected, bytes) that must hold after the step for the rest of the plan to run:
+        where one does not, the kernel returns CHANGED having done nothing after the step."""
+        self.nchecks = len(checks)
+        for slot, (at, expected, nbytes) in zip(self.checks, checks):
+            slot.into, slot.source, slot.bytes = at, expected, nbytes
+
+    def set_reads(self, reads: list[tuple[int, int, int, int, int]]) -> None:
+        """The (into, published, offset, bytes, pid) reads of peers' memory made after the copies."""
+        self.nreads = len(reads)
+        for slot, (into, published, offset, nbytes, pid) in zip(self.reads, reads):
+            slot.into, slot.published, slot.offset, slot.bytes, slot.pid = into, published, offset, nbytes, pid
 
 
 @dataclass(frozen=True)
 class Kernels:
     """The loaded module: `oneshot(plan_address, step, poll_ns)`, and `finish(plan_address)` for
-    the reduction of a plan whose oneshot returned before its peers arrived; `ring_put`,
+    the rest of a plan (reduction, copies, reads) whose oneshot returned before its peers
+    arrived; both return DONE, CHANGED (a check failed: nothing after the step was done) or
+    minus the errno of a read of a peer's memory that failed; `ring_put`,
     `ring_poll` and `ring_take` for the rings' blocking short cut (transport/shm.py)."""
 
     path: Path

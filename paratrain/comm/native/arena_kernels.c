@@ -5,7 +5,10 @@
    the calls cost as much again. oneshot() does the whole piece in one call from a plan built
    once per tensor, and hands back to Python only what needs it: ringing a sleeping peer's
    doorbell, and a wait longer than the poll budget (Python then sleeps on the doorbell, checks
-   that its peers still run, and times out).
+   that its peers still run, and times out). The all-to-alls' pieces (../algorithms/
+   shared_all_to_all.py) are plans too, which reduce nothing: copies before the step and after
+   it, reads of a peer's memory from the address it published in its slot, and checks that the
+   peers wrote the sizes the copies after were planned for.
 
    A Python extension module (_arena_kernels), not a library for ctypes: a ctypes call cost
    0.45 us, a tenth of the whole call. Built on first use by native/__init__.py; where no C
@@ -15,16 +18,35 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <sched.h>
+#include <sys/uio.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 
 enum { DT_FLOAT32 = 0, DT_FLOAT64 = 1, DT_INT32 = 2, DT_INT64 = 3 };
-enum { DONE = 0, WAIT = 1, WAIT_AND_RING = 2 };
-enum { MOST_ROWS = 64, WORDS_PER_LINE = 8 };
+enum { DONE = 0, WAIT = 1, WAIT_AND_RING = 2, CHANGED = 3 };
+enum { MOST_ROWS = 64, MOST_COPIES = 2 * MOST_ROWS, WORDS_PER_LINE = 8 };
 
-/* One call's addresses, worked out once (python: native/kernels.py, OneShotPlan). */
+/* A copy of `bytes` from `source` to `into`. */
+struct copy {
+    char *into;
+    const char *source;
+    int64_t bytes;
+};
+
+/* A read of `bytes` of process `pid`'s memory into `into`, from the address it published in the
+   word at `published`, plus `offset`. */
+struct peer_read {
+    char *into;
+    const int64_t *published;
+    int64_t offset;
+    int64_t bytes;
+    int64_t pid;
+};
+
+/* One call's addresses, worked out once (python: native/__init__.py, OneShotPlan). */
 struct oneshot_plan {
     char *slot;                 /* this rank's slot in the half this call uses */
     const char *input;          /* what is copied into it */
@@ -38,7 +60,43 @@ struct oneshot_plan {
     int64_t nrows;
     int64_t count;
     int64_t dtype;
+    /* copies[0, before) are made with the slot's copy, before the step; copies[before, before +
+       after) after the reduction: the moves of an all-to-all or a gather, which reduce nothing */
+    int64_t before;
+    int64_t after;
+    struct copy copies[MOST_COPIES];
+    /* reads of the peers' memory, after the copies: an all-to-all's large parts */
+    int64_t nreads;
+    struct peer_read reads[MOST_ROWS];
+    /* what the copies after the step assume the peers wrote before it (`bytes` at `into` equal
+       to those at `source`): an uneven all-to-all's headers, its peers' split sizes */
+    int64_t nchecks;
+    struct copy checks[MOST_ROWS];
 };
+
+static void copy_all(const struct copy *copies, int64_t count) {
+    for (int64_t i = 0; i < count; i++)
+        if (copies[i].bytes) memcpy(copies[i].into, copies[i].source, (size_t)copies[i].bytes);
+}
+
+/* Reads of a peer's memory (../transport/cross_memory.py), after the step and the copies:
+   `bytes` from the address the peer published in the word at `published`, plus `offset`. -> 0,
+   or the errno of the read that failed (the peer has gone, or may not be read). */
+static int64_t read_all(const struct peer_read *reads, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        const struct peer_read *r = &reads[i];
+        char *into = r->into;
+        uintptr_t from = (uintptr_t)__atomic_load_n(r->published, __ATOMIC_RELAXED) + (uintptr_t)r->offset;
+        int64_t left = r->bytes;
+        while (left > 0) {  /* the kernel may read less than asked */
+            struct iovec local = {into, (size_t)left}, remote = {(void *)from, (size_t)left};
+            ssize_t done = process_vm_readv((pid_t)r->pid, &local, 1, &remote, 1, 0);
+            if (done <= 0) return done < 0 ? errno : EIO;
+            into += done, from += (uintptr_t)done, left -= done;
+        }
+    }
+    return 0;
+}
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -74,9 +132,16 @@ static void sum_rows(char *out, const char *const *rows, int64_t nrows, int64_t 
     }
 }
 
-/* The reduction of a plan whose step every rank has taken. */
-static void finish(const struct oneshot_plan *p) {
+/* What a plan does once every rank has taken its step: the reduction, the copies after, the
+   reads. -> DONE; CHANGED, having done none of it, where a peer wrote other than its checks
+   expect; or minus the errno of a read that failed. */
+static int finish(const struct oneshot_plan *p) {
+    for (int64_t i = 0; i < p->nchecks; i++)
+        if (memcmp(p->checks[i].into, p->checks[i].source, (size_t)p->checks[i].bytes)) return CHANGED;
     if (p->nrows >= 2) sum_rows(p->out, p->rows, p->nrows, p->count, p->dtype);
+    copy_all(p->copies + p->before, p->after);
+    int64_t error = read_all(p->reads, p->nreads);
+    return error ? -(int)error : DONE;
 }
 
 /* True when every peer has taken `step`. */
@@ -110,13 +175,16 @@ static int steps_taken(const void *what) {
 
 /* One piece of a one-shot collective: copy in, take `step`, poll the peers for up to `poll_ns`
    (yielding the core between looks: spinning without yielding cost 30 us a call in the minutes
-   when both ranks shared a core), then reduce. A plan that copies nothing and reduces nothing is
-   a barrier. The poll lets go of the GIL: other threads of the process run meanwhile.
-   DONE: all of it happened. WAIT: the step is taken but a peer has not arrived; the caller waits
+   when both ranks shared a core), then reduce and copy out. A plan that copies nothing and
+   reduces nothing is a barrier. The poll lets go of the GIL: other threads of the process run meanwhile.
+   DONE: all of it happened; CHANGED: the step is taken, but a peer wrote other than the plan
+   expects (its checks), so nothing after the step happened; minus an errno: a read of a peer's
+   memory failed. WAIT: the step is taken but a peer has not arrived; the caller waits
    (Arena.run_native) and then calls finish. WAIT_AND_RING: as WAIT, and a peer sleeps on its
    doorbell: the caller rings it first. */
 static int oneshot(const struct oneshot_plan *p, int64_t step, int64_t poll_ns) {
     if (p->copy_bytes) memcpy(p->slot, p->input, (size_t)p->copy_bytes);
+    copy_all(p->copies, p->before);
     __atomic_store_n(&p->words[p->mine], step, __ATOMIC_RELEASE);
     /* A sleeper raises its flag and then looks at our step; we wrote our step and now look at
        its flag. Without a full fence x86 may let our load pass our store, and both miss. */
@@ -127,8 +195,7 @@ static int oneshot(const struct oneshot_plan *p, int64_t step, int64_t poll_ns) 
         struct step_wait wait = {p, step};
         if (!poll_for(steps_taken, &wait, poll_ns)) return WAIT;
     }
-    finish(p);
-    return DONE;
+    return finish(p);
 }
 
 /* ---- the rings' short cut ---------------------------------------------------------------
@@ -246,14 +313,13 @@ static PyObject *py_oneshot(PyObject *self, PyObject *const *args, Py_ssize_t na
 static PyObject *py_finish(PyObject *self, PyObject *arg) {
     void *plan = PyLong_AsVoidPtr(arg);
     if (PyErr_Occurred()) return NULL;
-    finish((const struct oneshot_plan *)plan);
-    Py_RETURN_NONE;
+    return PyLong_FromLong(finish((const struct oneshot_plan *)plan));
 }
 
 static PyMethodDef methods[] = {
     {"oneshot", (PyCFunction)(void (*)(void))py_oneshot, METH_FASTCALL,
-     "oneshot(plan_address, step, poll_ns) -> DONE 0, WAIT 1 or WAIT_AND_RING 2"},
-    {"finish", py_finish, METH_O, "finish(plan_address): the reduction, once every rank took the step"},
+     "oneshot(plan_address, step, poll_ns) -> DONE 0, WAIT 1, WAIT_AND_RING 2, CHANGED 3, or -errno of a failed read"},
+    {"finish", py_finish, METH_O, "finish(plan_address) -> DONE 0, CHANGED 3 or -errno: the reduction, the copies and reads after, once every rank took the step"},
     {"ring_put", (PyCFunction)(void (*)(void))py_ring_put, METH_FASTCALL,
      "ring_put(ring, capacity, head, tag, source, nbytes) -> new head * 2 + receiver sleeping"},
     {"ring_poll", (PyCFunction)(void (*)(void))py_ring_poll, METH_FASTCALL,

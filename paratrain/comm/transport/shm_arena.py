@@ -226,20 +226,29 @@ class Arena:
         plan.peers[: len(peers)] = [self.step_word(peer) for peer in peers]
         return plan
 
-    def run_native(self, plan: int, timeout: float) -> None:
+    def run_native(self, plan: int, timeout: float) -> int:
         """One piece of a one-shot collective in native code (native.OneShotPlan at address
         `plan`): copy in, take the next step and reduce, in one call where every peer arrives
-        within the poll; past that, this rings whom it must and waits as arrive_and_wait does."""
+        within the poll; past that, this rings whom it must and waits as arrive_and_wait does.
+        -> native.DONE, or native.CHANGED where a check of the plan failed (the step is taken,
+        nothing after it done). A read of a peer's memory that fails raises TransportFailure
+        where the peer has gone, else OSError."""
         self.step += 1
         # As _wait_for: a helper thread does not poll, the core is the compute's it overlaps.
         poll_ns = self._native_poll_ns if threading.get_ident() == _MAIN_THREAD else 0
         status = self.native.oneshot(plan, self.step, poll_ns)
         if status == native.DONE:
-            return
-        if status == native.WAIT_AND_RING:
-            self._ring_sleepers()
-        self._wait_for_all(self.step, timeout)
-        self.native.finish(plan)
+            return status
+        if status in (native.WAIT, native.WAIT_AND_RING):
+            if status == native.WAIT_AND_RING:
+                self._ring_sleepers()
+            self._wait_for_all(self.step, timeout)
+            status = self.native.finish(plan)
+        if status < 0:  # a read of a peer's memory: say which peer if it has gone
+            for peer, _ in self._others:
+                self._check_alive(peer)
+            raise OSError(-status, f"reading a peer's memory (process_vm_readv): {os.strerror(-status)}")
+        return status
 
     def _ring_sleepers(self) -> None:
         words = self._words
