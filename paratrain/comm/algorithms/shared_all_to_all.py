@@ -25,10 +25,10 @@ one native call: copies in, step, then, if every peer's sizes are those it saw l
 peer may change its own while ours stay), the copies out that they gave; else Python reads the
 headers and plans anew.
 
-Against MPICH's Alltoall on 2 and 4 processes of this host the native calls brought the worst
-size from 2.3x MPICH's time to 1.0x (`bench collectives --peer mpi --ops all_to_all`,
-docs/results.md): Python's copies and steps cost 11 us a call, as much as MPICH's whole call
-at 16 KiB.
+Against MPICH's Alltoall on 2 and 4 processes of this host, the native calls brought the worst
+size from 2.13x MPICH's time (256 KiB on 2) to 1.16x (`bench collectives --peer mpi --ops
+all_to_all`, docs/results.md): Python's copies and steps had cost 11 us a call, as much as
+MPICH's whole call at 16 KiB.
 """
 
 from __future__ import annotations
