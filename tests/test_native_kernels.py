@@ -71,10 +71,22 @@ def _inputs(rank: int, dtype: torch.dtype, count: int, call: int) -> torch.Tenso
     return torch.randint(-1000, 1000, (count,), generator=generator, dtype=dtype)
 
 
+def _after_rank_1_waits(arena, late: float) -> None:
+    """Return `late` seconds after rank 1 has taken the step this rank takes next (it waits for
+    us), and where it sleeps once it has waited long enough (no spinning), once it sleeps: a late
+    arrival whatever the load on the machine (rank 1 might be later still)."""
+    deadline = time.monotonic() + 10
+    while arena.seen(1)[0] <= arena.step and time.monotonic() < deadline:
+        time.sleep(0.0001)
+    time.sleep(late)
+    while arena.spin_s == 0 and not arena.seen(1)[1] and time.monotonic() < deadline:
+        time.sleep(0.0001)
+
+
 def _calls(group: Group, late: float, dtypes: tuple) -> dict:
     """CALLS all-reduces and reduce-scatters of each dtype on the same tensors (so they are replayed),
     and an all-reduce of 2.5 slots (three pieces, never replayed), with rank 0 arriving `late`
-    seconds after its peers at every call."""
+    seconds after rank 1 at every call (_after_rank_1_waits)."""
     results = {}
     big_count = slot_bytes_for(group.size) * 5 // 16  # 2.5 slots of 8-byte elements, 5 of 4-byte ones
     for dtype in dtypes:
@@ -87,7 +99,7 @@ def _calls(group: Group, late: float, dtypes: tuple) -> dict:
             rs_in.copy_(_inputs(group.rank, dtype, count, call + 100))
             big.copy_(_inputs(group.rank, dtype, big_count, call + 200))
             if late and group.rank == 0:
-                time.sleep(late)
+                _after_rank_1_waits(group.transport.arena, late)
             group.all_reduce(buf)
             group.reduce_scatter(rs_out, rs_in)
             group.all_reduce(big, algo="oneshot")  # auto takes twoshot for it beyond 2 ranks

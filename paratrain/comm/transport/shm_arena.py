@@ -173,6 +173,11 @@ class Arena:
         """The index of `rank`'s step among the segment's 8-byte words (its sleeping flag is next)."""
         return rank * _WORDS_PER_LINE
 
+    def seen(self, rank: int) -> tuple[int, bool]:
+        """`rank`'s step as this rank sees it, and whether it sleeps on its doorbell."""
+        index = self.step_word(rank)
+        return self._words[index], bool(self._words[index + 1])
+
     def rows(self, half: int, dtype: torch.dtype, start: int, count: int) -> Rows:
         """Elements [start, start + count) of every rank's slot of `half`, as `dtype`: the rows of
         one tensor (ranks x count), so one reduction over dimension 0 combines them all, and each
