@@ -95,6 +95,9 @@ SPECS = (
          "bytes of each shared-memory ring (default 4 MiB, less beyond 16 peers on the host)"),
     Spec("shm_spin_us", ("PARATRAIN_SHM_SPIN_US",), _whole(0),
          "microseconds a wait polls before it sleeps (default 50000 with a core per rank, else 0)"),
+    Spec("shm_dir", ("PARATRAIN_SHM_DIR",), _text,
+         "the folder of shared memory's rings, doorbells and segments (default /dev/shm): a tmpfs, e.g. a larger "
+         "one where a container's /dev/shm is small; ranks of a host share memory only if they name the same"),
     Spec("host", ("PARATRAIN_HOST",), _text,
          "this rank's host name (default: the machine's); ranks with different names never share memory, so "
          "one machine can play several hosts"),
@@ -246,6 +249,7 @@ class Settings:
     shm: bool = True  # shared memory beat gloo's sockets at every size measured on one host
     shm_bytes: int | None = None  # None: shm_setup sizes the rings by the number of peers
     shm_spin_us: int | None = None  # None: shm_setup decides by the cores and ranks of the host
+    shm_dir: str = "/dev/shm"  # Linux's tmpfs for POSIX shared memory, on every distribution
     host: str | None = None  # None: the machine's own name (socket.gethostname)
     native: bool = True  # a 16 KiB all-reduce took 7 us through torch's ops (comm/native)
     cc: str | None = None

@@ -216,7 +216,7 @@ def _run_processes(fn, nproc, args, settings: Settings, table: AlgorithmTable, m
     finally:
         del rendezvous
         shutil.rmtree(logs, ignore_errors=True)
-        shm_setup.remove_files_of_children(os.getpid())
+        shm_setup.remove_files_of_children(os.getpid(), settings.shm_dir)
 
 
 def _sweep_dead_runs() -> None:

@@ -41,7 +41,7 @@ LONGEST_FIRST = (
     "test_frontend_faults.py", "test_multinode.py", "test_fsdp.py", "test_frontend_debug_tools.py",
     "test_frontend_workers.py", "test_checkpoint.py", "test_matrix.py", "test_parallel_3d.py",
     "test_collectives_fabric.py", "test_frontend_gt.py", "test_docs.py", "test_frontend_compile.py",
-    "test_moe_training.py", "test_data_parallel.py", "test_shm_arena.py", "test_shm_p2p.py",
+    "test_moe_training.py", "test_data_parallel.py", "test_leftovers.py", "test_shm_arena.py", "test_shm_p2p.py",
     "test_frontend_demo.py", "test_frontend_instruction_checks.py", "test_bench_training.py",
     "test_native_kernels.py", "test_context_training.py", "test_compile_training.py", "test_hf_models.py",
     "test_precision.py", "test_launcher_exposure.py", "test_text_data.py", "test_hf_export.py",
@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(items):
 def hermetic_comm_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PARATRAIN_ALGO_TABLE", str(tmp_path / "no-algorithm-table.json"))
     monkeypatch.setenv("PARATRAIN_TRACE_DIR", str(tmp_path / "flight-records"))  # failures dump here
-    for name in ("PARATRAIN_DEBUG", "PARATRAIN_TIMEOUT", "PARATRAIN_SHM", "PARATRAIN_SHM_BYTES"):
+    for name in ("PARATRAIN_DEBUG", "PARATRAIN_TIMEOUT", "PARATRAIN_SHM", "PARATRAIN_SHM_BYTES", "PARATRAIN_SHM_DIR"):
         monkeypatch.delenv(name, raising=False)
     # A waiting rank polls 50 ms before it sleeps where each rank has a core; the suite runs three
     # tests at once on two cores, where that polling takes the cores of the other tests' ranks.

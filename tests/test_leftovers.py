@@ -3,14 +3,20 @@ killed: not while setting up shared memory (its ring and doorbell are named then
 training (which also ends the run in one line). Our launcher removes what its ranks left and
 the folder torch's elastic agent keeps its logs in; a run not started by it (torchrun, or raw
 processes as here) leaves its files to the next run on the host, which removes them, naming
-each."""
+each.
+
+Each test keeps its shared-memory files in a folder of its own (PARATRAIN_SHM_DIR), where the
+runs of the tests beside it do not sweep; the two that look at /dev/shm itself run alone
+(marked serial)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
 import multiprocessing.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,20 +33,42 @@ from paratrain.comm.transport import shm_setup
 from paratrain.failure_report import RanksFailed
 from paratrain.environment import Settings
 
-pytestmark = [pytest.mark.serial, pytest.mark.skipif(not shm_setup.enabled(Settings.resolve()), reason="shared memory between processes: x86-64 Linux")]
+pytestmark = pytest.mark.skipif(not shm_setup.enabled(Settings.resolve()), reason="shared memory between processes: x86-64 Linux")
 
 
 @pytest.fixture(autouse=True)
 def default_polling(monkeypatch):
-    """These run alone: a waiting rank polls as long as it would on the user's machine (conftest
-    shortens it for the parallel part), so a surviving rank is still waiting, not sweeping its dead
-    peer's files, when the test stops it."""
+    """A waiting rank polls as long as it would on the user's machine (conftest shortens it for
+    the parallel part), so a surviving rank is still waiting, not sweeping its dead peer's files,
+    when the test stops it."""
     monkeypatch.delenv("PARATRAIN_SHM_SPIN_US", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def shm_dir(monkeypatch) -> str:
+    """A folder of shared memory of this test's own (PARATRAIN_SHM_DIR), in /dev/shm's tmpfs: the
+    runs of the tests beside it sweep /dev/shm, and would remove the files a killed rank left here
+    before this test's next run could (or not) remove them itself. Its ranks inherit it."""
+    folder = tempfile.mkdtemp(prefix="leftovers-test-", dir="/dev/shm")
+    monkeypatch.setenv("PARATRAIN_SHM_DIR", folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def temp() -> Path:
+    """A temporary directory of the test's own (TMPDIR for its runs), with a short path: the fork
+    server's socket lives in it, and a socket's path may not pass 107 bytes (an xdist worker's
+    tmp_path takes most of them). Removed when this process exits: the fork server made in it
+    serves this process's later runs."""
+    folder = tempfile.mkdtemp(prefix="lo-", dir="/tmp")
+    atexit.register(shutil.rmtree, folder, True)
+    return Path(folder)
+
+
 def _files_of(pid: int) -> list[str]:
-    return sorted(f"{shm_setup.SHM_DIR}/{name}" for name in os.listdir(shm_setup.SHM_DIR)
-                  if name.startswith("paratrain-") and f"-{pid}-" in name)
+    folder = os.environ["PARATRAIN_SHM_DIR"]
+    return sorted(f"{folder}/{name}" for name in os.listdir(folder) if name.startswith("paratrain-") and f"-{pid}-" in name)
 
 
 def _die_once_shared_memory_is_named(record: str, after: str | None = None) -> None:
@@ -74,9 +102,7 @@ def _rank1_killed_setting_up_a_second_group(group, record):
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_killed_setting_up_shared_memory_leaves_nothing_after_a_processes_run(tmp_path, monkeypatch):
-    temp = tmp_path / "temp"
-    temp.mkdir()
+def test_a_rank_killed_setting_up_shared_memory_leaves_nothing_after_a_processes_run(tmp_path, monkeypatch, temp):
     monkeypatch.setenv("TMPDIR", str(temp))  # the ranks' temporary directory, and ours:
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     record = tmp_path / "named.json"
@@ -114,8 +140,8 @@ def _raw_rank(rank: int, store: str, record: str) -> None:
     else:
         sweep = shm_setup.remove_stale_files
 
-        def sweep_then_say_so():
-            sweep()
+        def sweep_then_say_so(folder):
+            sweep(folder)
             Path(swept).touch()
         shm_setup.remove_stale_files = sweep_then_say_so
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
@@ -157,9 +183,7 @@ def test_the_next_run_removes_what_a_rank_killed_setting_up_left_and_names_it(tm
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_killed_while_training_ends_the_run_in_one_line_and_leaves_nothing(tmp_path):
-    temp = tmp_path / "temp"
-    temp.mkdir()
+def test_a_rank_killed_while_training_ends_the_run_in_one_line_and_leaves_nothing(temp):
     env = {**os.environ, "TMPDIR": str(temp)}
     run = subprocess.Popen(
         [sys.executable, "-m", "paratrain", "train", "--launcher", "processes", "--steps", "1000000",
@@ -231,7 +255,8 @@ def _running(pid: int) -> bool:
 
 
 def _files_of_children_of(parent: int) -> list[str]:
-    return [name for name in os.listdir(shm_setup.SHM_DIR) if name.startswith("paratrain-") and f"-{parent}-" in name]
+    folder = os.environ["PARATRAIN_SHM_DIR"]
+    return [name for name in os.listdir(folder) if name.startswith("paratrain-") and f"-{parent}-" in name]
 
 
 def _dead_pid() -> int:
@@ -240,26 +265,24 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def test_the_sweep_of_dev_shm_leaves_another_users_files_alone(monkeypatch):
+def test_the_sweep_of_dev_shm_leaves_another_users_files_alone(monkeypatch, shm_dir):
     # A stale-looking doorbell: this namespace, a dead pid. Made by us, it is told from another
     # user's by its owner, so we pretend to be someone else.
-    path = f"{shm_setup._owner(shm_setup._pid_namespace(), 1, _dead_pid(), 0xabc)}-bell"
+    path = f"{shm_setup._owner(shm_dir, shm_setup._pid_namespace(), 1, _dead_pid(), 0xabc)}-bell"
     Path(path).write_bytes(b"")
-    try:
-        monkeypatch.setattr(os, "getuid", lambda: os.stat(path).st_uid + 1)
-        shm_setup.remove_stale_files()
+    with monkeypatch.context() as pretend:
+        pretend.setattr(os, "getuid", lambda: os.stat(path).st_uid + 1)
+        shm_setup.remove_stale_files(shm_dir)
         assert os.path.exists(path), "another user's file was removed"
-        monkeypatch.undo()
-        monkeypatch.setattr(shm_setup.os, "unlink", lambda p: (_ for _ in ()).throw(PermissionError(13, "not yours", p)))
-        shm_setup.remove_stale_files()  # a file we may not remove is skipped, not an error that stops set-up
+    with monkeypatch.context() as refuse:
+        refuse.setattr(shm_setup.os, "unlink", lambda p: (_ for _ in ()).throw(PermissionError(13, "not yours", p)))
+        shm_setup.remove_stale_files(shm_dir)  # a file we may not remove is skipped, not an error that stops set-up
         assert os.path.exists(path)
-    finally:
-        monkeypatch.undo()
-        if os.path.exists(path):
-            os.unlink(path)
-    shm_setup.remove_stale_files()
+    shm_setup.remove_stale_files(shm_dir)
+    assert not os.path.exists(path), "our own stale doorbell stayed"
 
 
+@pytest.mark.serial  # multiprocessing's semaphores are in /dev/shm itself, which the runs beside it sweep
 def test_the_next_run_removes_what_dead_runs_left_and_nothing_alive(tmp_path):
     import mmap
     import socket
@@ -294,6 +317,7 @@ def test_the_next_run_removes_what_dead_runs_left_and_nothing_alive(tmp_path):
             path.unlink(missing_ok=True)
 
 
+@pytest.mark.serial  # it compares /dev/shm before and after, where the runs beside it make and sweep files
 @pytest.mark.timeout(180)
 def test_after_a_run_killed_whole_the_next_run_leaves_dev_shm_and_tmpdir_as_they_were(tmp_path):
     """SIGKILL to a processes run's whole process group removes nothing (its log folder, its

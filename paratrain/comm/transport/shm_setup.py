@@ -5,7 +5,8 @@ Every rank of the group takes part (shm_transport.over_process_group calls `conn
 all-gather of (offers shared memory, host key, process id, random token, parent's process id,
 host name), which also tells the process group which of its ranks share a host (`know_hosts`),
 then, where any two ranks share a host, two barriers. Between them each rank creates its
-outgoing rings and its doorbell under /dev/shm, and opens its peers'; after the second every
+outgoing rings and its doorbell under /dev/shm (or PARATRAIN_SHM_DIR: a container's /dev/shm
+may be small), and opens its peers'; after the second every
 peer has opened them, so the names are removed: from then on a crash leaves no file behind.
 
 Where every rank of the group shares this host, the group's rank 0 also creates the group's
@@ -49,7 +50,7 @@ DEFAULT_SPIN_S = 0.05  # polling before sleeping, where each rank has a core: lo
 
 def enabled(settings: Settings) -> bool:
     """Whether this process offers shared memory to its peers (PARATRAIN_SHM, the platform)."""
-    return settings.shm and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+    return settings.shm and platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir(settings.shm_dir)
 
 
 def ring_bytes(settings: Settings, neighbours: int = 1) -> int:
@@ -74,21 +75,21 @@ def spin_s(settings: Settings, ranks_here: int) -> float:
 
 
 def _host_key(settings: Settings) -> int:
-    """Equal for processes that share /dev/shm and see each other's process ids (the boot, the
-    /dev/shm file system, the process namespace) and give their host the same name: ranks
-    told different names (PARATRAIN_HOST) are on different hosts, even on one machine."""
-    parts = [settings.host_name.encode()]
+    """Equal for processes that share the folder of shared memory (PARATRAIN_SHM_DIR) and see
+    each other's process ids (the boot, the folder's file system and name, the process
+    namespace) and give their host the same name: ranks told different names (PARATRAIN_HOST)
+    are on different hosts, even on one machine."""
+    parts = [settings.host_name.encode(), settings.shm_dir.encode()]
     try:
         with open("/proc/sys/kernel/random/boot_id", "rb") as handle:
             parts.append(handle.read().strip())
-        parts += [str(os.stat("/dev/shm").st_dev).encode(), os.readlink("/proc/self/ns/pid").encode()]
-    except OSError:  # no /proc (or no /dev/shm): the name alone tells hosts apart
+        parts += [str(os.stat(settings.shm_dir).st_dev).encode(), os.readlink("/proc/self/ns/pid").encode()]
+    except OSError:  # no /proc (or no such folder): the names alone tell hosts apart
         pass
     digest = hashlib.blake2b(b"|".join(parts), digest_size=7)
     return int.from_bytes(digest.digest(), "little")
 
 
-SHM_DIR = "/dev/shm"
 # What each rank says of itself at setup: offers shared memory, host, pid, token, parent pid, has
 # the native kernels; then its host's name, _NAME_BYTES of UTF-8 (cut longer: the key tells hosts apart).
 _FIELDS = 6
@@ -96,9 +97,9 @@ _NAME_BYTES = 64
 _FILE_NAME = re.compile(r"^paratrain-(\d+)-(\d+)-(\d+)-[0-9a-f]{16}-(to-\d+|bell|arena)$")  # namespace, parent, pid
 
 
-def _owner(namespace: int, parent: int, pid: int, token: int) -> str:
-    """The start of the names of a process's files."""
-    return f"{SHM_DIR}/paratrain-{namespace}-{parent}-{pid}-{token:016x}"
+def _owner(folder: str, namespace: int, parent: int, pid: int, token: int) -> str:
+    """The start of the names of a process's files in `folder` (PARATRAIN_SHM_DIR)."""
+    return f"{folder}/paratrain-{namespace}-{parent}-{pid}-{token:016x}"
 
 
 def _ring_path(owner: str, dst: int) -> str:
@@ -117,35 +118,35 @@ def _pid_namespace() -> int:
     return os.stat("/proc/self/ns/pid").st_ino
 
 
-def remove_stale_files() -> None:
-    """Remove the rings and doorbells of processes of this namespace that no longer exist,
-    one line each on stderr. Ranks of a host sweep together: each file is removed (and named)
-    by one of them."""
-    for path, pid, kind in _our_files(lambda parent, pid: not process_alive(pid)):
+def remove_stale_files(folder: str) -> None:
+    """Remove the rings and doorbells in `folder` (PARATRAIN_SHM_DIR) of processes of this
+    namespace that no longer exist, one line each on stderr. Ranks of a host sweep together:
+    each file is removed (and named) by one of them."""
+    for path, pid, kind in _our_files(folder, lambda parent, pid: not process_alive(pid)):
         if _unlink_one(path):
             # One write per line: the ranks of a host sweep at the same moment into one stream.
             sys.stderr.write(f"removed stale shared-memory {kind} {path} left by dead process {pid}\n")
 
 
-def remove_files_of_children(parent: int) -> None:
-    """Remove the files the ranks that `parent` launched left (they have exited: those killed
-    while setting up could not remove their own)."""
-    for path, _, _ in _our_files(lambda owner_parent, pid: owner_parent == parent):
+def remove_files_of_children(parent: int, folder: str) -> None:
+    """Remove the files in `folder` the ranks that `parent` launched left (they have exited:
+    those killed while setting up could not remove their own)."""
+    for path, _, _ in _our_files(folder, lambda owner_parent, pid: owner_parent == parent):
         _unlink_one(path)
 
 
-def _our_files(chosen):
-    """(path, pid, "ring", "doorbell" or "segment") of each of our files in /dev/shm of this pid
+def _our_files(folder: str, chosen):
+    """(path, pid, "ring", "doorbell" or "segment") of each of our files in `folder` of this pid
     namespace for which chosen(parent pid, pid) holds."""
-    if not os.path.isdir(SHM_DIR):
+    if not os.path.isdir(folder):
         return
     namespace, me = _pid_namespace(), os.getuid()
-    for name in os.listdir(SHM_DIR):
+    for name in os.listdir(folder):
         match = _FILE_NAME.match(name)
-        if match and int(match[1]) == namespace and _owner_of(f"{SHM_DIR}/{name}") == me and \
+        if match and int(match[1]) == namespace and _owner_of(f"{folder}/{name}") == me and \
                 chosen(int(match[2]), int(match[3])):
             kind = {"bell": "doorbell", "arena": "segment"}.get(match[4], "ring")
-            yield f"{SHM_DIR}/{name}", int(match[3]), kind
+            yield f"{folder}/{name}", int(match[3]), kind
 
 
 def _owner_of(path: str) -> int | None:
@@ -219,9 +220,10 @@ def connect(inner, settings: Settings) -> SharedMemoryP2P | None:
     everyone_here = len(neighbours) == inner.size - 1  # the same answer on every rank (see above)
     owners, mine = {}, []
     if neighbours:
-        remove_stale_files()
+        remove_stale_files(settings.shm_dir)
         namespace = _pid_namespace()  # the same for the ranks of a host (see _host_key)
-        owners = {r: _owner(namespace, table[r][4], table[r][2], table[r][3]) for r in (inner.rank, *neighbours)}
+        owners = {r: _owner(settings.shm_dir, namespace, table[r][4], table[r][2], table[r][3])
+                  for r in (inner.rank, *neighbours)}
         own = owners[inner.rank]
         mine = [_ring_path(own, peer) for peer in neighbours] + [_bell_path(own)]
         if everyone_here and inner.rank == 0:
