@@ -11,7 +11,6 @@ runs of the tests beside it do not sweep; the two that look at /dev/shm itself r
 
 from __future__ import annotations
 
-import atexit
 import json
 import multiprocessing
 import multiprocessing.util
@@ -59,10 +58,11 @@ def shm_dir(monkeypatch) -> str:
 def temp() -> Path:
     """A temporary directory of the test's own (TMPDIR for its runs), with a short path: the fork
     server's socket lives in it, and a socket's path may not pass 107 bytes (an xdist worker's
-    tmp_path takes most of them). Removed when this process exits: the fork server made in it
-    serves this process's later runs."""
+    tmp_path takes most of them). Removed when this process exits, after multiprocessing has
+    removed its own folder in it: the fork server made there serves this process's later runs."""
     folder = tempfile.mkdtemp(prefix="lo-", dir="/tmp")
-    atexit.register(shutil.rmtree, folder, True)
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
+                                  exitpriority=-200)  # multiprocessing's own folder goes at -100
     return Path(folder)
 
 
