@@ -1,7 +1,8 @@
 """`paratrain bench moe`: the routed experts of a mixture-of-experts layer, forward and backward.
 
 The same experts module (models/moe_experts.py) on the same rows, three ways:
-- grouped: one `grouped_mm` per weight over all experts (the layer's default);
+- grouped: one `grouped_mm` per weight over all experts, on the CPU the experts in chunks of
+  about equal rows, one per thread (the layer's default, models/moe_grouped.py);
 - loop: one matrix multiply per expert and weight (the layer's reference and fallback);
 - padded: every expert's rows padded to the busiest expert's count, one batched multiply per
   weight over (E, most rows, D): the capacity-style layout, shown for comparison.

@@ -270,8 +270,8 @@ def render_expert_matmuls(record: dict) -> list[str]:
     head = (f"Routed SwiGLU experts, forward and backward in fp32: {args['tokens']} tokens x top-{args['top_k']} rows, "
             f"d_model {args['d_model']}, d_expert {args['d_expert']}, rows per expert uneven (Dirichlet "
             f"concentration {args['skew']}), {args['threads']} torch threads; median of {args['repeats']} repeats, "
-            "the methods in turn in each. *grouped*: one `grouped_mm` per weight over every expert (the layer's "
-            "default); *loop*: one matmul per expert and weight; *padded*: every expert padded to the busiest "
+            "the methods in turn in each. *grouped*: one `grouped_mm` per weight over every expert, the experts in "
+            "chunks of about equal rows, one per thread (the layer's default); *loop*: one matmul per expert and weight; *padded*: every expert padded to the busiest "
             "one's rows, one batched matmul per weight.")
     loop = {r["experts"]: r["median_ms"] for r in record["rows"] if r["method"] == "loop"}
     rows = [[str(r["experts"]), str(r["rows"]), f"{r['busiest_over_mean']:.2f}", r["method"], f"{r['median_ms']:.1f}",

@@ -2,8 +2,9 @@
 
 `GroupedExperts` holds the SwiGLU experts stacked (w1, w3: (e, D, F); w2: (e, F, D)) and runs
 them on tokens already sorted by expert, either as one grouped matrix multiply per weight
-(`torch.nn.functional.grouped_mm`, each expert's rows delimited by cumulative offsets) or as a
-loop over the experts, the reference. It may hold a contiguous slice of the layer's experts,
+(`torch.nn.functional.grouped_mm`, each expert's rows delimited by cumulative offsets; on the
+CPU the experts in chunks, one per thread, moe_grouped.py) or as a loop over the experts, the
+reference. It may hold a contiguous slice of the layer's experts,
 `first_expert .. first_expert + local_experts`: that is what expert parallelism gives a rank.
 
 `LocalDispatcher` runs the routed part with every expert here. Expert parallelism replaces it
@@ -20,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from paratrain.models.moe_grouped import grouped_swiglu
 
 EXPERT_COMPUTES = ("grouped", "loop")
 
@@ -107,6 +110,8 @@ class GroupedExperts(nn.Module):
                    for w in (self.w1, self.w2))
 
     def compute_grouped(self, tokens_SD: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
+        if tokens_SD.device.type == "cpu" and not torch.is_autocast_enabled("cpu"):
+            return grouped_swiglu(tokens_SD, self.w1, self.w3, self.w2, counts_e.tolist())  # in chunks on threads
         offsets_e = torch.cumsum(counts_e, 0).to(device=tokens_SD.device, dtype=torch.int32)
         gate_SF = _contiguous_grad(F.grouped_mm(tokens_SD, self.w1, offs=offsets_e))
         up_SF = _contiguous_grad(F.grouped_mm(tokens_SD, self.w3, offs=offsets_e))
