@@ -90,3 +90,17 @@ def test_the_intra_op_thread_count_is_restored_after_a_call_and_after_an_error(m
     with pytest.raises(RuntimeError, match="a chunk failed"):
         _output_and_grads(grouped_swiglu, counts)
     assert torch.get_num_threads() == before
+
+
+def test_a_call_from_another_thread_leaves_the_thread_count_alone(monkeypatch):
+    # Ranks run as threads of one process share its intra-op thread count: only the main thread
+    # may set it, so another thread's call is one chunk, with grouped_mm's own bits.
+    import threading
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda count: pytest.fail("set_num_threads from a rank thread"))
+    counts, results = [10] * 8, {}
+    worker = threading.Thread(target=lambda: results.update(
+        ours=_output_and_grads(grouped_swiglu, counts), theirs=_output_and_grads(_grouped_mm_autograd, counts)))
+    worker.start()
+    worker.join()
+    assert all(torch.equal(mine, reference) for mine, reference in zip(results["ours"], results["theirs"]))

@@ -8,7 +8,7 @@ every group's tiles over all its cores in one launch. Here, likewise, the expert
 contiguous chunks of about equal rows, one per intra-op thread, and each chunk's grouped_mm
 calls run on a thread of their own, single-threaded (torch.set_num_threads(1) for the call, the
 count restored after: a chunk's multiplies spread over every thread as well would put threads
-times threads of them on the cores). Forward and backward at moe-small's widths (d_model 128,
+times threads of them on the cores; so only the main thread cuts chunks). Forward and backward at moe-small's widths (d_model 128,
 d_expert 96, 8192 rows, 2 threads): 64 experts 17 ms against grouped_mm's 27 (a per-expert loop:
 35); 128 experts 26 against 44. Where the busiest expert holds more than half a chunk's share of
 the rows (8 experts, say) the chunks would come out uneven and its multiplies are large enough
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -75,14 +76,21 @@ def _one_thread_each():
         torch.set_num_threads(threads)
 
 
+def _chunking() -> bool:
+    """Whether this call may cut the experts into chunks on threads: from the main thread only.
+    The intra-op thread count is the process's, and ranks run as threads of one process
+    (launcher threads) would each set it and restore what another had set: it could stay at 1."""
+    return threading.current_thread() is threading.main_thread()
+
+
 def _on_threads(work, pieces: list) -> list:
-    """work(piece) for every piece, on threads at once where there are several. No grad mode:
-    GroupedSwiGLU is the one node autograd sees."""
+    """work(piece) for every piece, on threads at once where there are several (in turn on this
+    thread if it is not the main one). No grad mode: GroupedSwiGLU is the one node autograd sees."""
     def run(piece):
         with torch.no_grad():
             return work(piece)
-    if len(pieces) == 1:
-        return [run(pieces[0])]
+    if len(pieces) == 1 or not _chunking():
+        return [run(piece) for piece in pieces]
     with _one_thread_each():
         return list(_threads(os.getpid(), len(pieces)).map(run, pieces))
 
@@ -122,7 +130,8 @@ class GroupedSwiGLU(torch.autograd.Function):
         starts = [0]
         for count in counts_e:
             starts.append(starts[-1] + count)
-        chunks = [_Chunk(starts, first, end, counts_e) for first, end in chunks_of(counts_e, torch.get_num_threads())]
+        threads = torch.get_num_threads() if _chunking() else 1
+        chunks = [_Chunk(starts, first, end, counts_e) for first, end in chunks_of(counts_e, threads)]
         made = _on_threads(lambda c: _forward(x_SD[c.rows], w1[c.experts], w3[c.experts], w2[c.experts], c.offsets_e),
                            chunks)
         ctx.chunks, ctx.kept = chunks, [(gate_SF, up_SF) for gate_SF, up_SF, _ in made]
