@@ -15,7 +15,7 @@ from paratrain.frontend.client.autostart import LocalServer
 
 
 def pytest_configure(config):
-    # One intra-op thread per test process and per process a test starts: `make test` runs three
+    # One intra-op thread per test process and per process a test starts: `make test` runs four
     # pytest workers on two cores, where a second OpenMP thread spin-waits after every operation
     # on tiny tensors (a gpt-tiny reference run: 2.4 s of CPU with two threads, 0.15 s with one).
     # Results stay within every stated tolerance: only the order of some sums changes.
@@ -63,7 +63,7 @@ def hermetic_comm_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("PARATRAIN_TRACE_DIR", str(tmp_path / "flight-records"))  # failures dump here
     for name in ("PARATRAIN_DEBUG", "PARATRAIN_TIMEOUT", "PARATRAIN_SHM", "PARATRAIN_SHM_BYTES", "PARATRAIN_SHM_DIR"):
         monkeypatch.delenv(name, raising=False)
-    # A waiting rank polls 50 ms before it sleeps where each rank has a core; the suite runs three
+    # A waiting rank polls 50 ms before it sleeps where each rank has a core; the suite runs four
     # tests at once on two cores, where that polling takes the cores of the other tests' ranks.
     # 200 us still polls first, then sleeps: both halves of a wait run.
     monkeypatch.setenv("PARATRAIN_SHM_SPIN_US", "200")
