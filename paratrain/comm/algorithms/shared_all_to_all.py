@@ -77,7 +77,7 @@ class EqualAllToAll:
             memmove(*self.own_copy)
             return
         reads = self.reads_peers and cross_memory.reader_of(arena, timeout) is not None
-        if arena.native is not None:
+        if arena.native is not None and self.n <= native.MOST_ROWS:  # a plan holds that many peers
             if self.plans is None:
                 self.plans = self._native_plans(reads)
             self._run_natively(reads, timeout)
