@@ -67,6 +67,17 @@ def _text(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def _folder(name: str, raw: str) -> str:
+    """A folder that exists and this user may write in (where files are made, not where they
+    would silently not be)."""
+    path = os.path.abspath(os.path.expanduser(raw.strip()))
+    if not os.path.isdir(path):
+        raise SettingsError(f"{name} must be a folder, got {raw!r} (no such folder)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SettingsError(f"{name} must be a folder this user may write in, got {raw!r}")
+    return path
+
+
 @dataclass(frozen=True)
 class Spec:
     """How one field of `Settings` is read: from the first of `variables` that is set (and not
@@ -95,7 +106,7 @@ SPECS = (
          "bytes of each shared-memory ring (default 4 MiB, less beyond 16 peers on the host)"),
     Spec("shm_spin_us", ("PARATRAIN_SHM_SPIN_US",), _whole(0),
          "microseconds a wait polls before it sleeps (default 50000 with a core per rank, else 0)"),
-    Spec("shm_dir", ("PARATRAIN_SHM_DIR",), _text,
+    Spec("shm_dir", ("PARATRAIN_SHM_DIR",), _folder,
          "the folder of shared memory's rings, doorbells and segments (default /dev/shm): a tmpfs, e.g. a larger "
          "one where a container's /dev/shm is small; ranks of a host share memory only if they name the same"),
     Spec("host", ("PARATRAIN_HOST",), _text,

@@ -59,6 +59,16 @@ def test_settings_come_from_defaults_the_environment_and_flags_and_say_so():
         settings.with_flags(colour="red")
 
 
+def test_the_shared_memory_folder_must_be_one_this_user_may_write_in(tmp_path):
+    assert Settings.resolve({}).shm_dir == "/dev/shm"
+    assert Settings.resolve({"PARATRAIN_SHM_DIR": f"{tmp_path}/./"}).shm_dir == str(tmp_path)
+    with pytest.raises(SettingsError, match="PARATRAIN_SHM_DIR must be a folder, got '/no/such' .no such folder."):
+        Settings.resolve({"PARATRAIN_SHM_DIR": "/no/such"})
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SettingsError, match="PARATRAIN_SHM_DIR must be a folder"):
+        Settings.resolve({"PARATRAIN_SHM_DIR": str(tmp_path / "a-file")})
+
+
 def test_a_hosts_name_is_paratrain_host_else_the_machines():
     """One place for the name the shared-memory set-up and a frontend worker give their host."""
     assert Settings.resolve({"PARATRAIN_HOST": "node1"}).host_name == "node1"

@@ -32,7 +32,10 @@ from paratrain.comm.transport import shm_setup
 from paratrain.failure_report import RanksFailed
 from paratrain.environment import Settings
 
-pytestmark = pytest.mark.skipif(not shm_setup.enabled(Settings.resolve()), reason="shared memory between processes: x86-64 Linux")
+# Settings' defaults, not the environment's: a rank forked from a fork server imports this module
+# (to find its function) with the server's environment, where an earlier test's folder named by
+# PARATRAIN_SHM_DIR may be gone.
+pytestmark = pytest.mark.skipif(not shm_setup.enabled(Settings()), reason="shared memory between processes: x86-64 Linux")
 
 
 @pytest.fixture(autouse=True)
