@@ -31,7 +31,6 @@ MODULE = "_arena_kernels"  # the name its PyInit_ function carries
 # -O3 vectorizes the folds; no -ffast-math, so each add is the IEEE add torch's is (the same bits).
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
 MOST_ROWS = 64  # arena_kernels.c's MOST_ROWS: a plan reads at most this many rows
-MOST_COPIES = 2 * MOST_ROWS  # and makes at most this many copies besides (before and after its step)
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.int32: 2, torch.int64: 3}
 DONE, WAIT, WAIT_AND_RING, CHANGED = 0, 1, 2, 3
 
@@ -57,28 +56,32 @@ class OneShotPlan(ctypes.Structure):
                 ("words", ctypes.c_void_p), ("mine", ctypes.c_int64), ("peers", ctypes.c_int64 * MOST_ROWS),
                 ("npeers", ctypes.c_int64), ("out", ctypes.c_void_p), ("rows", ctypes.c_void_p * MOST_ROWS),
                 ("nrows", ctypes.c_int64), ("count", ctypes.c_int64), ("dtype", ctypes.c_int64),
-                ("before", ctypes.c_int64), ("after", ctypes.c_int64), ("copies", Copy * MOST_COPIES),
-                ("nreads", ctypes.c_int64), ("reads", PeerRead * MOST_ROWS),
-                ("nchecks", ctypes.c_int64), ("checks", Copy * MOST_ROWS)]
+                ("before", ctypes.c_int64), ("after", ctypes.c_int64), ("copies", ctypes.c_void_p),
+                ("nreads", ctypes.c_int64), ("reads", ctypes.c_void_p),
+                ("nchecks", ctypes.c_int64), ("checks", ctypes.c_void_p)]
 
     def set_copies(self, before: list[tuple[int, int, int]], after: list[tuple[int, int, int]]) -> None:
-        """The (into, from, bytes) copies made before the step and after it (at most MOST_COPIES)."""
+        """The (into, from, bytes) copies made before the step and after it."""
         self.before, self.after = len(before), len(after)
-        for slot, (into, source, nbytes) in zip(self.copies, (*before, *after)):
-            slot.into, slot.source, slot.bytes = into, source, nbytes
+        self.copies = self._kept("copies", Copy, [*before, *after])
 
     def set_checks(self, checks: list[tuple[int, int, int]]) -> None:
         """The (at, expected, bytes) that must hold after the step for the rest of the plan to run:
         where one does not, the kernel returns CHANGED having done nothing after the step."""
         self.nchecks = len(checks)
-        for slot, (at, expected, nbytes) in zip(self.checks, checks):
-            slot.into, slot.source, slot.bytes = at, expected, nbytes
+        self.checks = self._kept("checks", Copy, checks)
 
     def set_reads(self, reads: list[tuple[int, int, int, int, int]]) -> None:
         """The (into, published, offset, bytes, pid) reads of peers' memory made after the copies."""
         self.nreads = len(reads)
-        for slot, (into, published, offset, nbytes, pid) in zip(self.reads, reads):
-            slot.into, slot.published, slot.offset, slot.bytes, slot.pid = into, published, offset, nbytes, pid
+        self.reads = self._kept("reads", PeerRead, reads)
+
+    def _kept(self, name: str, kind, rows: list[tuple]) -> int:
+        """The address of an array of `kind` holding `rows`, kept on this plan as long as it
+        points at it (NULL, 0, where there are none)."""
+        array = (kind * len(rows))(*rows) if rows else None
+        setattr(self, f"_{name}_array", array)
+        return ctypes.addressof(array) if array is not None else 0
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@
 
 enum { DT_FLOAT32 = 0, DT_FLOAT64 = 1, DT_INT32 = 2, DT_INT64 = 3 };
 enum { DONE = 0, WAIT = 1, WAIT_AND_RING = 2, CHANGED = 3 };
-enum { MOST_ROWS = 64, MOST_COPIES = 2 * MOST_ROWS, WORDS_PER_LINE = 8 };
+enum { MOST_ROWS = 64, WORDS_PER_LINE = 8 };
 
 /* A copy of `bytes` from `source` to `into`. */
 struct copy {
@@ -61,17 +61,18 @@ struct oneshot_plan {
     int64_t count;
     int64_t dtype;
     /* copies[0, before) are made with the slot's copy, before the step; copies[before, before +
-       after) after the reduction: the moves of an all-to-all or a gather, which reduce nothing */
+       after) after the reduction: the moves of an all-to-all, which reduce nothing. Arrays of
+       their own (NULL where empty), so that an all-reduce's plan stays small to make. */
     int64_t before;
     int64_t after;
-    struct copy copies[MOST_COPIES];
+    const struct copy *copies;
     /* reads of the peers' memory, after the copies: an all-to-all's large parts */
     int64_t nreads;
-    struct peer_read reads[MOST_ROWS];
+    const struct peer_read *reads;
     /* what the copies after the step assume the peers wrote before it (`bytes` at `into` equal
        to those at `source`): an uneven all-to-all's headers, its peers' split sizes */
     int64_t nchecks;
-    struct copy checks[MOST_ROWS];
+    const struct copy *checks;
 };
 
 static void copy_all(const struct copy *copies, int64_t count) {
