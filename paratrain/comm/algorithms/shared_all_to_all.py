@@ -69,7 +69,7 @@ class EqualAllToAll:
         self.per_block = arena.slot_bytes // (max(1, n - 1) * size)  # a block per peer in a slot
         self.first = [self._copies(half, 0) for half in (0, 1)]
         self.published = ctypes.c_int64(self.source)  # what a native call writes in our slot's first word
-        self.plans = None  # the native plans of each half, made at the first call (_native_plans)
+        self.plans = [None, None]  # the native plan of the first piece in each half (_first_plan)
 
     def run(self, op_name: str, timeout: float) -> None:
         arena = self.arena
@@ -78,8 +78,6 @@ class EqualAllToAll:
             return
         reads = self.reads_peers and cross_memory.reader_of(arena, timeout) is not None
         if arena.native is not None and self.n <= native.MOST_ROWS:  # a plan holds that many peers
-            if self.plans is None:
-                self.plans = self._native_plans(reads)
             self._run_natively(reads, timeout)
             return
         memmove(*self.own_copy)
@@ -95,25 +93,25 @@ class EqualAllToAll:
             for copy in copies_out:
                 memmove(*copy)
 
-    def _native_plans(self, reads: bool) -> list[tuple]:
-        """For each half, the native plans (native.OneShotPlan) of this call: where it `reads` its
-        peers' inputs, the whole call's first step (our own part copied, our input's address
+    def _first_plan(self, half: int, reads: bool) -> int:
+        """The address of the native plan (native.OneShotPlan) of this call's first piece in
+        `half`, made at its first use (a call made once, on fresh tensors, uses one half): where it
+        `reads` its peers' inputs, the call's first step (our own part copied, our input's address
         published in our slot; then each peer's part for us read from its input); else the first
-        piece's copies through the slots, and a plan for any later piece's."""
-        arena, size, mine = self.arena, self.size, self.sizes[self.me]
-        plans = []
-        for half in (0, 1):
-            first, later = arena.native_plan(), arena.native_plan()
+        piece's copies through the slots."""
+        if self.plans[half] is None:
+            arena, size, mine = self.arena, self.size, self.sizes[self.me]
+            plan = arena.native_plan()
             if reads:
                 slot = arena.slot_address(half, self.me)
-                first.set_copies([self.own_copy, (slot, ctypes.addressof(self.published), 8)], [])
-                first.set_reads([(self.address + peer * mine * size, arena.slot_address(half, peer),
-                                  self.starts[self.me] * size, mine * size, arena.peers[peer][0])
-                                 for peer in self.peers])
+                plan.set_copies([self.own_copy, (slot, ctypes.addressof(self.published), 8)], [])
+                plan.set_reads([(self.address + peer * mine * size, arena.slot_address(half, peer),
+                                 self.starts[self.me] * size, mine * size, arena.peers[peer][0])
+                                for peer in self.peers])
             else:
-                first.set_copies([self.own_copy, *self.first[half][0]], self.first[half][1])
-            plans.append((first, later, ctypes.addressof(first), ctypes.addressof(later)))
-        return plans
+                plan.set_copies([self.own_copy, *self.first[half][0]], self.first[half][1])
+            self.plans[half] = (plan, ctypes.addressof(plan))
+        return self.plans[half][1]
 
     def _run_natively(self, reads: bool, timeout: float) -> None:
         """Each piece one call of the native kernel: its copies in (the first piece's own part
@@ -121,16 +119,19 @@ class EqualAllToAll:
         reads in one call, then a step after which no peer reads our input."""
         arena = self.arena
         if reads:
-            arena.run_native(self.plans[arena.next_half()][2], timeout)
+            arena.run_native(self._first_plan(arena.next_half(), reads), timeout)
             arena.next_half()
             arena.barrier(timeout)
             return
+        later = None  # the plan of the pieces after the first, made again for each
         for offset in range(0, max(1, self.sizes[0]), self.per_block):
             half = arena.next_half()
-            first, later, first_address, later_address = self.plans[half]
-            if offset:
-                later.set_copies(*self._copies(half, offset))
-            arena.run_native(later_address if offset else first_address, timeout)
+            if offset == 0:
+                arena.run_native(self._first_plan(half, reads), timeout)
+                continue
+            later = later or arena.native_plan()
+            later.set_copies(*self._copies(half, offset))
+            arena.run_native(ctypes.addressof(later), timeout)
 
     def _read(self, reader, timeout: float) -> None:
         """Our part of each peer's input, read from it (cross_memory.py), between two steps."""
