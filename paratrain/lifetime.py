@@ -93,7 +93,7 @@ def descendants(root: int) -> list[tuple[int, int]]:
 # mapped. Another user's files are never touched (the temp folders are shared and sticky).
 
 RUN_FOLDER = re.compile(r"paratrain-pid(\d+)-[0-9a-f]+-logs-")
-SEMAPHORE_DIR = "/dev/shm"
+SEMAPHORE_DIR = "/dev/shm"  # where glibc's sem_open makes POSIX named semaphores, always
 
 
 def run_folder_prefix() -> str:
@@ -101,8 +101,9 @@ def run_folder_prefix() -> str:
     return f"paratrain-pid{os.getpid()}-{os.urandom(4).hex()}-logs-"
 
 
-def sweep_dead_runs(temp_dir: str) -> list[str]:
-    """Remove what dead runs of this user left in `temp_dir` and /dev/shm; -> what was removed."""
+def sweep_dead_runs(temp_dir: str, semaphore_dir: str = SEMAPHORE_DIR) -> list[str]:
+    """Remove what dead runs of this user left in `temp_dir` and their semaphores no process
+    maps in `semaphore_dir` (a test names a folder of its own); -> what was removed."""
     removed = []
     for name in _names(temp_dir):
         path = os.path.join(temp_dir, name)
@@ -111,9 +112,9 @@ def sweep_dead_runs(temp_dir: str) -> list[str]:
             name.startswith("pymp-") and _abandoned_fork_server_folder(path))
         if dead and _mine(path) and _remove_tree(path):
             removed.append(path)
-    semaphores = [os.path.join(SEMAPHORE_DIR, name) for name in _names(SEMAPHORE_DIR) if name.startswith("sem.mp-")]
+    semaphores = [os.path.join(semaphore_dir, name) for name in _names(semaphore_dir) if name.startswith("sem.mp-")]
     if semaphores:
-        mapped = _mapped_inodes()
+        mapped = _mapped_inodes(semaphore_dir)
         for path in semaphores:
             if _inode(path) not in mapped and _mine(path):
                 try:
@@ -169,16 +170,16 @@ def _inode(path: str) -> int | None:
         return None
 
 
-def _mapped_inodes() -> set[int]:
-    """The inodes of the /dev/shm files some process of this user has mapped (/proc/*/maps).
+def _mapped_inodes(folder: str) -> set[int]:
+    """The inodes of the files in `folder` some process of this user has mapped (/proc/*/maps).
     By inode, not name: a semaphore is mapped under the temporary name it was made with, then
     given its own by a link."""
-    mapped = set()
+    mapped, inside = set(), os.path.join(folder, "")
     for pid in filter(str.isdigit, _names("/proc")):
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
-                    if "/dev/shm/" in line:
+                    if inside in line:
                         mapped.add(int(line.split(maxsplit=5)[4]))
         except (OSError, ValueError, IndexError):
             continue  # gone, or another user's
