@@ -19,7 +19,11 @@ export PYTHONDONTWRITEBYTECODE :=
 # Not all of it byte-compiled ahead (that was 30 s of a 50 s build): one import of what every
 # rank and test process imports writes those modules' .pyc files, and the rest are written the
 # first time something imports them (this Makefile clears PYTHONDONTWRITEBYTECODE for every
-# command it runs), so only what runs is compiled, once.
+# command it runs), so only what runs is compiled, once. Two imports at once, one per core: what
+# torch's compiler and the tests import that does not import torch (sympy, networkx, transformers'
+# front, pytest's plugins: BESIDE_TORCH) beside torch's own, 11.5 s where one import took 15.7.
+BESIDE_TORCH := 'sympy', 'networkx', 'mpmath', 'jinja2', 'transformers', 'zmq', 'rich.progress', \
+	'pytest', 'xdist', 'hypothesis.strategies'
 ifneq ($(and $(PIP_FIND_LINKS),$(filter file,$(origin TORCH_SPEC))),)
 TORCH_BY_UV := $(foreach folder,$(PIP_FIND_LINKS),--find-links $(folder)) $(TORCH_SPEC)
 else
@@ -30,9 +34,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv --without-pip $(VENV)
 	$(PYTHON) -m pip --python $(BIN)/python install --quiet --no-compile $(TORCH_BY_PIP) uv
 	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install --quiet $(TORCH_BY_UV) pip -e '.[test,mpi,hf]'
+	$(BIN)/python -c "import importlib.util; [importlib.import_module(m) for m in ($(BESIDE_TORCH)) \
+		if importlib.util.find_spec(m.split('.')[0])]" & beside=$$!; \
 	$(BIN)/python -c "import importlib, paratrain.forking as f; \
-		[importlib.import_module(m) for m in (*f.PRELOAD, 'torch._inductor.compile_fx', \
-		'torch.distributed.checkpoint', 'rich.progress', 'pytest', 'xdist', 'hypothesis.strategies')]"
+		[importlib.import_module(m) for m in (*f.PRELOAD, 'torch._inductor.compile_fx', 'torch.distributed.checkpoint')]" \
+		&& wait $$beside
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -86,12 +92,12 @@ picture: $(STAMP)
 # Four pytest-xdist workers, one test file each at a time (files share their servers and
 # worlds): many tests wait (on process start-up, rendezvous, a lost peer's timeout), and the suite
 # used 1.4 of the two cores with three workers; four took 218-230 s where three took 240-242, in
-# runs back to back. Files
-# are handed out longest first (tests/conftest.py's LONGEST_FIRST): --no-loadscope-reorder, or
-# xdist hands them out by their number of tests instead, and a long file can start last. Then,
-# alone, the tests marked serial: they sweep what every run on the host shares (/dev/shm), or
-# their processes spin while they wait (MPI ranks), which costs every other test its cores.
-# The serial part collects only the files that name the mark (collecting all of them takes 6 s).
+# runs back to back. Files are handed out longest first (tests/conftest.py's LONGEST_FIRST):
+# --no-loadscope-reorder, or xdist hands them out by their number of tests instead, and a long
+# file can start last. Then, alone, the tests marked serial: each test keeps its files in folders
+# of its own (PARATRAIN_SHM_DIR, TMPDIR), but a run killed whole leaves multiprocessing's
+# semaphores in /dev/shm itself, and any run beside it would remove them (and say so). The serial
+# part collects only the files that name the mark (collecting all of them takes 6 s).
 # PYTEST_ARGS adds options to both, e.g. PYTEST_ARGS=--durations=30 for the slowest tests.
 TEST_WORKERS ?= 4
 test: $(STAMP)
