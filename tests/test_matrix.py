@@ -41,11 +41,10 @@ def test_a_cell_trains_the_same_model_as_one_process(model, strategy, i):
 
 
 def test_every_cell_of_the_grid_runs_or_is_refused_in_one_line():
-    refused = 0
+    reasons = {}  # each cell's refusal, worked out once (a meta model each: 4 ms)
     for model, strategy, layout in cells():
-        reason = refusal(cell_config(model, strategy, layout), layout.world)
+        reason = reasons[model, strategy, layout.name] = refusal(cell_config(model, strategy, layout), layout.world)
         assert "\n" not in reason and "Traceback" not in reason, (model, strategy, layout.name, reason)
-        refused += bool(reason)
     # What must run does: the strategies that compose with tp and pp on every model in data
     # parallelism, and on the language models in every layout; what cannot is said (the MLP has no
     # tensor parallelism, tied embeddings cannot be cut into pipeline stages, only language models'
@@ -53,7 +52,7 @@ def test_every_cell_of_the_grid_runs_or_is_refused_in_one_line():
     for model in MODELS:
         for strategy in (name for name, s in STRATEGIES.items() if s.with_tp_pp):
             for layout in LAYOUTS:
-                reason = refusal(cell_config(model, strategy, layout), layout.world)
+                reason = reasons[model, strategy, layout.name]
                 language_model = model not in ("mlp", "cnn")
                 tied_pipeline = model == "llama-tiny tied" and layout.pp > 1
                 context, moe, hf = layout.cp > 1, model == "moe-tiny", model.startswith("hf:")
@@ -68,7 +67,7 @@ def test_every_cell_of_the_grid_runs_or_is_refused_in_one_line():
                     assert "splits the sequences of language models" in reason
                 if layout.ep > 1 and not moe:
                     assert "has none (moe-tiny" in reason
-    assert refused
+    assert any(reasons.values())
 
 
 def test_the_page_numbers_each_refusal_once_and_shows_a_failure_with_its_reason():
