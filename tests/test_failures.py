@@ -151,6 +151,44 @@ def test_gloo_peer_that_exits_mid_collective_is_named_with_the_call(tmp_path, sh
                       (5, "all_reduce", "native", "failed")]
 
 
+def _gloo_rank_of_three(rank: int, store_file: str, folder: str) -> None:
+    """Rank 2 leaves once the group is up; ranks 0 and 1 then wait in a direct barrier and write
+    down which rank they say they lost."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=3,
+                            timeout=timedelta(seconds=60))
+    group = Group(over_process_group(TorchTransport(), Settings.resolve()), timeout=60)
+    group.barrier(algo="native")  # every connection is up
+    if rank == 2:
+        os._exit(3)
+    try:
+        group.barrier(algo="direct")
+        lost = None
+    except PeerLostError as error:
+        lost = error.peer
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(lost))
+    os._exit(0)  # skip destroy_process_group: its peer is gone
+
+
+@pytest.mark.timeout(60)
+def test_a_direct_barrier_names_the_lost_rank_on_every_survivor(tmp_path, monkeypatch):
+    """(`auto`'s barrier across hosts, where gloo's own does not say which rank it lost.) As a
+    reduce to rank 0 and a broadcast back, rank 1 would wait on rank 0 and name it."""
+    monkeypatch.setenv("PARATRAIN_SHM", "0")  # gloo's sockets between the three
+    ranks = [forked_program(_gloo_rank_of_three, r, str(tmp_path / "store"), str(tmp_path)) for r in range(3)]
+    try:
+        for process in ranks:
+            process.join(50)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    assert [process.exitcode for process in ranks] == [0, 0, 3]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [2, 2]
+
+
 # ---- the processes launcher: how each failed rank died --------------------------------------
 
 

@@ -88,8 +88,11 @@ def _world_checks(group) -> dict:
     seen["interleaved_equal"] = _compare(interleaved, 1003)
     seen["auto_large"] = group.resolve("all_reduce", "auto", S)
     seen["auto_small"] = group.resolve("all_reduce", "auto", 1024)
+    seen["auto_barrier"] = group.resolve("barrier", "auto", 0)
+    group.barrier()  # through that pick
     one_host = group.split([[0, 1], [2, 3]])
     seen["one_host_auto"] = one_host.resolve("all_reduce", "auto", S)
+    seen["one_host_barrier"] = one_host.resolve("barrier", "auto", 0)
     try:
         one_host.resolve("all_reduce", "hier", S)
         seen["one_host_hier"] = None
@@ -134,6 +137,13 @@ def test_auto_picks_hier_for_large_messages_of_a_group_that_spans_hosts_only(wor
     assert seen["auto_small"] != "hier"
     assert seen["one_host_auto"] != "hier"
     assert "span hosts" in seen["one_host_hier"]
+
+
+def test_auto_barrier_of_a_group_that_spans_hosts_hears_from_every_rank(world):
+    # gloo's own barrier fails without naming the rank it lost; `direct` names it (a lost host's
+    # ranks, in the survivors' error). Inside one host, the shared segment's step.
+    assert world[0]["auto_barrier"] == "direct"
+    assert world[0]["one_host_barrier"] == "oneshot"
 
 
 def test_hier_sends_fewer_bytes_between_hosts_as_counted(world):

@@ -64,12 +64,20 @@ def uneven_all_to_all_choice(world_size: int, transport: str) -> Choice:
 # message size from which it is `auto`'s pick (below it, the steps' latency outweighs the bytes).
 HIER_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 HIER_LEAST_BYTES = 64 * KIB
+# The most ranks whose barrier across hosts is `direct`: n-1 messages from each rank, where
+# gloo's own takes log2(n) rounds (beyond, a lost rank goes unnamed rather than the barrier slow).
+DIRECT_BARRIER_MOST_RANKS = 64
 
 
 def across_hosts_choice(op: str, nbytes: int | None, hosts: int, per_host: int) -> Choice | None:
     """`auto` for a group whose ranks span `hosts` hosts, `per_host` on each: the hierarchical
     algorithm, or None for the flat one (the table's). `nbytes` None: an uneven all_to_all,
     picked without its size (see uneven_all_to_all_choice)."""
+    if op == "barrier" and hosts * per_host <= DIRECT_BARRIER_MOST_RANKS:
+        # gloo's own barrier fails without saying which peer it lost; across hosts, where a rank
+        # loses a whole machine's ranks at once, the survivors should name them (and their host).
+        return Choice("direct", f"the group spans {hosts} hosts: each rank hears from every other, so a rank "
+                                "lost in the barrier is named, where gloo's own barrier does not say which")
     if op not in HIER_OPS or per_host < 2:
         return None
     if nbytes is not None and nbytes < HIER_LEAST_BYTES:

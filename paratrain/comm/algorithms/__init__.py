@@ -44,12 +44,13 @@ ALGORITHMS = {
                "native": backend.reduce},
     "all_to_all": {"ring": ring.all_to_all, "direct": direct.all_to_all, "oneshot": shared.all_to_all,
                    "hier": hierarchical.all_to_all, "native": backend.all_to_all},
-    # A barrier is an all-reduce of one element, so it can use any all-reduce algorithm.
+    # A barrier is an all-reduce of one element, so it can use any all-reduce algorithm; `direct`'s
+    # is every rank to every other, which names a rank lost in it on every survivor.
     "barrier": {
         "ring": ring.all_reduce,
         "hd": halving_doubling.all_reduce,
         "tree": tree.all_reduce,
-        "direct": direct.all_reduce,
+        "direct": direct.barrier,
         "oneshot": shared.barrier,
         "native": backend.barrier,
     },

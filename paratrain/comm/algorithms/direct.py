@@ -40,6 +40,16 @@ def all_reduce(link: Link, buf: torch.Tensor, op: str) -> None:
     broadcast(link, buf, 0)
 
 
+def barrier(link: Link, token: torch.Tensor, op: str) -> None:
+    """Every rank sends its token (zeros) to every other and hears from every other: done once
+    all have entered. A rank lost meanwhile is the peer whose message fails, on every survivor;
+    as reduce-and-broadcast, the others would wait on the root, and name it once it gave up."""
+    staging = [link.scratch.get(("direct", peer), token) for peer in _others(link)]
+    ops = [P2POp("send", token, peer) for peer in _others(link)]
+    ops += [P2POp("recv", part, peer) for part, peer in zip(staging, _others(link))]
+    link.wait(link.start(ops))
+
+
 def reduce_scatter(link: Link, input: torch.Tensor, output: torch.Tensor, op: str) -> None:
     """Each rank sends part j straight to rank j and folds in what the others send it."""
     parts = split_parts(input, link.size)
