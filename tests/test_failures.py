@@ -104,14 +104,13 @@ def rank_1_leaves(rank: int, store_file: str, result_file: str, together, waitin
     os._exit(0)  # skip destroy_process_group: its peer is gone
 
 
-def run_two_gloo_ranks(target, tmp_path) -> tuple[list[int | None], Path]:
-    """Run target(rank, store file, result file) in 2 processes, outside any launcher (which
-    would stop the survivor as soon as the other exits); returns their exit codes and the
-    result file. A process still running after 50 s is killed. They are forked from the fork
-    server, which has imported torch (a spawned process spends seconds of CPU on that import),
-    under the test's environment as it is now (PARATRAIN_SHM, the trace folder)."""
-    result_file = tmp_path / "rank0.json"
-    ranks = [forked_program(target, r, str(tmp_path / "store"), str(result_file)) for r in range(2)]
+def run_gloo_ranks(target, world: int, tmp_path: Path, out: str) -> list[int | None]:
+    """Run target(rank, store file, out) in `world` processes, outside any launcher (which would
+    stop the survivors as soon as one exits); returns their exit codes. A process still running
+    after 50 s is killed. They are forked from the fork server, which has imported torch (a
+    spawned process spends seconds of CPU on that import), under the test's environment as it
+    is now (PARATRAIN_SHM, the trace folder)."""
+    ranks = [forked_program(target, r, str(tmp_path / "store"), out) for r in range(world)]
     try:
         for process in ranks:
             process.join(50)
@@ -120,7 +119,13 @@ def run_two_gloo_ranks(target, tmp_path) -> tuple[list[int | None], Path]:
             if process.is_alive():
                 process.kill()
                 process.join(5)
-    return [process.exitcode for process in ranks], result_file
+    return [process.exitcode for process in ranks]
+
+
+def run_two_gloo_ranks(target, tmp_path) -> tuple[list[int | None], Path]:
+    """run_gloo_ranks of 2, which write rank 0's result to the file returned."""
+    result_file = tmp_path / "rank0.json"
+    return run_gloo_ranks(target, 2, tmp_path, str(result_file)), result_file
 
 
 @pytest.mark.timeout(60)
@@ -176,16 +181,7 @@ def test_a_direct_barrier_names_the_lost_rank_on_every_survivor(tmp_path, monkey
     """(`auto`'s barrier across hosts, where gloo's own does not say which rank it lost.) As a
     reduce to rank 0 and a broadcast back, rank 1 would wait on rank 0 and name it."""
     monkeypatch.setenv("PARATRAIN_SHM", "0")  # gloo's sockets between the three
-    ranks = [forked_program(_gloo_rank_of_three, r, str(tmp_path / "store"), str(tmp_path)) for r in range(3)]
-    try:
-        for process in ranks:
-            process.join(50)
-    finally:
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-    assert [process.exitcode for process in ranks] == [0, 0, 3]
+    assert run_gloo_ranks(_gloo_rank_of_three, 3, tmp_path, str(tmp_path)) == [0, 0, 3]
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [2, 2]
 
 
