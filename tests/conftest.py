@@ -5,7 +5,11 @@ ranks inherit this environment, so the same holds for launcher="processes".
 """
 
 import gc
+import multiprocessing.util
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -67,6 +71,18 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
+
+
+@pytest.fixture
+def short_tmp() -> Path:
+    """A temporary directory of the test's own (TMPDIR for its runs), with a short path: a fork
+    server's socket lives in it, and a socket's path may not pass 107 bytes (an xdist worker's
+    tmp_path takes most of them). Removed when this process exits, after multiprocessing has
+    removed its own folder in it: a fork server made there serves this process's later runs."""
+    folder = tempfile.mkdtemp(prefix="pt-", dir="/tmp")
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
+                                  exitpriority=-200)  # multiprocessing's own folder goes at -100
+    return Path(folder)
 
 
 @pytest.fixture(autouse=True)

@@ -5,11 +5,9 @@ launcher does, even when it is killed with SIGKILL (they are forked from a serve
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 from frontend_helpers import listening_addresses, wait_until
@@ -33,16 +31,16 @@ def test_every_socket_a_local_process_world_listens_on_is_loopback():
             assert address.startswith("127.0.0.1:"), (rank, own, launcher)
 
 
-def test_ranks_end_within_five_seconds_of_their_launcher_killed_by_sigkill(tmp_path):
+def test_ranks_end_within_five_seconds_of_their_launcher_killed_by_sigkill(tmp_path, short_tmp):
     # The killed launcher leaves its log folder in its temporary directory for the next run to
-    # remove: one of the test's own (short: the fork server's socket is made there), or the next
-    # run of a test beside this one would, and say so in the output that test reads.
-    temp = tempfile.mkdtemp(prefix="le-", dir="/tmp")
+    # remove: one of the test's own, or the next run of a test beside this one would, and say so
+    # in the output that test reads.
     ranks = []
     launcher = subprocess.Popen(
         [sys.executable, "-m", "paratrain", "train", "--model", "mlp", "--nproc", "2", "--launcher", "processes",
          "--steps", "1000000", "--log-every", "1", "--global-batch", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env={**os.environ, "TMPDIR": temp})
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(short_tmp)})
     try:
         wait_until(lambda: "step" in launcher.stdout.readline(), 120, "the run trains")
         # the launcher's children are the fork server and the resource tracker; the ranks, the server's
@@ -62,7 +60,6 @@ def test_ranks_end_within_five_seconds_of_their_launcher_killed_by_sigkill(tmp_p
         for pid, started in ranks:
             if lifetime.start_time(pid) == started:
                 os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _parent(pid: int) -> int | None:

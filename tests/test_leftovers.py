@@ -58,18 +58,6 @@ def shm_dir(monkeypatch) -> str:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture
-def temp() -> Path:
-    """A temporary directory of the test's own (TMPDIR for its runs), with a short path: the fork
-    server's socket lives in it, and a socket's path may not pass 107 bytes (an xdist worker's
-    tmp_path takes most of them). Removed when this process exits, after multiprocessing has
-    removed its own folder in it: the fork server made there serves this process's later runs."""
-    folder = tempfile.mkdtemp(prefix="lo-", dir="/tmp")
-    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
-                                  exitpriority=-200)  # multiprocessing's own folder goes at -100
-    return Path(folder)
-
-
 def _files_of(pid: int) -> list[str]:
     folder = os.environ["PARATRAIN_SHM_DIR"]
     return sorted(f"{folder}/{name}" for name in os.listdir(folder) if name.startswith("paratrain-") and f"-{pid}-" in name)
@@ -106,9 +94,9 @@ def _rank1_killed_setting_up_a_second_group(group, record):
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_killed_setting_up_shared_memory_leaves_nothing_after_a_processes_run(tmp_path, monkeypatch, temp):
-    monkeypatch.setenv("TMPDIR", str(temp))  # the ranks' temporary directory, and ours:
-    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+def test_a_rank_killed_setting_up_shared_memory_leaves_nothing_after_a_processes_run(tmp_path, monkeypatch, short_tmp):
+    monkeypatch.setenv("TMPDIR", str(short_tmp))  # the ranks' temporary directory, and ours:
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
     record = tmp_path / "named.json"
     with pytest.raises(RanksFailed) as failed:
         paratrain.run(_rank1_killed_setting_up_a_second_group, 2, launcher="processes", args=(str(record),),
@@ -122,8 +110,9 @@ def test_a_rank_killed_setting_up_shared_memory_leaves_nothing_after_a_processes
     # forkserver that forks the ranks listens) lives as long as this process and goes with it;
     # torchinductor_<user> is torch's compile cache, made where the forkserver imports torch._dynamo
     # and kept for every later run.
-    assert [name for name in os.listdir(temp) if str(temp / name) != multiprocessing.util.get_temp_dir()
-            and not name.startswith("torchinductor_")] == []
+    servers_folder = multiprocessing.util.get_temp_dir()
+    assert [name for name in os.listdir(short_tmp)
+            if str(short_tmp / name) != servers_folder and not name.startswith("torchinductor_")] == []
 
 
 # ---- without it: the next run on the host removes them, naming them ------------------------
@@ -187,8 +176,8 @@ def test_the_next_run_removes_what_a_rank_killed_setting_up_left_and_names_it(tm
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_killed_while_training_ends_the_run_in_one_line_and_leaves_nothing(temp):
-    env = {**os.environ, "TMPDIR": str(temp)}
+def test_a_rank_killed_while_training_ends_the_run_in_one_line_and_leaves_nothing(short_tmp):
+    env = {**os.environ, "TMPDIR": str(short_tmp)}
     run = subprocess.Popen(
         [sys.executable, "-m", "paratrain", "train", "--launcher", "processes", "--steps", "1000000",
          "--log-every", "1000000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -219,8 +208,8 @@ def test_a_rank_killed_while_training_ends_the_run_in_one_line_and_leaves_nothin
     assert not _files_of_children_of(run.pid)
     # torchinductor_<user> is PyTorch's compile cache, made by importing torch._dynamo (as every
     # torch.optim optimizer does) and shared by the user's torch programs: not this run's to remove.
-    left = [name for name in os.listdir(temp) if not name.startswith(("paratrain-trace-", "torchinductor_"))]
-    assert left == [], os.listdir(temp)
+    left = [name for name in os.listdir(short_tmp) if not name.startswith(("paratrain-trace-", "torchinductor_"))]
+    assert left == [], os.listdir(short_tmp)
 
 
 def _children(parent: int, deadline: float) -> list[int]:
